@@ -1,0 +1,66 @@
+"""Locate and load the compiled kernels, keeping the original import error for the log.
+
+Two pybind11 modules, built by ``setup.py`` (in place, editable or regular install) next to this package:
+
+- ``acco_ds._adamw_cpu``: the CPU AdamW launcher (OpenMP) and the CPU harness of the CUDA kernel bodies.
+- ``acco_ds._adamw_cuda``: the CUDA AdamW launcher (cudart linked statically; no libtorch).
+
+Neither links libtorch, so one build serves any torch version. Loading never raises: a missing module yields
+``None`` and :func:`why_missing` returns the text of the ImportError (or the reason it was not attempted).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import threading
+from typing import Dict, Tuple
+
+_MODULES = {"cpu": "acco_ds._adamw_cpu", "cuda": "acco_ds._adamw_cuda"}
+_lock = threading.Lock()
+_cache: Dict[str, Tuple[object | None, str]] = {}
+
+DISABLE_ENV = "ACCO_DS_DISABLE_EXT"
+"""Set to 1 to ignore the compiled extensions at runtime (the torch reference is used instead)."""
+
+
+def load(kind: str):
+    """Return the compiled module for ``kind`` ("cpu" or "cuda"), or ``None`` when it cannot be imported."""
+    if kind not in _MODULES:
+        raise ValueError(f"acco_ds.ops._build.load: kind must be one of {sorted(_MODULES)}, got {kind!r}.")
+    hit = _cache.get(kind)
+    if hit is not None:
+        return hit[0]
+    with _lock:
+        if kind not in _cache:
+            _cache[kind] = _try_import(kind)
+    return _cache[kind][0]
+
+
+def _try_import(kind: str) -> Tuple[object | None, str]:
+    if os.environ.get(DISABLE_ENV, "0") not in ("", "0"):
+        return None, f"{DISABLE_ENV}={os.environ[DISABLE_ENV]} is set"
+    try:
+        return importlib.import_module(_MODULES[kind]), ""
+    except ImportError as e:  # not built (no compiler at install time) or a broken build
+        return None, (
+            f"{_MODULES[kind]} could not be imported: {type(e).__name__}: {e}. "
+            "Rebuild with `ACCO_DS_BUILD_EXT=1 pip install -e .` or `python setup.py build_ext --inplace`."
+        )
+
+
+def why_missing(kind: str) -> str:
+    """The reason the ``kind`` module is unavailable ("" when it loaded)."""
+    load(kind)
+    return _cache[kind][1]
+
+
+def available(kind: str) -> bool:
+    """True when the compiled module for ``kind`` imports."""
+    return load(kind) is not None
+
+
+def reset_cache() -> None:
+    """Forget load results (tests use it after changing the environment)."""
+    with _lock:
+        _cache.clear()

@@ -1,0 +1,334 @@
+"""Accumulate / cast gradients into the flat communication buffer, in one pass per tensor.
+
+Semantics (every backend, the ``*_ref`` functions define them)::
+
+    buffer[off:off+numel] = cast(float(buffer[off:off+numel]) + float(grad.flatten()) * scale)
+
+computed in fp32 (the product rounded, then the sum rounded), cast to the buffer's dtype with
+round-to-nearest-even (torch's rule). ``buffer`` is a contiguous 1-D fp32 or bf16 tensor; every gradient is a
+contiguous fp32 or bf16 tensor on the buffer's device; ``None`` gradients are zero and skipped.
+
+Backends (``backend=``):
+
+- ``"triton"``: one Triton launch per gradient dtype for all tensors (a chunk table: tensor, offset, chunk);
+  the default for CUDA tensors. On CPU tensors it runs only under ``TRITON_INTERPRET=1`` (the tests use it).
+- ``"cpp"``: the CPU extension (OpenMP over chunks of all tensors, ``torch.get_num_threads()`` threads); the
+  default for CPU tensors.
+- ``"ref"``: pure torch (the fallback when the chosen backend is missing; the choice is logged once).
+
+Streams: Triton kernels are enqueued on the current CUDA stream; the chunk table is copied host-to-device on
+that stream, so the caller must keep ``grads`` alive until the stream has run (as for any CUDA op).
+Triton is imported lazily; importing this module never imports triton nor touches ``torch.cuda``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import List, Sequence
+
+import torch
+
+from acco_ds.ops import _build
+
+logger = logging.getLogger(__name__)
+
+_FLOATS = (torch.float32, torch.bfloat16)
+_DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1}
+_BACKENDS = (None, "auto", "ref", "cpp", "triton")
+_logged: set = set()
+
+
+def _check(fn: str, arg: str, t, device: torch.device | None) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{fn}: {arg} must be a torch.Tensor, got {type(t).__name__}.")
+    if t.dtype not in _FLOATS:
+        raise TypeError(f"{fn}: {arg} has dtype {t.dtype}; allowed: torch.float32 or torch.bfloat16.")
+    if device is not None and t.device != device:
+        raise ValueError(f"{fn}: {arg} is on {t.device} but buffer is on {device}; use one device.")
+    if not t.is_contiguous():
+        raise ValueError(
+            f"{fn}: {arg} is not contiguous (shape {tuple(t.shape)}, stride {t.stride()}); pass a contiguous "
+            "tensor or call .contiguous() first."
+        )
+    if t.numel() and t.data_ptr() % t.element_size() != 0:
+        raise ValueError(
+            f"{fn}: {arg} data pointer 0x{t.data_ptr():x} is not aligned to its element size {t.element_size()}."
+        )
+
+
+def _check_buffer(fn: str, buffer) -> None:
+    _check(fn, "buffer", buffer, None)
+    if buffer.dim() != 1:
+        raise ValueError(f"{fn}: buffer must be 1-D (the flat buffer), got shape {tuple(buffer.shape)}.")
+
+
+def _validate_grads(fn: str, buffer, grads, offsets) -> List[int]:
+    _check_buffer(fn, buffer)
+    if len(grads) != len(offsets):
+        raise ValueError(
+            f"{fn}: got {len(grads)} grads but {len(offsets)} offsets; pass one offset per grad."
+        )
+    live = []
+    for i, (g, off) in enumerate(zip(grads, offsets)):
+        if g is None:
+            continue
+        _check(fn, f"grads[{i}]", g, buffer.device)
+        off = int(off)
+        if off < 0 or off + g.numel() > buffer.numel():
+            raise ValueError(
+                f"{fn}: grads[{i}] ({g.numel()} elements at offset {off}) does not fit in buffer of "
+                f"{buffer.numel()} elements."
+            )
+        live.append(i)
+    return live
+
+
+def _pick(fn: str, device: torch.device, backend: str | None) -> str:
+    if backend not in _BACKENDS:
+        raise ValueError(f"{fn}: backend must be one of {_BACKENDS}, got {backend!r}.")
+    if backend in ("ref", "triton"):
+        return backend
+    if backend == "cpp":
+        if device.type != "cpu":
+            raise ValueError(f"{fn}: backend='cpp' runs on CPU tensors only, got {device}.")
+        if not _build.available("cpu"):
+            raise RuntimeError(f"{fn}: backend='cpp' requested but {_build.why_missing('cpu')}")
+        return "cpp"
+    if device.type == "cpu":
+        chosen, why = ("cpp", "") if _build.available("cpu") else ("ref", _build.why_missing("cpu"))
+    elif device.type == "cuda":
+        chosen, why = ("triton", "") if _triton_available() else ("ref", "triton is not installed")
+    else:
+        chosen, why = "ref", f"no kernel for device type {device.type}"
+    if (device.type, chosen) not in _logged:
+        _logged.add((device.type, chosen))
+        (logger.warning if why else logger.info)(
+            "acco_ds accumulate on %s: using the %s backend%s",
+            device.type,
+            chosen,
+            f" ({why})" if why else "",
+        )
+    return chosen
+
+
+def _triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def accumulate_grads_ref(buffer, grads: Sequence[torch.Tensor | None], offsets: Sequence[int], scale=1.0):
+    """Pure-torch reference of :func:`accumulate_grads` (validates the same way)."""
+    live = _validate_grads("accumulate_grads_ref", buffer, grads, offsets)
+    for i in live:
+        g, off = grads[i], int(offsets[i])
+        dst = buffer[off : off + g.numel()]
+        dst.copy_(dst.float() + g.reshape(-1).float() * float(scale))
+
+
+def accumulate_grads(
+    buffer,
+    grads: Sequence[torch.Tensor | None],
+    offsets: Sequence[int],
+    scale: float = 1.0,
+    *,
+    backend=None,
+) -> None:
+    """``buffer[off:off+numel] += grad.flatten().float() * scale`` (cast to buffer dtype) for every grad.
+
+    ``grads``: fp32/bf16 contiguous tensors of any shape, or None (skipped); ``offsets[i]``: element offset of
+    ``grads[i]`` in ``buffer``. Regions must not overlap. See the module docstring for backends and streams.
+    """
+    live = _validate_grads("accumulate_grads", buffer, grads, offsets)
+    if not live:
+        return
+    chosen = _pick("accumulate_grads", buffer.device, backend)
+    if chosen == "ref":
+        accumulate_grads_ref(buffer, grads, offsets, scale)
+    elif chosen == "cpp":
+        ext = _build.load("cpu")
+        ext.accumulate_cpu(
+            buffer.data_ptr(),
+            _DTYPE_CODE[buffer.dtype],
+            [grads[i].data_ptr() for i in live],
+            [_DTYPE_CODE[grads[i].dtype] for i in live],
+            [int(offsets[i]) for i in live],
+            [grads[i].numel() for i in live],
+            float(scale),
+            torch.get_num_threads(),
+        )
+    else:
+        _triton_launch(
+            buffer, [grads[i] for i in live], [int(offsets[i]) for i in live], scale, accumulate=True
+        )
+
+
+def accumulate_flat_ref(buffer, grad_flat, scale=1.0) -> None:
+    """Pure-torch reference of :func:`accumulate_flat`."""
+    _check_buffer("accumulate_flat_ref", buffer)
+    _check("accumulate_flat_ref", "grad_flat", grad_flat, buffer.device)
+    _same_numel("accumulate_flat_ref", buffer, grad_flat)
+    buffer.copy_(buffer.float() + grad_flat.reshape(-1).float() * float(scale))
+
+
+def accumulate_flat(buffer, grad_flat, scale: float = 1.0, *, backend=None) -> None:
+    """``buffer += grad_flat.float() * scale`` cast to buffer dtype; same numel, one pass."""
+    _check_buffer("accumulate_flat", buffer)
+    _check("accumulate_flat", "grad_flat", grad_flat, buffer.device)
+    _same_numel("accumulate_flat", buffer, grad_flat)
+    accumulate_grads(buffer, [grad_flat], [0], scale, backend=backend)
+
+
+def copy_flat_ref(dst, src, scale: float = 1.0) -> None:
+    """Pure-torch reference of :func:`copy_flat`."""
+    _check("copy_flat_ref", "dst", dst, None)
+    _check("copy_flat_ref", "src", src, dst.device)
+    _same_numel("copy_flat_ref", dst, src)
+    dst.view(-1).copy_(src.reshape(-1).float() * float(scale))
+
+
+def copy_flat(dst, src, scale: float = 1.0, *, backend=None) -> None:
+    """``dst = cast(src.float() * scale)``: same numel, both contiguous fp32/bf16, one pass.
+
+    With ``scale == 1`` this is ``dst.copy_(src)`` (torch's cast is round-to-nearest-even, one pass on every
+    device); otherwise the accumulate kernels with the destination zeroed are avoided by a dedicated path:
+    Triton on CUDA, the CPU extension on CPU, torch (``copy_flat_ref``) as the fallback.
+    """
+    _check("copy_flat", "dst", dst, None)
+    _check("copy_flat", "src", src, dst.device)
+    _same_numel("copy_flat", dst, src)
+    if float(scale) == 1.0 and backend in (None, "auto"):
+        dst.view(-1).copy_(src.reshape(-1))
+        return
+    chosen = _pick("copy_flat", dst.device, backend)
+    if chosen == "ref":
+        copy_flat_ref(dst, src, scale)
+    elif chosen == "cpp":
+        _build.load("cpu").copy_cpu(
+            dst.data_ptr(),
+            _DTYPE_CODE[dst.dtype],
+            src.data_ptr(),
+            _DTYPE_CODE[src.dtype],
+            dst.numel(),
+            float(scale),
+            torch.get_num_threads(),
+        )
+    else:
+        _triton_launch(dst.view(-1), [src], [0], scale, accumulate=False)
+
+
+def _same_numel(fn: str, a, b) -> None:
+    if a.numel() != b.numel():
+        raise ValueError(f"{fn}: sizes differ ({a.numel()} vs {b.numel()} elements); they must match.")
+
+
+# -- Triton ---------------------------------------------------------------------------------------------
+_CHUNK = 16384  # elements per program (one row of the chunk table)
+_BLOCK = 1024  # elements per loop iteration of a program
+_kernel_cache: dict = {}
+
+
+def _triton_kernel():
+    """Build (once) the Triton kernel; triton is imported here, never at module import."""
+    if "k" in _kernel_cache:
+        return _kernel_cache["k"]
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _acc_chunks(
+        meta_ptr,
+        buf_ptr,
+        scale,
+        CHUNK: tl.constexpr,
+        BLOCK: tl.constexpr,
+        G_BF16: tl.constexpr,
+        B_BF16: tl.constexpr,
+        ACC: tl.constexpr,
+        ALIGNED: tl.constexpr,
+    ):
+        # One program = one row of the chunk table: (grad address, offset in buffer, chunk start, grad numel).
+        row = meta_ptr + tl.program_id(0).to(tl.int64) * 4
+        gaddr = tl.load(row)
+        boff = tl.load(row + 1)
+        start = tl.load(row + 2)
+        n = tl.load(row + 3)
+        if G_BF16:
+            gp = gaddr.to(tl.pointer_type(tl.bfloat16))
+        else:
+            gp = gaddr.to(tl.pointer_type(tl.float32))
+        if ALIGNED:  # every address 16-byte aligned, every offset a multiple of 8: vector loads/stores
+            gp = tl.multiple_of(gp, 16)
+            boff = tl.multiple_of(boff, 8)
+        bp = buf_ptr + boff
+        for k in tl.static_range(0, CHUNK, BLOCK):
+            idx = start + k + tl.arange(0, BLOCK)
+            mask = idx < n
+            # bf16 -> fp32 is exact (the bf16 bits are the high half); done with integer ops, as is the
+            # fp32 -> bf16 round-to-nearest-even below (NaN -> 0x7FC0, c10::BFloat16's rule), so the GPU and the
+            # interpreter (whose own cast truncates) give the same bits. Helpers are inlined: the interpreter
+            # cannot call jit functions defined in this lazy factory.
+            g = tl.load(gp + idx, mask=mask)
+            if G_BF16:
+                g = (g.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+            if ACC:
+                x = tl.load(bp + idx, mask=mask)
+                if B_BF16:
+                    x = (x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+                y = x + g * scale
+            else:
+                y = g * scale
+            if B_BF16:
+                b = y.to(tl.uint32, bitcast=True)
+                r = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
+                r = tl.where((b & 0x7FFFFFFF) > 0x7F800000, 0x7FC0, r)
+                tl.store(bp + idx, r.to(tl.uint16).to(tl.bfloat16, bitcast=True), mask=mask)
+            else:
+                tl.store(bp + idx, y, mask=mask)
+
+    _kernel_cache["k"] = _acc_chunks
+    return _acc_chunks
+
+
+def _chunk_table(grads: List[torch.Tensor], offsets: List[int]) -> torch.Tensor:
+    """int64 [chunks, 4] rows (grad address, buffer offset, chunk start, grad numel), built on the host."""
+    ptrs = torch.tensor([g.data_ptr() for g in grads], dtype=torch.int64)
+    offs = torch.tensor(offsets, dtype=torch.int64)
+    numels = torch.tensor([g.numel() for g in grads], dtype=torch.int64)
+    chunks = (numels + _CHUNK - 1) // _CHUNK
+    tidx = torch.repeat_interleave(torch.arange(len(grads)), chunks)
+    first = torch.cumsum(chunks, 0) - chunks
+    cstart = (torch.arange(int(chunks.sum())) - first[tidx]) * _CHUNK
+    return torch.stack([ptrs[tidx], offs[tidx], cstart, numels[tidx]], 1).contiguous()
+
+
+def _triton_launch(
+    buffer, grads: List[torch.Tensor], offsets: List[int], scale: float, accumulate: bool
+) -> None:
+    """One launch per gradient dtype: ``buffer[off:] (+)= grad * scale`` for every grad (validated before).
+
+    On CPU tensors this works only under ``TRITON_INTERPRET=1`` (set before triton is first imported).
+    """
+    kernel = _triton_kernel()
+    for dtype in _FLOATS:
+        idx = [i for i, g in enumerate(grads) if g.numel() and g.dtype == dtype]
+        if not idx:
+            continue
+        gs, offs = [grads[i] for i in idx], [offsets[i] for i in idx]
+        table = _chunk_table(gs, offs).to(buffer.device)
+        aligned = buffer.data_ptr() % 16 == 0 and all(
+            g.data_ptr() % 16 == 0 and o % 8 == 0 for g, o in zip(gs, offs)
+        )
+        kernel[(table.shape[0],)](
+            table,
+            buffer,
+            float(scale),
+            CHUNK=_CHUNK,
+            BLOCK=_BLOCK,
+            G_BF16=dtype == torch.bfloat16,
+            B_BF16=buffer.dtype == torch.bfloat16,
+            ACC=accumulate,
+            ALIGNED=aligned,
+        )
