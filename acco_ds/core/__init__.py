@@ -1,0 +1,1 @@
+"""ACCO itself: buffers, schedule, communication executor, pipeline and reference. No DeepSpeed import."""

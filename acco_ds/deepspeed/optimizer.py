@@ -1,0 +1,188 @@
+"""ACCOZeroOptimizer: the object a DeepSpeedEngine drives when its config says "type": "ACCO".
+
+What the engine calls and what happens:
+- ``backward_epilogue()`` after every micro-batch backward: the gradients are accumulated into
+  the round's communication buffer; a round may end here (see ``core.pipeline``).
+- ``step()`` at each accumulation boundary: bookkeeping only. In fixed accumulation the boundary
+  round has already ended (and its job launched) in the last micro-batch's epilogue; the engine
+  steps its LR scheduler right after, which the next round picks up.
+- ``zero_grad()``: the parameters' .grad are already released after each micro-batch.
+- ``param_groups`` / ``optimizer``: those of a real ``torch.optim.AdamW`` over the fp32 master
+  shards (never stepped itself), so DeepSpeed, HF and torch LR schedulers drive lr/betas/wd.
+
+At the engine's k-th accumulation boundary in ``acco`` mode the commit producing theta^k has just
+been launched and the model holds the estimate theta~^k; ``committed_parameters`` semantics
+(DeepSpeed's ``safe_get_full_fp32_param`` and friends) return the committed values after waiting
+for the work in flight.
+"""
+
+from __future__ import annotations
+
+from typing import List
+
+import torch
+import torch.distributed as dist
+from deepspeed.runtime.base_optimizer import ZeROOptimizer
+
+from acco_ds.config import ACCOConfig, ACCOConfigError
+from acco_ds.core.pipeline import ACCOPipeline
+from acco_ds.core.round_job import Hyper
+from acco_ds.deepspeed.accessors import link_accessors
+
+HYPER_KEYS = ("lr", "betas", "eps", "weight_decay")
+
+
+def normalize_param_groups(model_parameters, cfg: ACCOConfig) -> List[dict]:
+    """Param groups with trainable, de-duplicated parameters and every AdamW key filled in.
+
+    Accepts what ``deepspeed.initialize(model_parameters=...)`` accepts: parameters or dicts.
+    Frozen parameters (requires_grad=False) are left out, like DeepSpeed's ZeRO; a parameter
+    listed twice (tied weights) is kept in its first group only."""
+    items = list(model_parameters)
+    raw = items if items and isinstance(items[0], dict) else [{"params": items}]
+    seen, groups = set(), []
+    for i, g in enumerate(raw):
+        if not isinstance(g, dict) or "params" not in g:
+            raise ACCOConfigError(
+                f"model_parameters[{i}] must be a parameter or a dict with 'params'; got {type(g)}"
+            )
+        params = g["params"]
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        kept = []
+        for p in params:
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                kept.append(p)
+        if not kept:
+            continue
+        group = {k: v for k, v in g.items() if k != "params"}
+        for key in HYPER_KEYS:
+            group.setdefault(key, getattr(cfg, key))
+        group["betas"] = tuple(group["betas"])
+        group["params"] = kept
+        groups.append(group)
+    if not groups:
+        raise ACCOConfigError("model_parameters holds no trainable parameter (all have requires_grad=False).")
+    return groups
+
+
+class ACCOZeroOptimizer(ZeROOptimizer):
+    """See the module docstring."""
+
+    def __init__(
+        self,
+        model_parameters,
+        cfg: ACCOConfig,
+        *,
+        gradient_accumulation_steps: int,
+        gradient_clipping: float,
+        dp_process_group=None,
+    ):
+        super().__init__()
+        self.cfg = cfg
+        self.dp_process_group = dp_process_group
+        self.gradient_accumulation_steps = gradient_accumulation_steps
+        groups = normalize_param_groups(model_parameters, cfg)
+        self.bit16_groups = [g["params"] for g in groups]
+        self.pipeline = ACCOPipeline(
+            self.bit16_groups,
+            self._current_hypers,
+            cfg,
+            gradient_accumulation_steps,
+            gradient_clipping,
+            dp_process_group,
+        )
+        torch_groups = []
+        for g, b in zip(groups, self.pipeline.groups):
+            torch_groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": [b.master]})
+        self.optimizer = torch.optim.AdamW(torch_groups)  # holds param_groups for schedulers; never stepped
+        self.single_partition_of_fp32_groups = [b.master for b in self.pipeline.groups]
+        self.overflow = False
+        self._global_grad_norm = None
+        self.cur_scale = 1.0
+        self.custom_loss_scaler = False
+        self.torch_autocast_gradscaler = None
+        self.loss_scaler = None
+        self.dynamic_loss_scale = False
+        self.partition_gradients = False
+        self._micro_batches_since_step = 0
+        link_accessors(self)
+
+    # -- what torch-style code reads ----------------------------------------------------------
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    @property
+    def state(self):
+        return self.optimizer.state
+
+    def _current_hypers(self) -> List[Hyper]:
+        return [
+            Hyper(
+                lr=float(g["lr"]),
+                beta1=float(g["betas"][0]),
+                beta2=float(g["betas"][1]),
+                eps=float(g["eps"]),
+                weight_decay=float(g["weight_decay"]),
+            )
+            for g in self.optimizer.param_groups
+        ]
+
+    # -- what the engine calls ----------------------------------------------------------------
+    def backward_prologue(self):
+        pass
+
+    def backward_epilogue(self, **kwargs):
+        self._micro_batches_since_step += 1
+        self.pipeline.on_micro_batch_end()
+
+    def step(self, closure=None):
+        if closure is not None:
+            raise ValueError(
+                "ACCOZeroOptimizer.step does not take a closure (the step runs on the comm stream)."
+            )
+        seen, gas = self._micro_batches_since_step, self.gradient_accumulation_steps
+        if self.cfg.accumulation == "fixed" and seen != gas:
+            raise RuntimeError(
+                f"acco_ds: the engine stepped after {seen} micro-batch backward(s), but gradient_accumulation_steps"
+                f"={gas}: with fixed accumulation every optimizer step must take exactly {gas} micro-batches "
+                "through engine.backward(loss). Call engine.backward once per micro-batch and engine.step() after each."
+            )
+        self._micro_batches_since_step = 0
+        self.pipeline.on_engine_step()
+        if self.pipeline.last_grad_norm is not None:
+            self._global_grad_norm = self.pipeline.last_grad_norm.reshape(())
+        self.overflow = False
+
+    def zero_grad(self, set_to_none: bool = True):
+        for group in self.bit16_groups:
+            for p in group:
+                p.grad = None
+
+    # -- ACCO's own API -----------------------------------------------------------------------
+    @property
+    def committed_steps(self) -> int:
+        """Optimizer steps committed so far (the same on every rank)."""
+        return self.pipeline.committed_steps
+
+    def finish(self) -> None:
+        """End of training, on every rank: finish the work in flight, load theta into the model."""
+        self.pipeline.finish()
+
+    def stats(self) -> dict:
+        out = self.pipeline.stats.as_dict()
+        out.update(
+            committed_steps=self.pipeline.committed_steps,
+            applied_steps=self.pipeline.state_step,
+            model_holds=self.pipeline.model_holds,
+            mode=self.cfg.mode,
+            accumulation=self.cfg.accumulation,
+        )
+        return out
+
+    def state_numel_per_rank(self) -> int:
+        return sum(b.state_numel() for b in self.pipeline.groups)
+
+    def world_size(self) -> int:
+        return dist.get_world_size(self.dp_process_group)

@@ -1,0 +1,85 @@
+"""Per-rank worker for the multi-rank tests, started by the ``deepspeed`` launcher.
+
+Runs each scenario of a JSON list (a DeepSpeed config + steps) on the toy model and, on rank 0,
+saves per step: the lr the step used and the committed fp32 parameters read back through
+DeepSpeed's public ``safe_get_full_fp32_param`` (a collective), plus ACCO's state sizes/stats.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import deepspeed  # noqa: E402
+from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state  # noqa: E402
+
+import acco_ds  # noqa: E402,F401
+from tests.dist import toy  # noqa: E402
+
+
+def run_scenario(sc: dict, rank: int) -> dict:
+    cfg = sc["config"]
+    gas = cfg["gradient_accumulation_steps"]
+    model = toy.build()
+    engine, _, _, _ = deepspeed.initialize(model=model, config=cfg, model_parameters=model.parameters())
+    params = toy.trainable(engine.module)
+    lrs, traj, norms = [], [], []
+    for step in range(sc["steps"]):
+        lrs.append(float(engine.get_lr()[0]))
+        for j in range(gas):
+            x, y = toy.micro_batch(rank, step * gas + j)
+            loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+        traj.append(toy.flat(safe_get_full_fp32_param(p) for p in params))
+        norms.append(
+            float(engine.get_global_grad_norm()) if engine.get_global_grad_norm() is not None else None
+        )
+    out = {"lrs": lrs, "traj": traj, "norms": norms}
+    opt = engine.optimizer
+    if hasattr(opt, "pipeline"):
+        out["exp_avg"] = toy.flat(safe_get_full_optimizer_state(p, "exp_avg") for p in params)
+        out["state_numel"] = opt.state_numel_per_rank()
+        out["state_shapes"] = [
+            [tuple(b.master.shape), tuple(b.exp_avg.shape), tuple(b.exp_avg_sq.shape)]
+            for b in opt.pipeline.groups
+        ]
+        out["model_holds_at_boundary"] = opt.pipeline.model_holds
+        opt.finish()
+        out["final_model"] = toy.flat(params)
+        out["stats"] = opt.stats()
+        opt.pipeline.close()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--scenarios", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--local_rank", type=int, default=0)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank = torch.distributed.get_rank()
+    with open(args.scenarios) as f:
+        scenarios = json.load(f)
+    results = {}
+    for sc in scenarios:
+        results[sc["name"]] = run_scenario(sc, rank)
+        results[sc["name"]]["world_size"] = torch.distributed.get_world_size()
+    all_stats = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(all_stats, {k: v.get("stats") for k, v in results.items()})
+    if rank == 0:
+        for name in results:
+            results[name]["stats_per_rank"] = [s[name] for s in all_stats]
+        torch.save(results, os.path.join(args.out, "results.pt"))
+
+
+if __name__ == "__main__":
+    main()
