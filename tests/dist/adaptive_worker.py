@@ -1,0 +1,92 @@
+"""Adaptive accumulation with one slow rank (started by the deepspeed launcher).
+
+The model is linear, loss = <w, c>, so a micro-batch's gradient is its own vector c, whatever w
+is: the gradient of every peek and commit can be rebuilt exactly from which micro-batches entered
+which round on which rank. Rank 1 sleeps ``--slow-ms`` per micro-batch; the loop runs until
+``--steps`` commits, as an adaptive training loop must. Rank 0 saves, for the test: every
+micro-batch's (rank, index, round), every finished job's (kind, commit index, count, grad norm),
+and the stats of both ranks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import deepspeed  # noqa: E402
+
+import acco_ds  # noqa: E402,F401
+
+DIM = 37
+
+
+class Linear(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(DIM))
+
+    def forward(self, c):
+        return (self.w * c).sum()
+
+
+def vector(rank: int, index: int) -> torch.Tensor:
+    return torch.randn(DIM, generator=torch.Generator().manual_seed(1_000_003 * rank + index))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--mode", default="acco")
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--slow-ms", type=float, default=40.0)
+    ap.add_argument("--local_rank", type=int, default=0)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank = torch.distributed.get_rank()
+    cfg = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 2,
+        "optimizer": {"type": "ACCO", "params": {"lr": 0.01, "mode": args.mode, "accumulation": "adaptive"}},
+        "zero_optimization": {"stage": 1},
+        "steps_per_print": 10**9,
+    }
+    model = Linear()
+    engine, opt, _, _ = deepspeed.initialize(model=model, config=cfg, model_parameters=model.parameters())
+    pipe = opt.pipeline
+    jobs = []
+    finish_in_flight = pipe._finish_in_flight
+
+    def spy():
+        result = finish_in_flight()
+        if result is not None:
+            jobs.append((result.job.value, result.commit_index, float(result.count), float(result.grad_norm)))
+        return result
+
+    pipe._finish_in_flight = spy
+    micro = []
+    index = 0
+    while opt.committed_steps < args.steps:
+        if rank == 1:
+            time.sleep(args.slow_ms / 1000)
+        micro.append((rank, index, pipe.round_index))
+        loss = engine(vector(rank, index))
+        engine.backward(loss)
+        engine.step()
+        index += 1
+    opt.finish()
+    world = torch.distributed.get_world_size()
+    gathered = [None] * world
+    torch.distributed.all_gather_object(gathered, {"micro": micro, "stats": opt.stats()})
+    if rank == 0:
+        torch.save({"jobs": jobs, "ranks": gathered}, os.path.join(args.out, "adaptive.pt"))
+
+
+if __name__ == "__main__":
+    main()
