@@ -61,7 +61,7 @@ class GroupLayout:
     def real_shard_range(self, rank: int) -> range:
         """The part of rank's shard that holds parameters (padding excluded); may be empty."""
         r = self.shard_range(rank)
-        return range(min(r.start, self.numel), min(r.stop, self.numel))
+        return range(r.start, max(r.start, min(r.stop, self.numel)))
 
 
 class GroupBuffers:
