@@ -53,11 +53,12 @@ def run_deepspeed(script: Path, world: int, args: list, timeout: float = 600, en
     return proc
 
 
-def run_scenarios(world: int, scenarios: list, tmp: Path) -> dict:
+def run_scenarios(world: int, scenarios: list, tmp: Path, backend: str = "gloo") -> dict:
     """Run the toy-model scenarios on ``world`` ranks; returns rank 0's results (see dist/worker.py)."""
     import torch
 
     spec = tmp / "scenarios.json"
     spec.write_text(json.dumps(scenarios))
-    run_deepspeed(REPO / "tests" / "dist" / "worker.py", world, ["--scenarios", spec, "--out", tmp])
+    args = ["--scenarios", spec, "--out", tmp, "--backend", backend]
+    run_deepspeed(REPO / "tests" / "dist" / "worker.py", world, args)
     return torch.load(tmp / "results.pt", weights_only=False)

@@ -34,17 +34,17 @@ def run_scenario(sc: dict, rank: int) -> dict:
         lrs.append(float(engine.get_lr()[0]))
         for j in range(gas):
             x, y = toy.micro_batch(rank, step * gas + j)
-            loss = engine(x, y)
+            loss = engine(x.to(engine.device), y.to(engine.device))
             engine.backward(loss)
             engine.step()
-        traj.append(toy.flat(safe_get_full_fp32_param(p) for p in params))
+        traj.append(toy.flat(safe_get_full_fp32_param(p) for p in params).cpu())
         norms.append(
             float(engine.get_global_grad_norm()) if engine.get_global_grad_norm() is not None else None
         )
     out = {"lrs": lrs, "traj": traj, "norms": norms}
     opt = engine.optimizer
     if hasattr(opt, "pipeline"):
-        out["exp_avg"] = toy.flat(safe_get_full_optimizer_state(p, "exp_avg") for p in params)
+        out["exp_avg"] = toy.flat(safe_get_full_optimizer_state(p, "exp_avg") for p in params).cpu()
         out["state_numel"] = opt.state_numel_per_rank()
         out["state_shapes"] = [
             [tuple(b.master.shape), tuple(b.exp_avg.shape), tuple(b.exp_avg_sq.shape)]
@@ -52,7 +52,7 @@ def run_scenario(sc: dict, rank: int) -> dict:
         ]
         out["model_holds_at_boundary"] = opt.pipeline.model_holds
         opt.finish()
-        out["final_model"] = toy.flat(params)
+        out["final_model"] = toy.flat(params).cpu()
         out["stats"] = opt.stats()
         opt.pipeline.close()
     return out
@@ -62,10 +62,11 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--scenarios", required=True)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--backend", default="gloo", choices=["gloo", "nccl"])
     ap.add_argument("--local_rank", type=int, default=0)
     args = ap.parse_args()
     torch.set_num_threads(1)
-    deepspeed.init_distributed(dist_backend="gloo")
+    deepspeed.init_distributed(dist_backend=args.backend)
     rank = torch.distributed.get_rank()
     with open(args.scenarios) as f:
         scenarios = json.load(f)
