@@ -1,0 +1,260 @@
+// CPU launchers: fused AdamW (commit / peek / noop) and gradient accumulation / cast-copy into flat buffers.
+//
+// Loops are plain element loops over acco::adamw_update (adamw_math.h) that the compiler vectorises; each
+// loop is compiled three times (AVX-512, AVX2, baseline x86-64 / whatever the target is) and the best one the
+// running CPU supports is picked once at runtime, so the wheel stays portable (no -march=native). Threads:
+// OpenMP, at most `num_threads` (the caller passes torch.get_num_threads()), and fewer for small inputs.
+// Built with -ffp-contract=off and without -ffast-math: IEEE fp32 operations in adamw_update's order, so
+// results do not depend on the ISA picked.
+#include <omp.h>
+#include <stdint.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "adamw_launch.h"
+
+namespace acco {
+namespace {
+
+constexpr int64_t kGrain = 1 << 15;  // minimum elements per thread
+constexpr int64_t kChunk = 1 << 16;  // accumulate: elements per work item
+
+enum class Isa { kBase, kAvx2, kAvx512 };
+
+Isa detect_isa() {
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
+    return Isa::kAvx512;
+  if (__builtin_cpu_supports("avx2")) return Isa::kAvx2;
+#endif
+  return Isa::kBase;
+}
+
+const Isa kIsa = detect_isa();
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define ACCO_TARGET_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,prefer-vector-width=512")))
+#define ACCO_TARGET_AVX2 __attribute__((target("avx2,fma")))
+#define ACCO_HAVE_ISA_VARIANTS 1
+#else
+#define ACCO_HAVE_ISA_VARIANTS 0
+#endif
+
+// ---- AdamW ------------------------------------------------------------------------------------------
+using AdamWRange = void (*)(const AdamWKernelArgs&, float, int64_t, int64_t);
+
+constexpr int64_t kTile = 256;  // elements staged in fp32 on the stack (L1) per inner step
+
+// The loop is split in tiles so that the compiler vectorises the fp32 math at the full vector width: a
+// bf16 <-> fp32 conversion inside the math loop makes GCC pick half-width vectors for everything.
+template <typename G, typename O, bool COMMIT, bool HAS_OUT>
+inline __attribute__((always_inline)) void adamw_range_impl(const AdamWKernelArgs& a, float s, int64_t b,
+                                                              int64_t e) {
+  float* __restrict p = a.p;
+  float* __restrict m = a.m;
+  float* __restrict v = a.v;
+  const G* __restrict g = static_cast<const G*>(a.g);
+  O* __restrict out = static_cast<O*>(a.out);
+  const AdamWHyper h = a.h;
+  alignas(64) float gt[kTile];
+  alignas(64) float pt[kTile];
+  for (int64_t t0 = b; t0 < e; t0 += kTile) {
+    const int64_t len = std::min(kTile, e - t0);
+#pragma omp simd
+    for (int64_t k = 0; k < len; ++k) gt[k] = to_f32(g[t0 + k]) * s;
+#pragma omp simd
+    for (int64_t k = 0; k < len; ++k) {
+      const int64_t i = t0 + k;
+      float pi = p[i], mi = m[i], vi = v[i];
+      adamw_update(pi, mi, vi, gt[k], h);
+      if (COMMIT) {
+        p[i] = pi;
+        m[i] = mi;
+        v[i] = vi;
+      }
+      pt[k] = pi;
+    }
+    if (HAS_OUT) {
+#pragma omp simd
+      for (int64_t k = 0; k < len; ++k) out[t0 + k] = from_f32<O>(pt[k]);
+    }
+  }
+}
+
+// noop step: out = cast(master), state untouched.
+template <typename O>
+inline __attribute__((always_inline)) void cast_range_impl(const AdamWKernelArgs& a, float, int64_t b,
+                                                             int64_t e) {
+  const float* __restrict p = a.p;
+  O* __restrict out = static_cast<O*>(a.out);
+#pragma omp simd
+  for (int64_t i = b; i < e; ++i) out[i] = from_f32<O>(p[i]);
+}
+
+template <typename G, typename O, bool COMMIT, bool HAS_OUT>
+void adamw_range_base(const AdamWKernelArgs& a, float s, int64_t b, int64_t e) {
+  adamw_range_impl<G, O, COMMIT, HAS_OUT>(a, s, b, e);
+}
+template <typename O>
+void cast_range_base(const AdamWKernelArgs& a, float s, int64_t b, int64_t e) {
+  cast_range_impl<O>(a, s, b, e);
+}
+#if ACCO_HAVE_ISA_VARIANTS
+template <typename G, typename O, bool COMMIT, bool HAS_OUT>
+ACCO_TARGET_AVX2 void adamw_range_avx2(const AdamWKernelArgs& a, float s, int64_t b, int64_t e) {
+  adamw_range_impl<G, O, COMMIT, HAS_OUT>(a, s, b, e);
+}
+template <typename G, typename O, bool COMMIT, bool HAS_OUT>
+ACCO_TARGET_AVX512 void adamw_range_avx512(const AdamWKernelArgs& a, float s, int64_t b, int64_t e) {
+  adamw_range_impl<G, O, COMMIT, HAS_OUT>(a, s, b, e);
+}
+template <typename O>
+ACCO_TARGET_AVX2 void cast_range_avx2(const AdamWKernelArgs& a, float s, int64_t b, int64_t e) {
+  cast_range_impl<O>(a, s, b, e);
+}
+template <typename O>
+ACCO_TARGET_AVX512 void cast_range_avx512(const AdamWKernelArgs& a, float s, int64_t b, int64_t e) {
+  cast_range_impl<O>(a, s, b, e);
+}
+#endif
+
+template <typename G, typename O, bool COMMIT, bool HAS_OUT>
+AdamWRange pick_adamw() {
+#if ACCO_HAVE_ISA_VARIANTS
+  if (kIsa == Isa::kAvx512) return &adamw_range_avx512<G, O, COMMIT, HAS_OUT>;
+  if (kIsa == Isa::kAvx2) return &adamw_range_avx2<G, O, COMMIT, HAS_OUT>;
+#endif
+  return &adamw_range_base<G, O, COMMIT, HAS_OUT>;
+}
+
+template <typename O>
+AdamWRange pick_cast() {
+#if ACCO_HAVE_ISA_VARIANTS
+  if (kIsa == Isa::kAvx512) return &cast_range_avx512<O>;
+  if (kIsa == Isa::kAvx2) return &cast_range_avx2<O>;
+#endif
+  return &cast_range_base<O>;
+}
+
+template <typename G>
+AdamWRange pick_adamw_out(int out_dtype, bool commit) {
+  if (out_dtype < 0) return commit ? pick_adamw<G, float, true, false>() : nullptr;
+  if (out_dtype == kBF16)
+    return commit ? pick_adamw<G, uint16_t, true, true>() : pick_adamw<G, uint16_t, false, true>();
+  return commit ? pick_adamw<G, float, true, true>() : pick_adamw<G, float, false, true>();
+}
+
+// Runs f(begin, end) over [0, n) on at most num_threads OpenMP threads, in contiguous 64-byte-aligned slices.
+template <typename F>
+void parallel_range(int64_t n, int num_threads, const F& f) {
+  const int64_t want = (n + kGrain - 1) / kGrain;
+  const int nt = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads, want)));
+  if (nt <= 1) {
+    f(int64_t(0), n);
+    return;
+  }
+#pragma omp parallel num_threads(nt)
+  {
+    const int64_t t = omp_get_thread_num(), threads = omp_get_num_threads();
+    const int64_t per = (((n + threads - 1) / threads) + 15) / 16 * 16;
+    const int64_t b = std::min(n, t * per), e = std::min(n, b + per);
+    if (b < e) f(b, e);
+  }
+}
+
+// ---- accumulate / copy ------------------------------------------------------------------------------
+using AccRange = void (*)(void*, const void*, int64_t, float);
+
+template <typename B, typename G, bool ACC>
+inline __attribute__((always_inline)) void acc_impl(void* buf, const void* grad, int64_t len, float s) {
+  B* __restrict x = static_cast<B*>(buf);
+  const G* __restrict g = static_cast<const G*>(grad);
+#pragma omp simd
+  for (int64_t i = 0; i < len; ++i) {
+    const float gi = to_f32(g[i]) * s;
+    x[i] = from_f32<B>(ACC ? to_f32(x[i]) + gi : gi);
+  }
+}
+template <typename B, typename G, bool ACC>
+void acc_base(void* buf, const void* grad, int64_t len, float s) {
+  acc_impl<B, G, ACC>(buf, grad, len, s);
+}
+#if ACCO_HAVE_ISA_VARIANTS
+template <typename B, typename G, bool ACC>
+ACCO_TARGET_AVX2 void acc_avx2(void* buf, const void* grad, int64_t len, float s) {
+  acc_impl<B, G, ACC>(buf, grad, len, s);
+}
+template <typename B, typename G, bool ACC>
+ACCO_TARGET_AVX512 void acc_avx512(void* buf, const void* grad, int64_t len, float s) {
+  acc_impl<B, G, ACC>(buf, grad, len, s);
+}
+#endif
+
+template <typename B, typename G, bool ACC>
+AccRange pick_acc3() {
+#if ACCO_HAVE_ISA_VARIANTS
+  if (kIsa == Isa::kAvx512) return &acc_avx512<B, G, ACC>;
+  if (kIsa == Isa::kAvx2) return &acc_avx2<B, G, ACC>;
+#endif
+  return &acc_base<B, G, ACC>;
+}
+
+template <bool ACC>
+AccRange pick_acc(int buf_dtype, int grad_dtype) {
+  if (buf_dtype == kBF16)
+    return grad_dtype == kBF16 ? pick_acc3<uint16_t, uint16_t, ACC>() : pick_acc3<uint16_t, float, ACC>();
+  return grad_dtype == kBF16 ? pick_acc3<float, uint16_t, ACC>() : pick_acc3<float, float, ACC>();
+}
+
+inline int64_t elem_size(int dtype) { return dtype == kBF16 ? 2 : 4; }
+
+}  // namespace
+
+void adamw_cpu(const AdamWKernelArgs& a, int g_dtype, int out_dtype, bool commit, int num_threads) {
+  const bool noop = a.noop_ptr != nullptr && *a.noop_ptr != 0;
+  const float s = a.scale_ptr != nullptr ? a.grad_scale * *a.scale_ptr : a.grad_scale;
+  AdamWRange fn;
+  if (noop) {
+    if (out_dtype < 0) return;
+    fn = out_dtype == kBF16 ? pick_cast<uint16_t>() : pick_cast<float>();
+  } else {
+    fn = g_dtype == kBF16 ? pick_adamw_out<uint16_t>(out_dtype, commit) : pick_adamw_out<float>(out_dtype, commit);
+  }
+  if (fn == nullptr) return;  // peek without out: nothing to write (the Python front forbids it)
+  parallel_range(a.n, num_threads, [&](int64_t b, int64_t e) { fn(a, s, b, e); });
+}
+
+void accumulate_cpu(uintptr_t buf, int buf_dtype, const int64_t* grad_ptrs, const int* grad_dtypes,
+                    const int64_t* offsets, const int64_t* numels, int64_t count, float scale, bool accumulate,
+                    int num_threads) {
+  struct Item {
+    int64_t tensor, start, len;
+  };
+  std::vector<Item> items;
+  int64_t total = 0;
+  for (int64_t t = 0; t < count; ++t) {
+    for (int64_t s = 0; s < numels[t]; s += kChunk) items.push_back({t, s, std::min(kChunk, numels[t] - s)});
+    total += numels[t];
+  }
+  const int64_t nitems = static_cast<int64_t>(items.size());
+  auto run = [&](int64_t k) {
+    const Item& it = items[k];
+    const AccRange fn = accumulate ? pick_acc<true>(buf_dtype, grad_dtypes[it.tensor])
+                                   : pick_acc<false>(buf_dtype, grad_dtypes[it.tensor]);
+    char* dst = reinterpret_cast<char*>(buf) + (offsets[it.tensor] + it.start) * elem_size(buf_dtype);
+    const char* src = reinterpret_cast<const char*>(grad_ptrs[it.tensor]) + it.start * elem_size(grad_dtypes[it.tensor]);
+    fn(dst, src, it.len, scale);
+  };
+  const int nt = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads, total / kGrain)));
+  if (nt <= 1) {
+    for (int64_t k = 0; k < nitems; ++k) run(k);
+    return;
+  }
+#pragma omp parallel for num_threads(nt) schedule(static)
+  for (int64_t k = 0; k < nitems; ++k) run(k);
+}
+
+}  // namespace acco

@@ -1,0 +1,55 @@
+// CUDA launcher of the fused AdamW: the __global__ wrapper around adamw_kernel_body (adamw_kernel_body.h),
+// enqueued on the caller's stream. No libtorch; cudart is linked statically into the module.
+//
+// Stream contract: the kernel runs on `stream` of the current device (the Python front passes
+// torch.cuda.current_stream(master.device) and makes master's device current); the caller keeps every buffer
+// alive and unmodified by other streams until that stream has run it. The noop flag and the scale are read on
+// the device, so deciding to skip a step or to clip never synchronises the host.
+#include <cuda_runtime.h>
+
+#include "adamw_launch.h"
+
+namespace acco {
+namespace {
+
+template <typename G, typename O, bool COMMIT>
+__global__ void __launch_bounds__(kBlock) adamw_kernel(const AdamWKernelArgs a) {
+  adamw_kernel_body<G, O, COMMIT>(blockIdx.x, threadIdx.x, blockDim.x, gridDim.x, a);
+}
+
+template <typename G, typename O>
+void launch_commit(const AdamWKernelArgs& a, bool commit, cudaStream_t stream) {
+  const dim3 grid(static_cast<unsigned>(adamw_grid(a.n))), block(kBlock);
+  if (commit)
+    adamw_kernel<G, O, true><<<grid, block, 0, stream>>>(a);
+  else
+    adamw_kernel<G, O, false><<<grid, block, 0, stream>>>(a);
+}
+
+template <typename G>
+void launch_out(const AdamWKernelArgs& a, int out_dtype, bool commit, cudaStream_t stream) {
+  if (out_dtype == kBF16)
+    launch_commit<G, uint16_t>(a, commit, stream);
+  else
+    launch_commit<G, float>(a, commit, stream);
+}
+
+}  // namespace
+
+int adamw_cuda(const AdamWKernelArgs& a, int g_dtype, int out_dtype, bool commit, void* stream) {
+  cudaGetLastError();  // clear a stale error so the one returned belongs to this launch
+  if (a.n <= 0) return 0;
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  if (g_dtype == kBF16)
+    launch_out<uint16_t>(a, out_dtype, commit, s);
+  else
+    launch_out<float>(a, out_dtype, commit, s);
+  return static_cast<int>(cudaGetLastError());
+}
+
+std::string cuda_error_string(int code) {
+  return std::string(cudaGetErrorName(static_cast<cudaError_t>(code))) + ": " +
+         cudaGetErrorString(static_cast<cudaError_t>(code));
+}
+
+}  // namespace acco

@@ -1,0 +1,61 @@
+// Launcher declarations shared by the bindings and the launchers. Plain C++: no libtorch, no CUDA headers.
+//
+// Dtype codes: 0 = fp32, 1 = bf16 (acco_ds.ops.adamw._DTYPE_CODE). All pointers are raw addresses of
+// contiguous buffers that the caller keeps alive until the work is done (the CPU calls return when done;
+// the CUDA call is asynchronous on `stream`).
+#pragma once
+
+#include <stdint.h>
+
+#include <string>
+
+#include "adamw_kernel_body.h"
+
+namespace acco {
+
+enum DtypeCode : int { kF32 = 0, kBF16 = 1 };
+
+// Fills AdamWKernelArgs from the raw arguments (alignment flags from the pointers).
+inline AdamWKernelArgs make_adamw_args(uintptr_t p, uintptr_t m, uintptr_t v, uintptr_t g, int g_dtype,
+                                       uintptr_t out, int out_dtype, uintptr_t scale_ptr, uintptr_t noop_ptr,
+                                       int64_t n, float grad_scale, const AdamWHyper& h) {
+  AdamWKernelArgs a;
+  a.p = reinterpret_cast<float*>(p);
+  a.m = reinterpret_cast<float*>(m);
+  a.v = reinterpret_cast<float*>(v);
+  a.g = reinterpret_cast<const void*>(g);
+  a.out = reinterpret_cast<void*>(out);
+  a.scale_ptr = reinterpret_cast<const float*>(scale_ptr);
+  a.noop_ptr = reinterpret_cast<const int32_t*>(noop_ptr);
+  a.n = n;
+  a.grad_scale = grad_scale;
+  a.h = h;
+  a.p_vec = vec_aligned<float>(a.p);
+  a.m_vec = vec_aligned<float>(a.m);
+  a.v_vec = vec_aligned<float>(a.v);
+  a.g_vec = g_dtype == kBF16 ? vec_aligned<uint16_t>(a.g) : vec_aligned<float>(a.g);
+  a.out_vec = out_dtype == kBF16 ? vec_aligned<uint16_t>(a.out) : vec_aligned<float>(a.out);
+  return a;
+}
+
+// CPU: OpenMP over `num_threads` threads; reads scale/noop from host memory. Returns when done.
+void adamw_cpu(const AdamWKernelArgs& a, int g_dtype, int out_dtype, bool commit, int num_threads);
+
+// CPU: buffer[off_i : off_i + numel_i] = cast(float(buffer) + float(grad_i) * scale) for every i (accumulate),
+// or buffer = cast(float(grad) * scale) (copy, one tensor at offset 0).
+void accumulate_cpu(uintptr_t buf, int buf_dtype, const int64_t* grad_ptrs, const int* grad_dtypes,
+                    const int64_t* offsets, const int64_t* numels, int64_t count, float scale, bool accumulate,
+                    int num_threads);
+
+// CPU harness: runs the CUDA kernel body for every (block, thread) of a grid_dim x kBlock grid.
+// grid_dim <= 0 uses the launcher's grid (adamw_grid). Throws std::runtime_error on a misaligned vector
+// access or an out-of-bounds access.
+void adamw_cuda_body_on_cpu(const AdamWKernelArgs& a, int g_dtype, int out_dtype, bool commit, int64_t grid_dim,
+                            int64_t block_dim);
+
+// CUDA: enqueues the kernel on `stream` (a cudaStream_t) of the current device; returns the cudaError_t of
+// the launch (0 = success), checked with cudaGetLastError.
+int adamw_cuda(const AdamWKernelArgs& a, int g_dtype, int out_dtype, bool commit, void* stream);
+std::string cuda_error_string(int code);
+
+}  // namespace acco
