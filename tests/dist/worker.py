@@ -42,9 +42,10 @@ def run_scenario(sc: dict, rank: int) -> dict:
             float(engine.get_global_grad_norm()) if engine.get_global_grad_norm() is not None else None
         )
     out = {"lrs": lrs, "traj": traj, "norms": norms}
+    for key in ("exp_avg", "exp_avg_sq"):
+        out[key] = toy.flat(safe_get_full_optimizer_state(p, key) for p in params).cpu()
     opt = engine.optimizer
     if hasattr(opt, "pipeline"):
-        out["exp_avg"] = toy.flat(safe_get_full_optimizer_state(p, "exp_avg") for p in params).cpu()
         out["state_numel"] = opt.state_numel_per_rank()
         out["state_shapes"] = [
             [tuple(b.master.shape), tuple(b.exp_avg.shape), tuple(b.exp_avg_sq.shape)]
