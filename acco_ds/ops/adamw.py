@@ -17,7 +17,7 @@ Contract (both :func:`adamw_step` and :func:`adamw_step_ref`):
 
 Per element, in fp32, in torch.optim.AdamW's order::
 
-    p = master * (1 - lr*wd); m = b1*m + (1-b1)*g; v = b2*v + (1-b2)*g*g
+    p = master * (1 - lr*wd); m = m + (1-b1)*(g-m)  [torch's lerp_]; v = b2*v + (1-b2)*g*g
     p = p - (lr / (1 - b1**step)) * m / (sqrt(v) / sqrt(1 - b2**step) + eps)
 
 Streams: on CUDA the kernel is enqueued on ``torch.cuda.current_stream()`` of ``master``'s device; the caller
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import math
+from typing import NamedTuple
 
 import torch
 
@@ -70,161 +71,131 @@ def _check_tensor(arg: str, t, dtypes, n: int | None, device: torch.device | Non
         )
 
 
-def _validate(
-    master,
-    exp_avg,
-    exp_avg_sq,
-    grad,
-    out,
-    lr,
-    beta1,
-    beta2,
-    eps,
-    weight_decay,
-    step,
-    scale_tensor,
-    noop_flag,
-    commit,
-) -> None:
-    _check_tensor("master", master, (_FP32,), None, None)
-    if master.dim() != 1:
-        raise ValueError(f"adamw_step: master must be 1-D (a flat shard), got shape {tuple(master.shape)}.")
-    n, dev = master.numel(), master.device
+class _Step(NamedTuple):
+    """The arguments of one call, as passed to the public functions."""
+
+    master: torch.Tensor
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    grad: torch.Tensor
+    out: torch.Tensor | None
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    step: int
+    grad_scale: float
+    scale_tensor: torch.Tensor | None
+    noop_flag: torch.Tensor | None
+    commit: bool
+
+
+def _validate(a: _Step) -> None:
+    _check_tensor("master", a.master, (_FP32,), None, None)
+    if a.master.dim() != 1:
+        raise ValueError(f"adamw_step: master must be 1-D (a flat shard), got shape {tuple(a.master.shape)}.")
+    n, dev = a.master.numel(), a.master.device
     if dev.type not in ("cpu", "cuda"):
         raise ValueError(f"adamw_step: master is on {dev}; supported devices: cpu, cuda.")
-    _check_tensor("exp_avg", exp_avg, (_FP32,), n, dev)
-    _check_tensor("exp_avg_sq", exp_avg_sq, (_FP32,), n, dev)
-    _check_tensor("grad", grad, (_FP32, _BF16), n, dev)
-    if out is not None:
-        _check_tensor("out", out, (_FP32, _BF16), n, dev)
-    elif not commit:
+    _check_tensor("exp_avg", a.exp_avg, (_FP32,), n, dev)
+    _check_tensor("exp_avg_sq", a.exp_avg_sq, (_FP32,), n, dev)
+    _check_tensor("grad", a.grad, (_FP32, _BF16), n, dev)
+    if a.out is not None:
+        _check_tensor("out", a.out, (_FP32, _BF16), n, dev)
+        if not a.commit and _overlaps(a.out, (a.master, a.exp_avg, a.exp_avg_sq)):
+            raise ValueError(
+                "adamw_step: peek (commit=False) must not write over the state; out overlaps it."
+            )
+    elif not a.commit:
         raise ValueError(
             "adamw_step: commit=False (peek) writes only `out`, so out must be a tensor, got None."
         )
-    for arg, t, dt in (("scale_tensor", scale_tensor, _FP32), ("noop_flag", noop_flag, torch.int32)):
+    for arg, t, dt in (("scale_tensor", a.scale_tensor, _FP32), ("noop_flag", a.noop_flag, torch.int32)):
         if t is None:
             continue
         _check_tensor(arg, t, (dt,), None, dev)
         if t.numel() != 1:
             raise ValueError(f"adamw_step: {arg} must have exactly 1 element, got shape {tuple(t.shape)}.")
+    step = a.step
     if isinstance(step, bool) or not isinstance(step, int) or step < 1:
         raise ValueError(
             f"adamw_step: step must be an int >= 1 (the 1-based step being computed), got {step!r}."
         )
-    for arg, x in (("beta1", beta1), ("beta2", beta2)):
+    for arg, x in (("beta1", a.beta1), ("beta2", a.beta2)):
         if not 0.0 <= float(x) < 1.0:
             raise ValueError(f"adamw_step: {arg} must be in [0, 1), got {x!r}.")
-    for arg, x in (("lr", lr), ("eps", eps), ("weight_decay", weight_decay)):
+    for arg, x in (
+        ("lr", a.lr),
+        ("eps", a.eps),
+        ("weight_decay", a.weight_decay),
+        ("grad_scale", a.grad_scale),
+    ):
         if not (math.isfinite(float(x)) and float(x) >= 0.0):
             raise ValueError(f"adamw_step: {arg} must be finite and >= 0, got {x!r}.")
+
+
+def _overlaps(t: torch.Tensor, others) -> bool:
+    lo, hi = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
+    return any(o.data_ptr() < hi and lo < o.data_ptr() + o.numel() * o.element_size() for o in others)
 
 
 def hyper_scalars(lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: int):
     """The fp32 scalars the kernels use, computed in double on the host like torch.optim.AdamW does.
 
-    Returns ``(decay, beta1, 1-beta1, beta2, 1-beta2, sqrt(1-beta2**step), eps, lr/(1-beta1**step))``.
+    Returns ``(1-lr*wd, beta1, 1-beta1, beta2, 1-beta2, sqrt(1-beta2**step), eps, lr/(1-beta1**step))``.
     """
     bc1 = 1.0 - beta1**step
     bc2 = 1.0 - beta2**step
     return (1.0 - lr * weight_decay, beta1, 1.0 - beta1, beta2, 1.0 - beta2, math.sqrt(bc2), eps, lr / bc1)
 
 
-def adamw_step_ref(
-    master,
-    exp_avg,
-    exp_avg_sq,
-    grad,
-    out=None,
-    *,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    step: int,
-    grad_scale: float = 1.0,
-    scale_tensor=None,
-    noop_flag=None,
-    commit: bool = True,
-) -> None:
-    """Pure-torch AdamW step with the contract of this module: the test oracle and the fallback.
-
-    Reads ``noop_flag`` on the host (``.item()``: a device sync on CUDA), so the extensions are preferred.
-    """
-    _validate(
-        master,
-        exp_avg,
-        exp_avg_sq,
-        grad,
-        out,
-        lr,
-        beta1,
-        beta2,
-        eps,
-        weight_decay,
-        step,
-        scale_tensor,
-        noop_flag,
-        commit,
-    )
-    _adamw_torch(
-        master,
-        exp_avg,
-        exp_avg_sq,
-        grad,
-        out,
-        lr,
-        beta1,
-        beta2,
-        eps,
-        weight_decay,
-        step,
-        grad_scale,
-        scale_tensor,
-        noop_flag,
-        commit,
-    )
-
-
-def _adamw_torch(
-    master,
-    exp_avg,
-    exp_avg_sq,
-    grad,
-    out,
-    lr,
-    beta1,
-    beta2,
-    eps,
-    weight_decay,
-    step,
-    grad_scale,
-    scale_tensor,
-    noop_flag,
-    commit,
-) -> None:
-    if noop_flag is not None and int(noop_flag.item()) != 0:
-        if out is not None:
-            out.copy_(master)
+def _adamw_torch(a: _Step) -> None:
+    if a.noop_flag is not None and int(a.noop_flag.item()) != 0:
+        if a.out is not None:
+            a.out.view(-1).copy_(a.master)
         return
-    if commit:
-        p, m, v = master, exp_avg, exp_avg_sq
+    if a.commit:
+        p, m, v = a.master, a.exp_avg, a.exp_avg_sq
     else:
-        p, m, v = master.clone(), exp_avg.clone(), exp_avg_sq.clone()
-    g = grad.reshape(-1).to(_FP32)
-    if scale_tensor is not None:
-        g = g * (scale_tensor.reshape(1).to(_FP32) * grad_scale)
-    elif grad_scale != 1.0:
-        g = g * grad_scale
-    bc1 = 1.0 - beta1**step
-    bc2 = 1.0 - beta2**step
-    p.mul_(1.0 - lr * weight_decay)
-    m.mul_(beta1).add_(g, alpha=1.0 - beta1)
-    v.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
-    denom = (v.sqrt() / math.sqrt(bc2)).add_(eps)
-    p.addcdiv_(m, denom, value=-(lr / bc1))
-    if out is not None:
-        out.view(-1).copy_(p)
+        p, m, v = a.master.clone(), a.exp_avg.clone(), a.exp_avg_sq.clone()
+    g = a.grad.reshape(-1).to(_FP32)
+    if a.scale_tensor is not None:
+        g = g * (a.scale_tensor.reshape(1).to(_FP32) * a.grad_scale)
+    elif a.grad_scale != 1.0:
+        g = g * a.grad_scale
+    bc1 = 1.0 - a.beta1**a.step
+    bc2 = 1.0 - a.beta2**a.step
+    p.mul_(1.0 - a.lr * a.weight_decay)
+    m.lerp_(g, 1.0 - a.beta1)
+    v.mul_(a.beta2).addcmul_(g, g, value=1.0 - a.beta2)
+    denom = (v.sqrt() / math.sqrt(bc2)).add_(a.eps)
+    p.addcdiv_(m, denom, value=-(a.lr / bc1))
+    if a.out is not None:
+        a.out.view(-1).copy_(p)
+
+
+def _ext_args(a: _Step) -> tuple:
+    """Positional arguments of the compiled entry points, up to and including ``commit``."""
+    hp = hyper_scalars(
+        float(a.lr), float(a.beta1), float(a.beta2), float(a.eps), float(a.weight_decay), a.step
+    )
+    out, st, nf = a.out, a.scale_tensor, a.noop_flag
+    return (
+        a.master.data_ptr(),
+        a.exp_avg.data_ptr(),
+        a.exp_avg_sq.data_ptr(),
+        a.grad.data_ptr(),
+        _DTYPE_CODE[a.grad.dtype],
+        0 if out is None else out.data_ptr(),
+        -1 if out is None else _DTYPE_CODE[out.dtype],
+        0 if st is None else st.data_ptr(),
+        0 if nf is None else nf.data_ptr(),
+        a.master.numel(),
+        *hp,
+        float(a.grad_scale),
+        bool(a.commit),
+    )
 
 
 def _log_backend_once(device_type: str, backend: str, why: str = "") -> None:
@@ -232,95 +203,74 @@ def _log_backend_once(device_type: str, backend: str, why: str = "") -> None:
     if key in _logged_backends:
         return
     _logged_backends.add(key)
-    msg = f"acco_ds adamw_step on {device_type}: using {backend}"
     if why:
-        logger.warning("%s (%s)", msg, why)
+        logger.warning("acco_ds adamw_step on %s: using %s (%s)", device_type, backend, why)
     else:
-        logger.info(msg)
+        logger.info("acco_ds adamw_step on %s: using %s", device_type, backend)
 
 
-def adamw_step(
-    master,
-    exp_avg,
-    exp_avg_sq,
-    grad,
-    out=None,
-    *,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    step: int,
-    grad_scale: float = 1.0,
-    scale_tensor=None,
-    noop_flag=None,
-    commit: bool = True,
-) -> None:
+def adamw_step_ref(master, exp_avg, exp_avg_sq, grad, out=None, *, lr: float, beta1: float, beta2: float,
+                   eps: float, weight_decay: float, step: int, grad_scale: float = 1.0, scale_tensor=None,
+                   noop_flag=None, commit: bool = True) -> None:  # fmt: skip
+    """Pure-torch AdamW step with this module's contract: the test oracle and the fallback.
+
+    Reads ``noop_flag`` on the host (``.item()``: a device sync on CUDA), which the extensions avoid.
+    """
+    a = _Step(master, exp_avg, exp_avg_sq, grad, out, lr, beta1, beta2, eps, weight_decay, step, grad_scale,
+              scale_tensor, noop_flag, commit)  # fmt: skip
+    _validate(a)
+    _adamw_torch(a)
+
+
+def adamw_step(master, exp_avg, exp_avg_sq, grad, out=None, *, lr: float, beta1: float, beta2: float,
+               eps: float, weight_decay: float, step: int, grad_scale: float = 1.0, scale_tensor=None,
+               noop_flag=None, commit: bool = True) -> None:  # fmt: skip
     """One fused AdamW step on flat shards (see the module docstring for the full contract).
 
     Dispatch: the CUDA extension for CUDA tensors, the CPU extension (OpenMP, ``torch.get_num_threads()``
     threads) for CPU tensors, :func:`adamw_step_ref` when the extension is missing; the choice is logged once
     per device type. Arguments are validated before any launch (TypeError/ValueError naming the argument).
     """
-    _validate(
-        master,
-        exp_avg,
-        exp_avg_sq,
-        grad,
-        out,
-        lr,
-        beta1,
-        beta2,
-        eps,
-        weight_decay,
-        step,
-        scale_tensor,
-        noop_flag,
-        commit,
-    )
+    a = _Step(master, exp_avg, exp_avg_sq, grad, out, lr, beta1, beta2, eps, weight_decay, step, grad_scale,
+              scale_tensor, noop_flag, commit)  # fmt: skip
+    _validate(a)
     dev = master.device.type
-    ext = _build.load("cuda" if dev == "cuda" else "cpu")
+    kind = "cuda" if dev == "cuda" else "cpu"
+    ext = _build.load(kind)
     if ext is None:
-        _log_backend_once(dev, "the torch reference", _build.why_missing("cuda" if dev == "cuda" else "cpu"))
-        _adamw_torch(
-            master,
-            exp_avg,
-            exp_avg_sq,
-            grad,
-            out,
-            lr,
-            beta1,
-            beta2,
-            eps,
-            weight_decay,
-            step,
-            grad_scale,
-            scale_tensor,
-            noop_flag,
-            commit,
-        )
+        _log_backend_once(dev, "the torch reference", _build.why_missing(kind))
+        _adamw_torch(a)
         return
-    n = master.numel()
-    if n == 0:
+    if master.numel() == 0:
         return
-    hp = hyper_scalars(float(lr), float(beta1), float(beta2), float(eps), float(weight_decay), int(step))
-    ptrs = (
-        master.data_ptr(),
-        exp_avg.data_ptr(),
-        exp_avg_sq.data_ptr(),
-        grad.data_ptr(),
-        _DTYPE_CODE[grad.dtype],
-        0 if out is None else out.data_ptr(),
-        -1 if out is None else _DTYPE_CODE[out.dtype],
-        0 if scale_tensor is None else scale_tensor.data_ptr(),
-        0 if noop_flag is None else noop_flag.data_ptr(),
-    )
     if dev == "cuda":
         _log_backend_once(dev, "the CUDA extension")
         with torch.cuda.device(master.device):
-            stream = torch.cuda.current_stream(master.device).cuda_stream
-            ext.adamw_cuda(*ptrs, n, *hp, float(grad_scale), bool(commit), stream)
+            ext.adamw_cuda(*_ext_args(a), torch.cuda.current_stream(master.device).cuda_stream)
     else:
         _log_backend_once(dev, "the CPU extension")
-        ext.adamw_cpu(*ptrs, n, *hp, float(grad_scale), bool(commit), torch.get_num_threads())
+        ext.adamw_cpu(*_ext_args(a), torch.get_num_threads())
+
+
+def adamw_step_cuda_body_on_cpu(master, exp_avg, exp_avg_sq, grad, out=None, *, lr: float, beta1: float,
+                                beta2: float, eps: float, weight_decay: float, step: int, grad_scale: float = 1.0,
+                                scale_tensor=None, noop_flag=None, commit: bool = True, grid_dim: int = 0,
+                                block_dim: int = 0) -> None:  # fmt: skip
+    """Test hook: run the CUDA kernel's body (indexing, vector path, alignment, tails) on CPU tensors.
+
+    Same contract as :func:`adamw_step`; ``grid_dim``/``block_dim`` <= 0 use the CUDA launcher's launch shape.
+    Raises RuntimeError (from the harness) on a misaligned vector access or an out-of-bounds access, and
+    RuntimeError when the CPU extension is not built.
+    """
+    a = _Step(master, exp_avg, exp_avg_sq, grad, out, lr, beta1, beta2, eps, weight_decay, step, grad_scale,
+              scale_tensor, noop_flag, commit)  # fmt: skip
+    _validate(a)
+    if master.device.type != "cpu":
+        raise ValueError(f"adamw_step_cuda_body_on_cpu: tensors must be on cpu, got {master.device}.")
+    ext = _build.load("cpu")
+    if ext is None:
+        raise RuntimeError(
+            f"adamw_step_cuda_body_on_cpu needs the CPU extension: {_build.why_missing('cpu')}"
+        )
+    if master.numel():
+        ext.adamw_cuda_body_on_cpu(*_ext_args(a), int(grid_dim), int(block_dim))

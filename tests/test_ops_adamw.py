@@ -1,0 +1,316 @@
+"""Fused AdamW (acco_ds.ops.adamw) on CPU: the CPU extension and the CUDA kernel body run by the CPU harness.
+
+Oracles: torch.optim.AdamW (fp32 and fp64, 100 steps, element-wise) and adamw_step_ref. Outputs are poisoned
+with NaN first so an unwritten element fails; inputs are fresh random values, never zeros.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import zlib
+
+import pytest
+import torch
+
+from acco_ds.ops import _build
+from acco_ds.ops.adamw import adamw_step, adamw_step_cuda_body_on_cpu, adamw_step_ref
+
+HP = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8)
+SIZES = [1, 7, 4096, 278011]
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def require_cpu_ext():
+    """The CPU extension must be there when a C++ compiler is (then a missing module is a failed build)."""
+    if _build.load("cpu") is None:
+        if shutil.which("g++") or shutil.which("c++"):
+            pytest.fail(
+                f"a C++ compiler is present but the CPU extension is missing: {_build.why_missing('cpu')}"
+            )
+        pytest.skip(f"no C++ compiler: {_build.why_missing('cpu')}")
+
+
+def harness(grid_dim: int = 0):
+    def run(*args, **kw):
+        adamw_step_cuda_body_on_cpu(*args, grid_dim=grid_dim, **kw)
+
+    return run
+
+
+BACKENDS = {"cpu_ext": adamw_step, "cuda_body": harness(), "cuda_body_grid3": harness(3)}
+
+
+@pytest.fixture(params=list(BACKENDS))
+def step_fn(request):
+    require_cpu_ext()
+    return BACKENDS[request.param]
+
+
+def gen(*key) -> torch.Generator:
+    return torch.Generator().manual_seed(zlib.crc32(repr(key).encode()))
+
+
+def rand_state(n: int, g: torch.Generator):
+    master = torch.randn(n, generator=g)
+    m = torch.randn(n, generator=g) * 0.1
+    v = torch.rand(n, generator=g) * 0.01 + 1e-4
+    return master, m, v
+
+
+def poisoned(n: int, dtype) -> torch.Tensor:
+    return torch.full((n,), float("nan"), dtype=dtype)
+
+
+def ulp_atol(x: torch.Tensor) -> float:
+    return float(x.abs().max()) * 2.0**-23
+
+
+@pytest.mark.parametrize("wd", [0.0, 0.1])
+@pytest.mark.parametrize("gdtype", DTYPES)
+@pytest.mark.parametrize("n", SIZES)
+def test_matches_torch_adamw_100_steps(step_fn, n, gdtype, wd):
+    g = gen("adamw100", n, gdtype, wd)
+    p0 = torch.randn(n, generator=g)
+    master, m, v = p0.clone(), torch.zeros(n), torch.zeros(n)
+    p32 = torch.nn.Parameter(p0.clone())
+    p64 = torch.nn.Parameter(p0.double())
+    kw = dict(lr=HP["lr"], betas=(HP["beta1"], HP["beta2"]), eps=HP["eps"], weight_decay=wd, foreach=False)
+    opt32, opt64 = torch.optim.AdamW([p32], **kw), torch.optim.AdamW([p64], **kw)
+    for step in range(1, 101):
+        grad = (torch.randn(n, generator=g) * 0.5).to(gdtype)
+        p32.grad, p64.grad = grad.float(), grad.double()
+        opt32.step()
+        opt64.step()
+        out = poisoned(n, torch.bfloat16)
+        step_fn(master, m, v, grad, out, weight_decay=wd, step=step, **HP)
+        assert torch.equal(out, master.to(torch.bfloat16)), f"bf16 out != cast(master) at step {step}"
+    st32, st64 = opt32.state[p32], opt64.state[p64]
+    for ours, t32, t64 in ((master, p32.detach(), p64.detach()), (m, st32["exp_avg"], st64["exp_avg"]),
+                           (v, st32["exp_avg_sq"], st64["exp_avg_sq"])):  # fmt: skip
+        # element-wise against torch in fp32 ...
+        torch.testing.assert_close(ours, t32, rtol=2e-5, atol=1e-6)
+        # ... and our error at most 2x torch's own fp32 error against fp64 (+1 ulp of slack).
+        err_ours = (ours.double() - t64).abs().max().item()
+        err_torch = (t32.double() - t64).abs().max().item()
+        assert err_ours <= 2 * err_torch + ulp_atol(t64), (err_ours, err_torch)
+
+
+@pytest.mark.parametrize("odtype", DTYPES)
+@pytest.mark.parametrize("gdtype", DTYPES)
+@pytest.mark.parametrize("n", [1, 7, 4099, 278011])
+def test_single_step_vs_ref_with_scales(step_fn, n, gdtype, odtype):
+    g = gen("vsref", n, gdtype, odtype)
+    master, m, v = rand_state(n, g)
+    grad = torch.randn(n, generator=g).to(gdtype)
+    scale = torch.tensor([0.37])
+    kw = dict(weight_decay=0.05, step=7, grad_scale=0.25, scale_tensor=scale, **HP)
+    ref = [t.clone() for t in (master, m, v)]
+    ref_out = poisoned(n, odtype)
+    adamw_step_ref(*ref, grad, ref_out, **kw)
+    out = poisoned(n, odtype)
+    step_fn(master, m, v, grad, out, **kw)
+    for ours, r in zip((master, m, v), ref):
+        torch.testing.assert_close(ours, r, rtol=2e-6, atol=ulp_atol(r))
+    assert torch.equal(out, master.to(odtype))
+    # fp32: within an ulp of the largest value (as the state); bf16: the same, rounded (1 bf16 ulp apart at most)
+    tol = dict(rtol=8e-3, atol=0.0) if odtype == torch.bfloat16 else dict(rtol=2e-6, atol=ulp_atol(ref[0]))
+    torch.testing.assert_close(out.float(), ref_out.float(), **tol)
+
+
+@pytest.mark.parametrize("odtype", DTYPES)
+@pytest.mark.parametrize("gdtype", DTYPES)
+@pytest.mark.parametrize("n", [1, 7, 4096, 278011])
+def test_peek_equals_commit_on_copy_and_leaves_state(step_fn, n, gdtype, odtype):
+    g = gen("peek", n, gdtype, odtype)
+    state = rand_state(n, g)
+    grad = torch.randn(n, generator=g).to(gdtype)
+    kw = dict(weight_decay=0.1, step=12, grad_scale=0.5, **HP)
+    before = [t.clone() for t in state]
+    peek_out = poisoned(n, odtype)
+    step_fn(*state, grad, peek_out, commit=False, **kw)
+    for t, b in zip(state, before):
+        assert torch.equal(t, b), "peek modified the state"
+    copy = [t.clone() for t in state]
+    commit_out = poisoned(n, odtype)
+    step_fn(*copy, grad, commit_out, commit=True, **kw)
+    assert torch.equal(peek_out, commit_out), "peek != commit on a copy"
+    assert not torch.equal(copy[0], before[0]), "the commit did not move the parameters"
+
+
+@pytest.mark.parametrize("odtype", DTYPES)
+def test_noop_flag(step_fn, odtype):
+    n = 4099
+    g = gen("noop", odtype)
+    state = rand_state(n, g)
+    grad = torch.randn(n, generator=g)
+    before = [t.clone() for t in state]
+    for commit in (True, False):
+        out = poisoned(n, odtype)
+        step_fn(*state, grad, out, step=3, weight_decay=0.1, noop_flag=torch.ones(1, dtype=torch.int32),
+                commit=commit, **HP)  # fmt: skip
+        for t, b in zip(state, before):
+            assert torch.equal(t, b), "a noop step modified the state"
+        assert torch.equal(out, before[0].to(odtype)), "noop out != cast(master)"
+    # a zero flag is an ordinary step
+    a, b = [t.clone() for t in state], [t.clone() for t in state]
+    out_a, out_b = poisoned(n, odtype), poisoned(n, odtype)
+    step_fn(*a, grad, out_a, step=3, weight_decay=0.1, noop_flag=torch.zeros(1, dtype=torch.int32), **HP)
+    step_fn(*b, grad, out_b, step=3, weight_decay=0.1, **HP)
+    assert torch.equal(out_a, out_b) and all(torch.equal(x, y) for x, y in zip(a, b))
+    assert not torch.equal(a[0], before[0])
+
+
+def test_scale_tensor_equals_grad_scale(step_fn):
+    n = 1027
+    g = gen("scale")
+    state = rand_state(n, g)
+    grad = torch.randn(n, generator=g).to(torch.bfloat16)
+    a, b, c = ([t.clone() for t in state] for _ in range(3))
+    step_fn(*a, grad, step=5, weight_decay=0.0, scale_tensor=torch.tensor([0.125]), **HP)
+    step_fn(*b, grad, step=5, weight_decay=0.0, grad_scale=0.125, **HP)
+    step_fn(*c, grad, step=5, weight_decay=0.0, **HP)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert not torch.equal(a[1], c[1]), "the scale had no effect"
+
+
+def test_misaligned_slices_use_scalar_path(step_fn):
+    """Shards at odd offsets of larger buffers (no vector alignment) give the same result as aligned ones."""
+    n = 1031
+    g = gen("misaligned")
+    base = [torch.empty(n + 3) for _ in range(3)]
+    aligned = rand_state(n, g)
+    odd = [b[1 : n + 1] for b in base]
+    for o, a in zip(odd, aligned):
+        o.copy_(a)
+    grad_buf = torch.empty(n + 1, dtype=torch.bfloat16)
+    grad_buf[1:] = torch.randn(n, generator=g)
+    grad = grad_buf[1:]
+    out_buf = poisoned(n + 1, torch.bfloat16)
+    out_a = poisoned(n, torch.bfloat16)
+    step_fn(*aligned, grad.clone(), out_a, step=2, weight_decay=0.1, **HP)
+    step_fn(*odd, grad, out_buf[1:], step=2, weight_decay=0.1, **HP)
+    assert torch.equal(out_buf[1:], out_a) and out_buf[0].isnan()
+    assert all(torch.equal(o, a) for o, a in zip(odd, aligned))
+
+
+def test_cpu_threads_do_not_change_results():
+    require_cpu_ext()
+    n = 300_007
+    g = gen("threads")
+    state = rand_state(n, g)
+    grad = torch.randn(n, generator=g).to(torch.bfloat16)
+    results = []
+    old = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            s = [t.clone() for t in state]
+            out = poisoned(n, torch.bfloat16)
+            adamw_step(*s, grad, out, step=4, weight_decay=0.1, **HP)
+            results.append((s, out))
+    finally:
+        torch.set_num_threads(old)
+    assert torch.equal(results[0][1], results[1][1])
+    assert all(torch.equal(x, y) for x, y in zip(results[0][0], results[1][0]))
+
+
+def test_ref_is_torch_adamw_single_step():
+    """The reference itself: one step from zero state equals torch.optim.AdamW (same fp32 ops)."""
+    n = 4096
+    g = gen("ref")
+    p0, grad = torch.randn(n, generator=g), torch.randn(n, generator=g)
+    p = torch.nn.Parameter(p0.clone())
+    p.grad = grad.clone()
+    torch.optim.AdamW([p], lr=HP["lr"], betas=(HP["beta1"], HP["beta2"]), eps=HP["eps"], weight_decay=0.1,
+                      foreach=False).step()  # fmt: skip
+    master, m, v = p0.clone(), torch.zeros(n), torch.zeros(n)
+    adamw_step_ref(master, m, v, grad, step=1, weight_decay=0.1, **HP)
+    torch.testing.assert_close(master, p.detach(), rtol=1e-6, atol=ulp_atol(p0))
+
+
+def test_fallback_when_extension_disabled(monkeypatch, caplog):
+    monkeypatch.setenv(_build.DISABLE_ENV, "1")
+    _build.reset_cache()
+    monkeypatch.setattr("acco_ds.ops.adamw._logged_backends", set())
+    try:
+        n = 33
+        g = gen("fallback")
+        a = rand_state(n, g)
+        b = [t.clone() for t in a]
+        grad = torch.randn(n, generator=g)
+        with caplog.at_level(logging.INFO, logger="acco_ds.ops.adamw"):
+            adamw_step(*a, grad, step=1, weight_decay=0.0, **HP)
+            adamw_step(*a, grad, step=2, weight_decay=0.0, **HP)
+        adamw_step_ref(*b, grad, step=1, weight_decay=0.0, **HP)
+        adamw_step_ref(*b, grad, step=2, weight_decay=0.0, **HP)
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+        msgs = [r.getMessage() for r in caplog.records if "torch reference" in r.getMessage()]
+        assert len(msgs) == 1 and _build.DISABLE_ENV in msgs[0], msgs
+    finally:
+        monkeypatch.delenv(_build.DISABLE_ENV)
+        _build.reset_cache()
+
+
+# -- bad inputs --------------------------------------------------------------------------------------------
+def _good(n=16):
+    return dict(master=torch.randn(n), exp_avg=torch.randn(n), exp_avg_sq=torch.rand(n), grad=torch.randn(n),
+                out=torch.empty(n, dtype=torch.bfloat16))  # fmt: skip
+
+
+def _misaligned_fp32(n):
+    raw = bytearray(4 * n + 4)
+    return torch.frombuffer(raw, dtype=torch.float32, offset=1, count=n)
+
+
+BAD = [
+    ("master", lambda n: torch.randn(2 * n)[::2], ValueError, "master is not contiguous"),
+    ("grad", lambda n: torch.randn(2 * n)[::2], ValueError, "grad is not contiguous"),
+    ("exp_avg", lambda n: torch.randn(n, dtype=torch.float64), TypeError, "exp_avg has dtype torch.float64"),
+    ("grad", lambda n: torch.randn(n, dtype=torch.float16), TypeError, "grad has dtype torch.float16"),
+    ("out", lambda n: torch.empty(n, dtype=torch.float16), TypeError, "out has dtype torch.float16"),
+    ("exp_avg_sq", lambda n: torch.rand(n + 1), ValueError, "exp_avg_sq has 17 elements but master has 16"),
+    ("grad", lambda n: torch.randn(n, device="meta"), ValueError, "grad is on meta but master is on cpu"),
+    ("master", lambda n: torch.randn(n, 1), ValueError, "master must be 1-D"),
+    ("grad", lambda n: [0.0] * n, TypeError, "grad must be a torch.Tensor"),
+    ("exp_avg", _misaligned_fp32, ValueError, "exp_avg data pointer .* is not aligned"),
+]
+
+
+@pytest.mark.parametrize("fn", [adamw_step, adamw_step_ref])
+@pytest.mark.parametrize("arg,make,exc,msg", BAD)
+def test_bad_tensor_arguments(fn, arg, make, exc, msg):
+    t = _good()
+    t[arg] = make(16)
+    with pytest.raises(exc, match=msg):
+        fn(**t, step=1, weight_decay=0.0, **HP)
+
+
+@pytest.mark.parametrize("fn", [adamw_step, adamw_step_ref])
+@pytest.mark.parametrize(
+    "kw,msg",
+    [
+        (dict(step=0), "step must be an int >= 1"),
+        (dict(step=1.0), "step must be an int >= 1"),
+        (dict(step=1, beta1=1.0), "beta1 must be in"),
+        (dict(step=1, lr=float("nan")), "lr must be finite"),
+        (dict(step=1, scale_tensor=torch.ones(2)), "scale_tensor must have exactly 1 element"),
+        (dict(step=1, noop_flag=torch.zeros(1)), "noop_flag has dtype torch.float32"),
+        (dict(step=1, out=None, commit=False), "out must be a tensor"),
+    ],
+)
+def test_bad_scalar_arguments(fn, kw, msg):
+    t = _good()
+    hp = {**HP, "weight_decay": 0.0}
+    if "out" in kw:
+        t.pop("out")
+    hp.update(kw)
+    with pytest.raises(ValueError if "dtype" not in msg else TypeError, match=msg):
+        fn(**t, **hp)
+
+
+def test_peek_out_must_not_alias_state():
+    t = _good()
+    t["out"] = t["exp_avg"]
+    with pytest.raises(ValueError, match="out overlaps"):
+        adamw_step(**t, step=1, weight_decay=0.0, commit=False, **HP)
