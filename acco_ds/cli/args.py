@@ -1,0 +1,139 @@
+"""Command-line options of ``acco-train`` (``python -m acco_ds.train``).
+
+Contract: ``parse(argv)`` returns the namespace with every default filled in and checked
+(world size, threads per rank and output folder resolved); a bad value exits with a message
+naming the option, the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+from acco_ds.cli.dsconfig import ALL_MODES
+
+DEFAULT_MODES = ["acco", "zero1"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="acco-train",
+        description=(
+            "Train a small GPT-style byte-level decoder on the Python standard library sources with "
+            "ACCO (acco_ds) and/or plain DeepSpeed ZeRO, side by side. Launches its own ranks "
+            "(2 CPU ranks with gloo, or every GPU with NCCL) through the DeepSpeed launcher."
+        ),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    run = ap.add_argument_group("what to run")
+    run.add_argument(
+        "--mode",
+        nargs="+",
+        choices=ALL_MODES,
+        default=DEFAULT_MODES,
+        help="one run per mode, in this order: acco | dpu | sync (the ACCO optimizer), zero1 (DeepSpeed "
+        "ZeRO-1 AdamW), zero2 (DeepSpeed ZeRO-2 with overlap_comm)",
+    )
+    run.add_argument(
+        "--accumulation",
+        choices=("fixed", "adaptive"),
+        default="fixed",
+        help="ACCO accumulation for the acco and dpu runs (sync is always fixed)",
+    )
+    run.add_argument(
+        "--config",
+        default=None,
+        help="a DeepSpeed JSON config to train with instead of the generated ones (one run; --mode, "
+        "--accumulation and the optimizer options are then taken from the file)",
+    )
+    run.add_argument("--steps", type=int, default=150, help="optimizer steps per run")
+    run.add_argument("--micro-batch", type=int, default=8, help="sequences per micro-batch per rank")
+    run.add_argument(
+        "--grad-accum", type=int, default=4, help="micro-batches per optimizer step per rank (even for acco)"
+    )
+    run.add_argument(
+        "--world-size", type=int, default=None, help="ranks (default: all GPUs, else 2 CPU ranks)"
+    )
+    run.add_argument(
+        "--threads", type=int, default=None, help="torch threads per rank (default: cores / ranks on CPU)"
+    )
+    run.add_argument("--seed", type=int, default=0)
+    run.add_argument(
+        "--dtype", choices=("auto", "fp32", "bf16"), default="auto", help="auto: bf16 on GPU, fp32 on CPU"
+    )
+    opt = ap.add_argument_group("optimizer (AdamW, shared by every mode)")
+    opt.add_argument(
+        "--lr", type=float, default=2e-3, help="peak learning rate (linear warm-up, cosine decay)"
+    )
+    opt.add_argument("--min-lr", type=float, default=2e-4)
+    opt.add_argument("--warmup-steps", type=int, default=15)
+    opt.add_argument("--weight-decay", type=float, default=0.1)
+    opt.add_argument("--grad-clip", type=float, default=1.0)
+    model = ap.add_argument_group("model size")
+    model.add_argument("--n-layer", type=int, default=4)
+    model.add_argument("--n-head", type=int, default=4)
+    model.add_argument("--d-model", type=int, default=128)
+    model.add_argument("--context", type=int, default=128, help="bytes per sequence")
+    out = ap.add_argument_group("data and output")
+    out.add_argument(
+        "--corpus", default=None, help="a directory of *.py files (default: the stdlib of this Python)"
+    )
+    out.add_argument(
+        "--eval-windows", type=int, default=256, help="validation sequences evaluated at the end"
+    )
+    out.add_argument("--out", default=None, help="output folder (default: ./acco_out/<timestamp>)")
+    out.add_argument("--no-progress", action="store_true", help="no progress bar")
+    het = ap.add_argument_group("heterogeneous workers (demo)")
+    het.add_argument("--slow-rank", type=int, default=-1, help="this rank gets extra compute per micro-batch")
+    het.add_argument(
+        "--slow-factor", type=float, default=1.0, help="... so that it is this many times slower"
+    )
+    return ap
+
+
+def _cuda() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except Exception:  # pragma: no cover
+        return False
+
+
+def parse(argv=None) -> argparse.Namespace:
+    from acco_ds.cli.launch import default_world_size
+
+    ap = build_parser()
+    a = ap.parse_args(argv)
+    for name in (
+        "steps",
+        "micro_batch",
+        "grad_accum",
+        "n_layer",
+        "n_head",
+        "d_model",
+        "context",
+        "eval_windows",
+    ):
+        if getattr(a, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
+    a.world_size = a.world_size or default_world_size()
+    if a.world_size < 1:
+        ap.error(f"--world-size must be >= 1, got {a.world_size}")
+    if a.threads is None:
+        a.threads = 1 if _cuda() else max(1, (os.cpu_count() or 1) // a.world_size)
+    if a.threads < 1:
+        ap.error(f"--threads must be >= 1, got {a.threads}")
+    if "acco" in a.mode and a.grad_accum % 2 and not a.config:
+        ap.error(f"--mode acco needs an even --grad-accum (two rounds of GAS/2 per step), got {a.grad_accum}")
+    if a.slow_rank >= a.world_size:
+        ap.error(f"--slow-rank {a.slow_rank} is not a rank of --world-size {a.world_size}")
+    if a.slow_factor < 1.0:
+        ap.error(f"--slow-factor must be >= 1 (1: no slowdown), got {a.slow_factor}")
+    if a.dtype == "auto":
+        a.dtype = "bf16" if _cuda() else "fp32"
+    if len(set(a.mode)) != len(a.mode):
+        ap.error(f"--mode lists a mode twice: {' '.join(a.mode)}")
+    a.out = a.out or os.path.join("acco_out", time.strftime("%Y%m%d-%H%M%S"))
+    return a

@@ -1,0 +1,182 @@
+"""The main job: one launched run per mode, then the merged metrics, the summary and the plots.
+
+Contract: ``run_job(args)`` (args from ``acco_ds.cli.args.parse``) writes into ``args.out``:
+- ``runs/<label>/``: each run's spec, DeepSpeed config, launcher log and the ranks' raw records;
+- ``metrics.jsonl``: one line per (mode, optimizer step): mode, step, samples, time_s, loss,
+  samples_per_s;
+- ``summary.json``: machine and versions, the options, the corpus, the model size and, per mode,
+  the steady-state figures and the validation loss on the committed parameters;
+- ``loss_vs_samples.png`` and ``loss_vs_time.png``.
+It returns the summary dict. A failing run raises ``LaunchError`` with the end of its log.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from acco_ds.cli import dsconfig
+from acco_ds.cli.launch import free_port, launch_command, run_ranks
+from acco_ds.cli.metrics import machine_info, merge_ranks, read_ranks, summarize
+from acco_ds.cli.plots import plot_losses
+from acco_ds.cli.spec import RunSpec
+
+
+def acco_registered() -> tuple:
+    """(True, '') when ``import acco_ds`` makes DeepSpeed accept ``"type": "ACCO"``, else
+    (False, why)."""
+    try:
+        from deepspeed.runtime.engine import DeepSpeedEngine
+
+        import acco_ds  # noqa: F401
+
+        if DeepSpeedEngine._is_supported_optimizer(None, "ACCO"):
+            return True, ""
+        return False, "import acco_ds did not register the 'ACCO' optimizer type with DeepSpeed"
+    except Exception as err:
+        return False, f"import acco_ds failed or does not register ACCO: {type(err).__name__}: {err}"
+
+
+def _model_cfg(a) -> dict:
+    from acco_ds.models import GPTConfig
+
+    return GPTConfig(n_layer=a.n_layer, n_head=a.n_head, d_model=a.d_model, context=a.context).to_dict()
+
+
+def _num_params(model_cfg: dict) -> int:
+    from acco_ds.models import GPTConfig, TinyGPT
+
+    return TinyGPT(GPTConfig(**model_cfg)).num_params()
+
+
+def plan_runs(a, model_cfg: dict, n_params: int) -> list:
+    """[(label, mode, accumulation, ds_config)] in the order they run."""
+    knobs = dsconfig.Knobs(
+        micro_batch=a.micro_batch,
+        grad_accum=a.grad_accum,
+        world_size=a.world_size,
+        lr=a.lr,
+        min_lr=a.min_lr,
+        warmup_steps=a.warmup_steps,
+        total_steps=a.steps,
+        weight_decay=a.weight_decay,
+        grad_clip=a.grad_clip,
+        bf16=a.dtype == "bf16",
+        accumulation=a.accumulation,
+        num_params=n_params,
+    )
+    user = dsconfig.load_user_config(a.config, knobs)
+    if user is not None:
+        mode, acc = dsconfig.config_mode(user)
+        return [(dsconfig.label(mode, acc), mode, acc, user)]
+    runs = []
+    for mode in a.mode:
+        acc = a.accumulation if mode in ("acco", "dpu") else "fixed"
+        runs.append((dsconfig.label(mode, acc), mode, acc, dsconfig.build_config(mode, knobs)))
+    return runs
+
+
+def _print_table(summary: dict) -> None:
+    rows = [("mode", "steps", "samples", "time s", "samples/s", "train loss", "val loss", "peak MiB/rank")]
+    for label, s in summary["runs"].items():
+        rows.append(
+            (
+                label,
+                str(s["steps"]),
+                str(s["samples"]),
+                f"{s['train_s']:.1f}",
+                f"{s['samples_per_s']:.1f}",
+                f"{s['final_train_loss']:.3f}" if s["final_train_loss"] is not None else "-",
+                f"{s['val_loss']:.3f}" if s["val_loss"] is not None else "-",
+                f"{max(s['peak_mem_mib']):.0f}",
+            )
+        )
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        print("  ".join(c.rjust(w) for c, w in zip(r, widths)))
+
+
+def run_job(a) -> dict:
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    model_cfg = _model_cfg(a)
+    n_params = _num_params(model_cfg)
+    runs = plan_runs(a, model_cfg, n_params)
+    if any(str((cfg.get("optimizer") or {}).get("type", "")).lower() == "acco" for *_, cfg in runs):
+        ok, why = acco_registered()
+        if not ok:
+            raise SystemExit(
+                f"acco-train: cannot run the ACCO modes: {why}. Run with --mode zero1 meanwhile."
+            )
+    print(
+        f"acco-train: {len(runs)} run(s) [{', '.join(r[0] for r in runs)}], {a.world_size} ranks x {a.threads} "
+        f"thread(s), model {n_params / 1e6:.2f}M params, {a.steps} steps x {a.grad_accum} micro-batches x "
+        f"{a.micro_batch} seq x {a.context} bytes per rank; output: {out}",
+        flush=True,
+    )
+    summary = {
+        "machine": machine_info(),
+        "options": vars(a),
+        "model": dict(model_cfg, params=n_params),
+        "runs": {},
+    }
+    curves = {}
+    metrics_lines = []
+    for label, mode, acc, cfg in runs:
+        run_dir = out / "runs" / label
+        spec = RunSpec(
+            name=label,
+            mode=mode,
+            accumulation=acc,
+            run_dir=str(run_dir),
+            model=model_cfg,
+            ds_config=cfg,
+            steps=a.steps,
+            micro_batch=cfg.get("train_micro_batch_size_per_gpu", a.micro_batch),
+            grad_accum=cfg.get("gradient_accumulation_steps", a.grad_accum),
+            seed=a.seed,
+            threads=a.threads,
+            corpus=a.corpus,
+            eval_windows=a.eval_windows,
+            progress=not a.no_progress,
+            slow_rank=a.slow_rank,
+            slow_factor=a.slow_factor,
+        )
+        path = spec.save()
+        (run_dir / "ds_config.json").write_text(json.dumps(cfg, indent=2))
+        started = time.perf_counter()
+        cmd = launch_command(str(path), a.world_size, free_port())
+        run_ranks(cmd, a.threads, log_path=run_dir / "launch.log", show_stderr=True)
+        logs, ranks = read_ranks(run_dir, a.world_size)
+        records = merge_ranks(logs, spec.micro_batch)
+        s = summarize(records, ranks, warmup=min(5, a.steps // 5), micro_batch=spec.micro_batch)
+        s["launch_wall_s"] = time.perf_counter() - started
+        s["mode"], s["accumulation"] = mode, acc
+        summary["runs"][label] = s
+        curves[label] = records
+        metrics_lines += [
+            json.dumps(
+                {
+                    "mode": label,
+                    "step": r["step"],
+                    "samples": r["samples"],
+                    "time_s": r["time_s"],
+                    "loss": r["loss"],
+                    "samples_per_s": r["samples_per_s"],
+                }
+            )
+            for r in records
+        ]
+        val = f"{s['val_loss']:.4f}" if s["val_loss"] is not None else "n/a"
+        print(
+            f"  {label}: val loss {val}, {s['samples_per_s']:.1f} samples/s, {s['train_s']:.1f} s", flush=True
+        )
+    (out / "metrics.jsonl").write_text("".join(x + "\n" for x in metrics_lines))
+    summary["plots"] = [
+        str(p) for p in plot_losses(curves, out, title=f"{n_params / 1e6:.2f}M-param GPT, stdlib bytes")
+    ]
+    (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    _print_table(summary)
+    print(f"acco-train: wrote {out / 'metrics.jsonl'}, {out / 'summary.json'} and the plots", flush=True)
+    return summary

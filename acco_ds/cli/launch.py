@@ -1,0 +1,112 @@
+"""Starting the ranks of a run through DeepSpeed's launcher.
+
+Contract: ``launch_command(spec_path, world, port)`` is the argv of
+``python -m deepspeed.launcher.runner --num_gpus W --master_addr 127.0.0.1 --master_port P
+--module acco_ds.cli.worker --spec SPEC``: one node, W ranks, every socket on 127.0.0.1 (gloo on
+CPU, NCCL on GPUs). ``run_ranks`` runs it (optionally wrapped, e.g. in a throttled network
+namespace by the benchmark), with ``OMP_NUM_THREADS`` set to the threads per rank and the
+package importable by the ranks, and raises ``LaunchError`` with the tail of the output when a
+rank fails.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Callable, List
+
+PACKAGE_PARENT = str(Path(__file__).resolve().parents[2])
+
+
+class LaunchError(RuntimeError):
+    """A launched run exited with a non-zero status."""
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available() and torch.cuda.device_count() > 0
+    except Exception:  # pragma: no cover - a broken CUDA setup falls back to CPU ranks
+        return False
+
+
+def default_world_size() -> int:
+    """All GPUs when CUDA is there, else 2 CPU ranks."""
+    if _cuda_available():
+        import torch
+
+        return torch.cuda.device_count()
+    return 2
+
+
+def launch_command(
+    spec_path: str | None,
+    world: int,
+    port: int,
+    target: str = "acco_ds.cli.worker",
+    extra: List[str] | None = None,
+) -> List[str]:
+    """The launcher argv. ``target`` is a module (run as ``python -m``) or a ``.py`` script path;
+    ``--spec spec_path`` (when given) and ``extra`` are passed to every rank."""
+    cmd = [sys.executable, "-u", "-m", "deepspeed.launcher.runner", "--num_gpus", str(world)]
+    cmd += ["--master_addr", "127.0.0.1", "--master_port", str(port), "--log_level", "warning"]
+    cmd += [target] if target.endswith(".py") else ["--module", target]
+    if spec_path:
+        cmd += ["--spec", str(spec_path)]
+    return cmd + list(extra or [])
+
+
+def rank_env(threads: int) -> dict:
+    env = dict(os.environ)
+    env["OMP_NUM_THREADS"] = str(threads)
+    env["MKL_NUM_THREADS"] = str(threads)
+    paths = [PACKAGE_PARENT] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    warn = "ignore::FutureWarning,ignore::DeprecationWarning"
+    env["PYTHONWARNINGS"] = ",".join(w for w in (env.get("PYTHONWARNINGS"), warn) if w)
+    if "DS_ACCELERATOR" not in env and not _cuda_available():
+        env["DS_ACCELERATOR"] = "cpu"  # skips DeepSpeed's probing and its warning on CPU-only hosts
+    return env
+
+
+def run_ranks(
+    cmd: List[str],
+    threads: int,
+    log_path: Path | None = None,
+    show_stderr: bool = False,
+    wrap: Callable[[str], List[str]] | None = None,
+    timeout: float | None = None,
+) -> None:
+    """Run ``cmd`` (wrapped by ``wrap(shell_command)`` when given) and wait for it.
+
+    Output: to the terminal when ``log_path`` is None; else stdout (DeepSpeed's log chatter) goes
+    to ``log_path`` and stderr too, unless ``show_stderr`` keeps it on the terminal (the progress
+    bar and any traceback). Raises LaunchError, quoting the end of the log, on a non-zero exit."""
+    full = wrap(shlex.join(cmd)) if wrap else cmd
+    env = rank_env(threads)
+    tail = ""
+    if log_path is None:
+        proc = subprocess.run(full, env=env, timeout=timeout)
+    else:
+        with open(log_path, "w") as fh:
+            err = None if show_stderr else subprocess.STDOUT
+            proc = subprocess.run(full, env=env, stdout=fh, stderr=err, timeout=timeout)
+        tail = "\n".join(Path(log_path).read_text(errors="replace").splitlines()[-40:])
+    if proc.returncode != 0:
+        where = f" (log: {log_path})" if log_path else ""
+        raise LaunchError(
+            f"the ranks exited with status {proc.returncode}{where}:\n{tail}\ncommand: {shlex.join(full)}"
+        )

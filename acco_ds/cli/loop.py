@@ -1,0 +1,128 @@
+"""The per-rank training loops (the unchanged DeepSpeed loop, and the compute-only loop).
+
+Contracts:
+- ``train_fixed``: exactly ``steps * grad_accum`` micro-batches, ``loss = engine(x, y);
+  engine.backward(loss); engine.step()`` each. Used for the DeepSpeed baselines and for ACCO with
+  fixed accumulation.
+- ``train_adaptive``: ACCO with adaptive accumulation: pulls micro-batches from the endless
+  per-rank iterator while ``engine.optimizer.committed_steps < steps``, so a fast rank computes
+  more micro-batches than a slow one (and every rank computes while the link is busy).
+- ``compute_only``: the same micro-batches, forward + backward with gradient accumulation on a
+  plain model, no communication and no optimizer: the compute-bound reference.
+Every loop calls ``spinner.spin()`` after each micro-batch (the controlled slowdown), feeds the
+``StepLog`` and the progress bar, and returns the seconds since ``start`` (a perf_counter value
+taken by the caller right after the ranks' barrier).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Iterator
+
+from acco_ds.cli.progress import Progress
+from acco_ds.cli.slowdown import Spinner
+from acco_ds.cli.steplog import StepLog
+
+
+def step_counter(engine) -> Callable[[], int]:
+    """Optimizer steps done: committed steps for ACCO, DeepSpeed's global steps otherwise."""
+    opt = engine.optimizer
+    if hasattr(opt, "committed_steps"):
+        return lambda: int(opt.committed_steps)
+    return lambda: int(engine.global_steps)
+
+
+def committed_samples(engine, micro_batch: int, world: int, grad_accum: int, step: int) -> int:
+    """Global samples in the committed steps (ACCO: its own count; DeepSpeed: steps x batch)."""
+    opt = engine.optimizer
+    if hasattr(opt, "stats"):
+        return int(opt.stats()["micro_batches_committed"]) * micro_batch
+    return step * grad_accum * micro_batch * world
+
+
+def _micro(engine, batch, device) -> float:
+    x, y = (t.to(device, non_blocking=True) for t in batch)
+    loss = engine(x, y)
+    engine.backward(loss)
+    engine.step()
+    return float(loss.detach().float().item())
+
+
+def train_fixed(
+    engine,
+    batches: Iterator,
+    steps: int,
+    grad_accum: int,
+    micro_batch: int,
+    world: int,
+    log: StepLog,
+    bar: Progress,
+    spinner: Spinner,
+    start: float,
+) -> float:
+    count = step_counter(engine)
+    for _ in range(steps * grad_accum):
+        log.micro(_micro(engine, next(batches), engine.device))
+        spinner.spin()
+        step = count()
+        if step > log.last_step:
+            now = time.perf_counter() - start
+            log.step(step, now)
+            bar.update(
+                step, log.recent_loss(), committed_samples(engine, micro_batch, world, grad_accum, step), now
+            )
+    return time.perf_counter() - start
+
+
+def train_adaptive(
+    engine,
+    batches: Iterator,
+    steps: int,
+    grad_accum: int,
+    micro_batch: int,
+    world: int,
+    log: StepLog,
+    bar: Progress,
+    spinner: Spinner,
+    start: float,
+) -> float:
+    count = step_counter(engine)
+    step = 0
+    while step < steps:
+        log.micro(_micro(engine, next(batches), engine.device))
+        spinner.spin()
+        new = count()
+        if new > step:
+            step = new
+            now = time.perf_counter() - start
+            samples = committed_samples(engine, micro_batch, world, grad_accum, step)
+            log.step(step, now)
+            bar.update(step, log.recent_loss(), samples, now)
+    return time.perf_counter() - start
+
+
+def compute_only(
+    model,
+    batches: Iterator,
+    steps: int,
+    grad_accum: int,
+    micro_batch: int,
+    world: int,
+    log: StepLog,
+    bar: Progress,
+    spinner: Spinner,
+    start: float,
+    device,
+) -> float:
+    for step in range(1, steps + 1):
+        for _ in range(grad_accum):
+            x, y = (t.to(device) for t in next(batches))
+            loss = model(x, y) / grad_accum
+            loss.backward()
+            log.micro(float(loss.detach().float().item()) * grad_accum)
+            spinner.spin()
+        model.zero_grad(set_to_none=False)
+        now = time.perf_counter() - start
+        log.step(step, now)
+        bar.update(step, log.recent_loss(), step * grad_accum * micro_batch * world, now)
+    return time.perf_counter() - start

@@ -1,0 +1,171 @@
+"""Merging the ranks' raw records of a run into global metrics, and summarising a run.
+
+Contracts:
+- ``merge_ranks(run_dir, world, micro_batch)`` aligns the ranks' cumulative step records on the
+  steps every rank logged and returns one record per step: ``step``, ``time_s`` (the slowest
+  rank's time: a step is done when every rank is past it), ``samples`` (global samples computed so
+  far, all ranks), ``loss`` (mean loss of the micro-batches computed since the previous record),
+  ``samples_per_s`` (samples over time so far) and ``rank_mb`` (cumulative micro-batches per rank).
+- ``summarize(records, ranks, warmup, micro_batch)`` gives the steady-state figures of a run:
+  median time per optimizer step after ``warmup`` steps, samples/s over the steps after warm-up
+  (overall and per rank), the final training loss (mean over the last ``tail`` of the samples),
+  the validation loss and the peak memory per rank.
+- ``time_to_loss(records, target, window)`` is the first time the training loss averaged over the
+  trailing ``window`` samples is at or below ``target`` (None when never).
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import List
+
+
+def read_ranks(run_dir: Path, world: int):
+    """(per-rank step records, per-rank summaries) of a finished run."""
+    run_dir = Path(run_dir)
+    logs, sums = [], []
+    for r in range(world):
+        lines = (run_dir / f"rank{r}.jsonl").read_text().splitlines()
+        logs.append([json.loads(x) for x in lines if x.strip()])
+        sums.append(json.loads((run_dir / f"rank{r}.json").read_text()))
+    return logs, sums
+
+
+def merge_ranks(logs: List[list], micro_batch: int) -> List[dict]:
+    by_rank = [{rec["step"]: rec for rec in log} for log in logs]
+    common = sorted(set.intersection(*(set(d) for d in by_rank))) if by_rank else []
+    out, prev_mb, prev_loss = [], 0, 0.0
+    for step in common:
+        recs = [d[step] for d in by_rank]
+        mb = sum(r["mb"] for r in recs)
+        loss_sum = sum(r["loss_sum"] for r in recs)
+        t = max(r["t"] for r in recs)
+        if mb == prev_mb:
+            continue
+        out.append(
+            {
+                "step": step,
+                "time_s": t,
+                "samples": mb * micro_batch,
+                "loss": (loss_sum - prev_loss) / (mb - prev_mb),
+                "samples_per_s": mb * micro_batch / t if t > 0 else 0.0,
+                "rank_mb": [r["mb"] for r in recs],
+                "rank_t": [r["t"] for r in recs],
+                "loss_sum": loss_sum,
+                "mb_total": mb,
+            }
+        )
+        prev_mb, prev_loss = mb, loss_sum
+    return out
+
+
+def smoothed_loss(records: List[dict], window: int) -> List[float | None]:
+    """Mean training loss of the micro-batches in the trailing ``window`` samples at each record
+    (None until ``window`` samples are in)."""
+    samples = [r["samples"] for r in records]
+    out: List[float | None] = []
+    for r in records:
+        if r["samples"] < window:
+            out.append(None)
+            continue
+        j = bisect.bisect_right(samples, r["samples"] - window) - 1
+        base_mb, base_loss = (records[j]["mb_total"], records[j]["loss_sum"]) if j >= 0 else (0, 0.0)
+        out.append((r["loss_sum"] - base_loss) / (r["mb_total"] - base_mb))
+    return out
+
+
+def time_to_loss(records: List[dict], target: float, window: int) -> float | None:
+    for rec, value in zip(records, smoothed_loss(records, window)):
+        if value is not None and value <= target:
+            return rec["time_s"]
+    return None
+
+
+def summarize(
+    records: List[dict], ranks: List[dict], warmup: int, micro_batch: int, tail: float = 0.2
+) -> dict:
+    if not records:
+        raise ValueError("the run logged no optimizer step: nothing to summarise")
+    w = min(warmup, len(records) - 2) if len(records) > 2 else 0
+    steady = records[w:]
+    base = (
+        records[w - 1]
+        if w > 0
+        else {
+            "time_s": 0.0,
+            "samples": 0,
+            "step": 0,
+            "rank_mb": [0] * len(ranks),
+            "rank_t": [0.0] * len(ranks),
+        }
+    )
+    last = records[-1]
+    dts = [
+        (b["time_s"] - a["time_s"]) / (b["step"] - a["step"]) for a, b in zip([base] + steady[:-1], steady)
+    ]
+    span = last["time_s"] - base["time_s"]
+    per_rank = [
+        (last["rank_mb"][r] - base["rank_mb"][r]) * micro_batch / (last["rank_t"][r] - base["rank_t"][r])
+        if last["rank_t"][r] > base["rank_t"][r]
+        else 0.0
+        for r in range(len(ranks))
+    ]
+    window = max(1, int(tail * last["samples"]))
+    final = smoothed_loss(records, window)[-1]
+    return {
+        "steps": last["step"],
+        "samples": last["samples"],
+        "train_s": max(s["train_s"] for s in ranks),
+        "step_time_s": statistics.median(dts),
+        "samples_per_s": (last["samples"] - base["samples"]) / span if span > 0 else 0.0,
+        "rank_samples_per_s": per_rank,
+        "final_train_loss": final,
+        "loss_window_samples": window,
+        "val_loss": ranks[0].get("val_loss"),
+        "peak_mem_mib": [s["peak_mem_mib"] for s in ranks],
+        "rank_micro_batches": [s["micro_batches_local"] for s in ranks],
+        "acco_stats": [s.get("stats", {}) for s in ranks],
+        "warmup_steps": w,
+    }
+
+
+def machine_info() -> dict:
+    """CPU model, cores, GPU (if any), library versions, date: the context of every result."""
+    import torch
+
+    cpu = platform.processor() or ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    info = {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "platform": platform.platform(),
+    }
+    try:
+        import deepspeed
+
+        info["deepspeed"] = deepspeed.__version__
+    except Exception as err:  # pragma: no cover - reported, not fatal
+        info["deepspeed"] = f"unavailable ({err})"
+    try:
+        from importlib.metadata import version
+
+        info["acco_ds"] = version("acco_ds")
+    except Exception:
+        info["acco_ds"] = "source tree"
+    return info

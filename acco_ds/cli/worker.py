@@ -1,0 +1,169 @@
+"""The rank process: ``python -m acco_ds.cli.worker --spec RUN_DIR/spec.json`` (started by the
+DeepSpeed launcher, one per rank; see ``acco_ds.cli.launch``).
+
+Contract: reads the RunSpec, builds the same model on every rank (seeded), trains it with the
+DeepSpeed engine of ``spec.ds_config`` (or, for ``spec.mode == 'compute'``, runs the compute-only
+loop with no communication), then - for ACCO - calls ``engine.optimizer.finish()`` on every rank
+so the model holds the committed parameters, evaluates the validation loss on them, and writes
+``rank<r>.jsonl`` and ``rank<r>.json`` into the run folder. All timing starts after a barrier.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import resource
+import sys
+import time
+
+import torch
+
+
+def _peak_mem_mib(device) -> float:
+    if device is not None and getattr(device, "type", "cpu") == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux: KiB
+
+
+def _evaluate(model, spec, corpus, rank: int, world: int, device) -> float:
+    """Mean validation loss over all ranks' windows, on the parameters the model holds now."""
+    import torch.distributed as dist
+
+    from acco_ds.data import val_windows
+
+    x, y = val_windows(corpus.val, spec.model["context"], spec.eval_windows, rank, world)
+    model.eval()
+    total = torch.zeros(2, dtype=torch.float64)
+    with torch.no_grad():
+        for i in range(0, x.size(0), spec.micro_batch):
+            xb, yb = x[i : i + spec.micro_batch].to(device), y[i : i + spec.micro_batch].to(device)
+            total[0] += float(model(xb, yb).float()) * xb.size(0)
+            total[1] += xb.size(0)
+    model.train()
+    if dist.is_initialized() and world > 1:
+        dist.all_reduce(total)
+    return float(total[0] / total[1])
+
+
+def run(spec) -> dict:
+    """Train one rank of ``spec``; returns this rank's summary (also written to disk)."""
+    marks = {"start": time.perf_counter()}
+    import deepspeed
+    import torch.distributed as dist
+    from deepspeed.accelerator import get_accelerator
+
+    import acco_ds  # noqa: F401  (registers the ACCO optimizer type)
+    from acco_ds.cli import loop
+    from acco_ds.cli.progress import Progress
+    from acco_ds.cli.slowdown import Spinner, calibrate
+    from acco_ds.cli.steplog import StepLog
+    from acco_ds.data import load_corpus, stream
+    from acco_ds.models import GPTConfig, TinyGPT
+
+    torch.set_num_threads(spec.threads)
+    logging.getLogger("DeepSpeed").setLevel(logging.ERROR)  # its per-run INFO/WARNING chatter
+    deepspeed.init_distributed(verbose=False)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    acc = get_accelerator()
+    device = torch.device(acc.device_name(local_rank)) if acc.device_name() != "cpu" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
+    marks["dist"] = time.perf_counter()
+    corpus = load_corpus(spec.corpus)
+    ctx = spec.model["context"]
+    torch.manual_seed(spec.seed)
+    model = TinyGPT(GPTConfig(**spec.model))
+
+    extra = 0.0
+    if rank == spec.slow_rank:
+        if spec.slow_extra_s is not None:
+            extra = spec.slow_extra_s
+        elif spec.slow_factor > 1.0:
+            probe = stream(corpus.train, ctx, spec.micro_batch, spec.seed + 999, rank)
+            t_mb = calibrate(model.to(device), probe, lambda m, b: m(*(t.to(device) for t in b)).backward())
+            extra = (spec.slow_factor - 1.0) * t_mb
+    spinner = Spinner(extra)
+
+    batches = stream(corpus.train, ctx, spec.micro_batch, spec.seed, rank)
+    log = StepLog()
+    stats, val_loss, finish_s = {}, None, 0.0
+    if spec.mode == "compute":
+        model = model.to(device)
+    else:
+        engine, _, _, _ = deepspeed.initialize(
+            model=model, model_parameters=model.parameters(), config=spec.ds_config
+        )
+    marks["engine"] = time.perf_counter()
+    dist.barrier()
+    marks["barrier"] = time.perf_counter()
+    bar = Progress(spec.steps, enabled=spec.progress and rank == 0, desc=spec.name)
+    common = dict(
+        steps=spec.steps,
+        grad_accum=spec.grad_accum,
+        micro_batch=spec.micro_batch,
+        world=world,
+        log=log,
+        bar=bar,
+        spinner=spinner,
+        start=time.perf_counter(),
+    )
+    if spec.mode == "compute":
+        train_s = loop.compute_only(model, batches, device=device, **common)
+    else:
+        if spec.accumulation == "adaptive" and hasattr(engine.optimizer, "committed_steps"):
+            train_s = loop.train_adaptive(engine, batches, **common)
+        else:
+            train_s = loop.train_fixed(engine, batches, **common)
+        t = time.perf_counter()
+        if hasattr(engine.optimizer, "finish"):
+            engine.optimizer.finish()  # collective: drains the round in flight, model <- theta
+        finish_s = time.perf_counter() - t
+        train_s = t + finish_s - common["start"]
+        log.step(loop.step_counter(engine)(), train_s)  # the commits the drain completed
+        bar.update(log.last_step, log.recent_loss(), log.mb * spec.micro_batch * world, train_s)
+        if hasattr(engine.optimizer, "stats"):
+            stats = engine.optimizer.stats()
+        val_loss = _evaluate(engine.module, spec, corpus, rank, world, device)
+    bar.close()
+    marks["end"] = time.perf_counter()
+    names = list(marks)
+    phases = {f"{a}->{b}": round(marks[b] - marks[a], 3) for a, b in zip(names, names[1:])}
+    summary = {
+        "rank": rank,
+        "world": world,
+        "train_s": train_s,
+        "finish_s": finish_s,
+        "steps": log.records[-1]["step"] if log.records else 0,
+        "micro_batches_local": log.mb,
+        "val_loss": val_loss,
+        "peak_mem_mib": _peak_mem_mib(device),
+        "slow_extra_s": extra,
+        "spin_s": spinner.total_s,
+        "threads": torch.get_num_threads(),
+        "device": str(device),
+        "phases_s": phases,
+        "stats": {k: v for k, v in stats.items() if isinstance(v, (int, float, str, list, bool))},
+    }
+    log.write(spec.rank_log(rank))
+    spec.rank_summary(rank).write_text(json.dumps(summary, indent=2))
+    dist.barrier()
+    return summary
+
+
+def main(argv=None) -> int:
+    from acco_ds.cli.spec import RunSpec
+
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--spec", required=True, help="RUN_DIR/spec.json written by acco-train or bench_e2e")
+    ap.add_argument("--local_rank", type=int, default=None, help="set by the DeepSpeed launcher (unused)")
+    args = ap.parse_args(argv)
+    run(RunSpec.load(args.spec))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,233 @@
+"""End-to-end benchmark on a bandwidth-limited link (BENCHMARKS.md section 2), with heterogeneous
+workers.
+
+    python benchmarks/bench_e2e.py            # the full sweep (about 40 min on 2 CPU cores)
+    python benchmarks/bench_e2e.py --quick    # one rate, few steps (what the tests run)
+
+All ranks of a run share one link: a private network namespace (``unshare -n``) whose loopback is
+rate-limited with ``tc`` (needs root and iproute2; without them the benchmark says so and exits
+with status 2 - it never fakes the link with sleeps). For every link rate of the sweep, in the
+same invocation and with the same model, data, batch, dtype, threads and seed: a comm-only probe
+(T_comm of one round), then DeepSpeed ZeRO-1 (AdamW), DeepSpeed ZeRO-2 (overlap_comm), and
+acco_ds sync, dpu, acco fixed, acco adaptive. A compute-only run (no communication) at the start
+and the end gives T_compute. Then the heterogeneous case: one rank made ``--slow-factor`` times
+slower by real extra compute per micro-batch, ZeRO-1 against ACCO. Writes ``<prefix>.md`` (table,
+machine, versions, date), ``<prefix>.json`` (raw) and ``<prefix>_*.png`` into ``--out`` and prints
+the table last. Definitions of every column: ``benchmarks/e2e_report.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE), str(HERE.parent)]
+
+import e2e_env  # noqa: E402
+import e2e_plots  # noqa: E402
+import e2e_report  # noqa: E402
+import e2e_runs  # noqa: E402
+import e2e_table  # noqa: E402
+
+from acco_ds.cli.dsconfig import build_config  # noqa: E402
+from acco_ds.cli.job import acco_registered  # noqa: E402
+from acco_ds.cli.metrics import machine_info  # noqa: E402
+from acco_ds.models import GPTConfig, TinyGPT  # noqa: E402
+
+FULL_RATES = "none,2gbit,800mbit,400mbit,200mbit,100mbit,50mbit"
+ALL = ",".join(e2e_runs.CONTENDERS)
+
+
+def parse(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="one rate, few steps, fewer contenders (the test)")
+    ap.add_argument(
+        "--rates", default=None, help=f"comma-separated tc rates or 'none' (default: {FULL_RATES})"
+    )
+    ap.add_argument("--contenders", default=None, help=f"comma-separated subset of {ALL} (default: all)")
+    ap.add_argument("--steps", type=int, default=None, help="optimizer steps per run (default 50, quick 6)")
+    ap.add_argument(
+        "--warmup", type=int, default=None, help="steps left out of the timings (default 5, quick 2)"
+    )
+    ap.add_argument("--micro-batch", type=int, default=8)
+    ap.add_argument("--grad-accum", type=int, default=4)
+    ap.add_argument("--world-size", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per rank, every contender")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--n-layer", type=int, default=4)
+    ap.add_argument("--n-head", type=int, default=4)
+    ap.add_argument("--d-model", type=int, default=128)
+    ap.add_argument("--context", type=int, default=128)
+    ap.add_argument(
+        "--bf16", action="store_true", help="bf16 parameters and communication (default fp32 on CPU)"
+    )
+    ap.add_argument("--slow-rank", type=int, default=1, help="the rank slowed in the heterogeneous case")
+    ap.add_argument("--slow-factor", type=float, default=2.0, help="how many times slower it computes")
+    ap.add_argument(
+        "--hetero-rate",
+        default="auto",
+        help="link of the heterogeneous case: auto (the comm~compute rate), a rate, or off",
+    )
+    ap.add_argument("--hetero-contenders", default="zero1,acco,acco-adaptive")
+    ap.add_argument("--out", default=str(HERE / "results"), help="folder of the table, JSON and plots")
+    ap.add_argument("--prefix", default=None, help="file name prefix (default e2e, quick: e2e_quick)")
+    ap.add_argument("--work", default=None, help="scratch folder of the runs (default: a new temp folder)")
+    ap.add_argument("--from-json", default=None, help="re-render the table and plots from a saved raw JSON")
+    a = ap.parse_args(argv)
+    a.rates = (a.rates or ("200mbit" if a.quick else FULL_RATES)).split(",")
+    for r in a.rates:
+        e2e_env.check_rate(r)
+    default_c = "zero1,acco-adaptive" if a.quick else ALL
+    a.contenders = (a.contenders or default_c).split(",")
+    a.hetero_contenders = a.hetero_contenders.split(",")
+    if a.quick and a.hetero_contenders == ["zero1", "acco", "acco-adaptive"]:
+        a.hetero_contenders = ["zero1", "acco-adaptive"]
+    for c in a.contenders + a.hetero_contenders:
+        if c not in e2e_runs.CONTENDERS:
+            ap.error(f"unknown contender {c!r}; choose from {ALL}")
+    a.steps = a.steps or (6 if a.quick else 50)
+    a.warmup = a.warmup if a.warmup is not None else (2 if a.quick else 5)
+    if a.steps < a.warmup + 3:
+        ap.error(f"--steps {a.steps} must exceed --warmup {a.warmup} by at least 3 to time anything")
+    a.prefix = a.prefix or ("e2e_quick" if a.quick else "e2e")
+    return a
+
+
+def _log(msg: str) -> None:
+    print(f"[bench_e2e {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def _drop_unavailable(a, notes: list) -> None:
+    ok, why = acco_registered()
+    if ok:
+        return
+    acco = [
+        c for c in a.contenders + a.hetero_contenders if e2e_runs.CONTENDERS[c][0] in ("acco", "dpu", "sync")
+    ]
+    if acco:
+        notes.append(f"acco_ds contenders not run ({', '.join(sorted(set(acco)))}): {why}")
+        _log(notes[-1])
+    keep = ("zero1", "zero2")
+    a.contenders = [c for c in a.contenders if c in keep]
+    a.hetero_contenders = [c for c in a.hetero_contenders if c in keep]
+
+
+def run_all(a) -> dict:
+    notes: list = []
+    _drop_unavailable(a, notes)
+    model = GPTConfig(n_layer=a.n_layer, n_head=a.n_head, d_model=a.d_model, context=a.context).to_dict()
+    work = Path(a.work or tempfile.mkdtemp(prefix="acco_bench_e2e_"))
+    setup = e2e_runs.Setup(
+        work=work,
+        model=model,
+        n_params=TinyGPT(GPTConfig(**model)).num_params(),
+        steps=a.steps,
+        warmup=a.warmup,
+        micro_batch=a.micro_batch,
+        grad_accum=a.grad_accum,
+        world=a.world_size,
+        threads=a.threads,
+        seed=a.seed,
+        bf16=a.bf16,
+    )
+    results = {
+        "command": shlex.join([sys.executable, *sys.argv]) if sys.argv else "bench_e2e",
+        "machine": machine_info(),
+        "setup": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(setup).items()},
+        "ds_settings": {
+            c: build_config(c, setup.knobs("fixed"))["zero_optimization"]
+            for c in ("zero1", "zero2")
+            if c in a.contenders + a.hetero_contenders
+        },
+        "rates": {},
+        "compute": [],
+        "notes": notes,
+    }
+    for label, zero in results["ds_settings"].items():
+        _log(f"{label} settings: {json.dumps(zero)}")
+    _log(f"work folder {work}; model {setup.n_params / 1e6:.2f}M params; compute-only run")
+    results["compute"].append(e2e_runs.run_compute_only(setup, "-start"))
+    _log(
+        f"compute-only: {results['compute'][0]['samples_per_s']:.1f} samples/s, t_mb {results['compute'][0]['t_mb']}"
+    )
+    for rate in a.rates:
+        comm = e2e_runs.run_comm_probe(setup, rate)
+        _log(
+            f"{rate}: T_comm {comm['t_comm_s']:.3f} s (rs+ag {comm['rs_ag_s']:.3f}, ar+ag {comm['ar_ag_s']:.3f})"
+        )
+        block = {"comm": comm, "runs": {}}
+        results["rates"][rate] = block
+        for label in a.contenders:
+            s = e2e_runs.run_contender(setup, label, rate)
+            block["runs"][label] = s
+            _log(
+                f"{rate} {label}: {s['step_time_s']:.3f} s/step, {s['samples_per_s']:.1f} samples/s, "
+                f"val {s['val_loss']:.4f}, load {s['load_before']:.1f}->{s['load_after']:.1f}"
+            )
+    if not a.quick:
+        results["compute"].append(e2e_runs.run_compute_only(setup, "-end"))
+        _log(f"compute-only (end): {results['compute'][-1]['samples_per_s']:.1f} samples/s")
+    if a.hetero_rate != "off" and a.hetero_contenders and a.slow_factor > 1:
+        comp = e2e_report.compute_only(results)
+        rate = a.hetero_rate
+        if rate == "auto":
+            rate = e2e_report.balanced_rate(results, comp, a.grad_accum) if results["rates"] else "none"
+        extra = (a.slow_factor - 1.0) * comp["t_mb"][a.slow_rank]
+        slow = {"rank": a.slow_rank, "extra_s": extra}
+        _log(
+            f"heterogeneous: link {rate}, rank {a.slow_rank} +{1000 * extra:.1f} ms of compute per micro-batch"
+        )
+        h = {
+            "rate": rate,
+            "slow_rank": a.slow_rank,
+            "slow_factor": a.slow_factor,
+            "extra_s": extra,
+            "runs": {},
+        }
+        for label in a.hetero_contenders:
+            s = e2e_runs.run_contender(setup, label, rate, slow=slow, tag="-hetero")
+            h["runs"][label] = s
+            _log(f"hetero {label}: {s['samples_per_s']:.1f} samples/s, per rank {s['rank_samples_per_s']}")
+        results["hetero"] = h
+    return results
+
+
+def report(results: dict, out: Path, prefix: str) -> str:
+    an = e2e_report.analyse(results)
+    out.mkdir(parents=True, exist_ok=True)
+    md = e2e_table.render(results, an)
+    (out / f"{prefix}.md").write_text(md)
+    (out / f"{prefix}.json").write_text(
+        json.dumps({"results": results, "analysis": an}, indent=1, default=str)
+    )
+    paths = e2e_plots.plot_all(results, an, out, prefix)
+    return md + "\n" + "\n".join(f"wrote {p}" for p in [out / f"{prefix}.md", out / f"{prefix}.json", *paths])
+
+
+def main(argv=None) -> int:
+    a = parse(argv)
+    if a.from_json:
+        results = json.loads(Path(a.from_json).read_text())["results"]
+        print(report(results, Path(a.out), a.prefix))
+        return 0
+    why = e2e_env.throttle_unavailable()
+    if why:
+        print(
+            f"bench_e2e: cannot throttle the link on this machine: {why}. "
+            "The benchmark needs a real bandwidth-limited link and does not fake one; stopping.",
+            file=sys.stderr,
+        )
+        return 2
+    results = run_all(a)
+    print(report(results, Path(a.out), a.prefix))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,105 @@
+"""Comm-only probe of bench_e2e: the communication of one round, alone, on the current link.
+
+Launched like a training run (DeepSpeed launcher, W ranks, inside the throttled namespace):
+``python -m deepspeed.launcher.runner --num_gpus W ... benchmarks/e2e_comm.py --numel N --dtype fp32
+--out FILE``. Every round of every contender moves one full gradient (reduced) and one full set of
+parameters (gathered), so T_comm of a round is measured as the median over ``--reps`` repetitions
+(after one warm-up) of a gradient reduction followed by a parameter all-gather of N elements in the
+communication dtype, with torch.distributed on the default backend (gloo on CPU). Three gradient
+reductions are timed, since implementations differ: the backend's reduce-scatter, all-reduce, and
+acco_ds's own reduce-scatter (``acco_ds.core.round_job.reduce_scatter_sum``: on gloo a direct
+point-to-point exchange of the shards, the fewest bytes). Rank 0 writes ``{"rs_ag_s", "ar_ag_s",
+"p2p_ag_s", "rs_s", "ar_s", "p2p_s", "ag_s", ...}`` (medians, seconds) to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+
+def _timed(fn, reps: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(reps):
+        dist.barrier()
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--numel", type=int, required=True, help="elements of the flat gradient/parameters")
+    ap.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--local_rank", type=int, default=0)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", args.local_rank) if torch.cuda.is_available() else torch.device("cpu")
+    dtype = torch.float32 if args.dtype == "fp32" else torch.bfloat16
+    n = -(-args.numel // world) * world
+    grad = torch.randn(n, dtype=dtype, device=device)
+    shard = torch.empty(n // world, dtype=dtype, device=device)
+    full = torch.empty(n, dtype=dtype, device=device)
+    fp32_shard = torch.empty(n // world, dtype=torch.float32, device=device)
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    def rs() -> None:
+        dist.reduce_scatter_tensor(shard, grad)
+        sync()
+
+    def ar() -> None:
+        dist.all_reduce(grad)
+        sync()
+
+    def p2p() -> None:
+        from types import SimpleNamespace
+
+        from acco_ds.core.round_job import reduce_scatter_sum
+
+        buf = SimpleNamespace(grad_shard=fp32_shard, reduce_out=shard)
+        reduce_scatter_sum(buf, grad, dist.group.WORLD)
+        sync()
+
+    def ag() -> None:
+        dist.all_gather_into_tensor(full, shard)
+        sync()
+
+    res = {
+        "numel": n,
+        "dtype": args.dtype,
+        "world": world,
+        "bytes": n * grad.element_size(),
+        "rs_s": _timed(rs, args.reps),
+        "ar_s": _timed(ar, args.reps),
+        "ag_s": _timed(ag, args.reps),
+        "rs_ag_s": _timed(lambda: (rs(), ag()), args.reps),
+        "ar_ag_s": _timed(lambda: (ar(), ag()), args.reps),
+    }
+    try:
+        res["p2p_s"] = _timed(p2p, args.reps)
+        res["p2p_ag_s"] = _timed(lambda: (p2p(), ag()), args.reps)
+    except ImportError as err:  # an acco_ds without that function: the other two still stand
+        res["p2p_error"] = str(err)
+    if rank == 0:
+        with open(args.out, "w") as fh:
+            json.dump(res, fh, indent=2)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

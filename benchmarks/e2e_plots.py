@@ -1,0 +1,114 @@
+"""Plots of bench_e2e into the results folder.
+
+``plot_all(results, analysis, out_dir, prefix)`` writes:
+- ``<prefix>_throughput.png``: samples/s per contender against the link rate (the compute-only
+  samples/s as a line), and the steps/s ratio to ZeRO-1;
+- ``<prefix>_loss.png``: training loss (trailing average) against wall time, one panel per rate;
+- ``<prefix>_hetero.png``: samples/s per rank and overall in the heterogeneous case.
+Returns the paths written.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import e2e_env
+
+from acco_ds.cli.metrics import smoothed_loss
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _throughput(results, an, path):
+    plt = _plt()
+    rates = sorted(an["tables"], key=e2e_env.rate_mbit)
+    xs = list(range(len(rates)))
+    labels = sorted(
+        {lbl for t in an["tables"].values() for lbl in t},
+        key=lambda x: list(an["tables"][rates[0]]).index(x) if x in an["tables"][rates[0]] else 99,
+    )
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for lbl in labels:
+        pts = [(x, an["tables"][r][lbl]) for x, r in zip(xs, rates) if lbl in an["tables"][r]]
+        a.plot([p[0] for p in pts], [p[1]["samples_per_s"] for p in pts], marker="o", label=lbl)
+        b.plot([p[0] for p in pts], [p[1]["x_steps"] or 0 for p in pts], marker="o", label=lbl)
+    a.axhline(an["compute_only"]["samples_per_s"], color="k", ls="--", label="compute-only")
+    b.axhline(1.5, color="grey", ls=":", label="fixed-ACCO limit 1.5x")
+    for ax, title in ((a, "samples/s (all ranks)"), (b, "optimizer steps/s / ZeRO-1's")):
+        ax.set_xticks(xs, [f"{r}\n{results['rates'][r]['comm']['t_comm_s']:.2f}s" for r in rates])
+        ax.set_xlabel("link rate (T_comm of one round)")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+    a.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _loss(results, an, path):
+    plt = _plt()
+    rates = sorted(results["rates"], key=e2e_env.rate_mbit)
+    fig, axes = plt.subplots(1, len(rates), figsize=(4 * len(rates), 3.8), squeeze=False)
+    for ax, rate in zip(axes[0], rates):
+        runs = results["rates"][rate]["runs"]
+        base = runs.get("zero1")
+        window = max(1, int(0.2 * (base or next(iter(runs.values())))["samples"]))
+        for lbl, s in runs.items():
+            pts = [
+                (r["time_s"], v)
+                for r, v in zip(s["records"], smoothed_loss(s["records"], window))
+                if v is not None
+            ]
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], label=lbl)
+        ax.set_title(f"link {rate}")
+        ax.set_xlabel("wall time (s)")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("training loss (trailing 20% of ZeRO-1's samples)")
+    axes[0][-1].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _hetero(an, path):
+    plt = _plt()
+    h = an["hetero"]
+    labels = list(h["rows"])
+    world = len(next(iter(h["rows"].values()))["rank_samples_per_s"])
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    width = 0.8 / (world + 1)
+    for k in range(world + 1):
+        vals = [
+            h["rows"][lbl]["rank_samples_per_s"][k] if k < world else h["rows"][lbl]["samples_per_s"]
+            for lbl in labels
+        ]
+        name = f"rank {k}" + (" (slowed)" if k == h["slow_rank"] else "") if k < world else "overall"
+        ax.bar([i + k * width for i in range(len(labels))], vals, width, label=name)
+    ax.set_xticks([i + world * width / 2 for i in range(len(labels))], labels)
+    ax.set_ylabel("samples/s")
+    ax.set_title(f"rank {h['slow_rank']} {h['slow_factor']:g}x slower, link {h['rate']}")
+    ax.legend()
+    ax.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_all(results: dict, an: dict, out_dir: Path, prefix: str) -> list:
+    out_dir = Path(out_dir)
+    paths = []
+    if an["tables"]:
+        paths += [out_dir / f"{prefix}_throughput.png", out_dir / f"{prefix}_loss.png"]
+        _throughput(results, an, paths[0])
+        _loss(results, an, paths[1])
+    if an.get("hetero"):
+        paths.append(out_dir / f"{prefix}_hetero.png")
+        _hetero(an, paths[-1])
+    return paths

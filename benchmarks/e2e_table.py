@@ -1,0 +1,108 @@
+"""Markdown of bench_e2e's analysis: context (machine, versions, settings), per-rate table,
+heterogeneous table, goals. ``render(results, analysis)`` returns the whole document."""
+
+from __future__ import annotations
+
+import json
+
+
+def _f(x, fmt: str, none: str = "-") -> str:
+    return none if x is None else format(x, fmt)
+
+
+def _mem(m: list) -> str:
+    return "/".join(f"{v:.0f}" for v in m)
+
+
+def _context(results: dict, an: dict) -> list:
+    m, s = results["machine"], results["setup"]
+    comp = an["compute_only"]
+    lines = [
+        "# End-to-end on a bandwidth-limited link (benchmarks/bench_e2e.py)",
+        "",
+        f"- date: {m['date']}; machine: {m['cpu']}, {m['cores']} cores, GPU: {m['gpu'] or 'none'}",
+        f"- versions: python {m['python']}, torch {m['torch']}, deepspeed {m['deepspeed']}, acco_ds {m['acco_ds']}",
+        f"- command: `{results['command']}`",
+        f"- model: {s['n_params'] / 1e6:.2f}M-parameter GPT ({json.dumps(s['model'])}), dtype "
+        f"{'bf16' if s['bf16'] else 'fp32'} parameters and communication for every contender",
+        f"- batch: {s['world']} ranks x {s['threads']} thread(s) each, micro-batch {s['micro_batch']} x "
+        f"{s['model']['context']} bytes, gradient accumulation {s['grad_accum']} (acco: 2 rounds of "
+        f"{s['grad_accum'] // 2}), {s['steps']} optimizer steps, first {s['warmup']} steps are warm-up; seed {s['seed']}",
+        "- link: all ranks in one network namespace, loopback limited by `tc qdisc add dev lo root tbf rate "
+        "<rate> burst 256kb latency 200ms`",
+        f"- compute-only (no communication, same micro-batches, ranks concurrently): "
+        f"{comp['samples_per_s']:.1f} samples/s (runs: {', '.join(f'{x:.1f}' for x in comp['each_samples_per_s'])}), "
+        f"one micro-batch {1000 * comp['t_mb_mean']:.1f} ms",
+        "- DeepSpeed baselines' settings (printed as run):",
+    ]
+    for label, zero in results["ds_settings"].items():
+        lines.append(f"  - {label}: `{json.dumps(zero)}`")
+    lines.append("")
+    return lines
+
+
+def _rate_table(results: dict, an: dict) -> list:
+    head = (
+        "| link | T_comm/round s | contender | s/step | samples/s | x ZeRO-1 steps/s | x ZeRO-1 samples/s | x sync steps/s "
+        "| vs compute-only | T_compute/round s | T_round s | overlap eff | loss @ ZeRO-1 samples | val loss (samples) "
+        "| time to ZeRO-1 loss s (x) | peak RSS MiB per rank | load |"
+    )
+    lines = ["## Per link rate", "", head, "|" + "---|" * (head.count("|") - 1)]
+    for rate, rows in an["tables"].items():
+        comm = results["rates"][rate]["comm"]["t_comm_s"]
+        for label, r in rows.items():
+            ttl = r["time_to_base_loss_s"]
+            ttl_s = "not reached" if ttl is None else f"{ttl:.1f} ({_f(r['x_time_to_base_loss'], '.2f')}x)"
+            lines.append(
+                f"| {rate} | {comm:.3f} | {label} | {r['step_time_s']:.3f} | {r['samples_per_s']:.1f} "
+                f"| {_f(r['x_steps'], '.2f')} | {_f(r['x_samples'], '.2f')} | {_f(r['x_sync_steps'], '.2f')} "
+                f"| {100 * r['vs_compute_only']:.0f}% "
+                f"| {r['t_compute_round_s']:.3f} | {r['t_round_s']:.3f} | {_f(r['overlap_eff'] and 100 * r['overlap_eff'], '.0f')}% "
+                f"| {_f(r['loss_at_base_samples'], '.4f')} | {_f(r['val_loss'], '.4f')} ({r['samples']}) | {ttl_s} "
+                f"| {_mem(r['peak_mem_mib'])} | {r['load'][0]:.1f}/{r['load'][1]:.1f} |"
+            )
+    lines.append("")
+    return lines
+
+
+def _hetero(an: dict) -> list:
+    h = an.get("hetero")
+    if not h:
+        return []
+    lines = [
+        f"## Heterogeneous workers (link {h['rate']}, rank {h['slow_rank']} slowed {h['slow_factor']:g}x by extra "
+        "compute per micro-batch)",
+        "",
+        "| contender | samples/s per rank | overall samples/s | x ZeRO-1 | micro-batches per rank | s/step | val loss | extra s per micro-batch |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for label, r in h["rows"].items():
+        lines.append(
+            f"| {label} | {' / '.join(f'{x:.1f}' for x in r['rank_samples_per_s'])} | {r['samples_per_s']:.1f} "
+            f"| {_f(r['x_samples'], '.2f')} | {' / '.join(str(x) for x in r['rank_micro_batches'])} "
+            f"| {r['step_time_s']:.3f} | {_f(r['val_loss'], '.4f')} | {' / '.join(f'{x:.3f}' for x in r['slow_extra_s'])} |"
+        )
+    lines.append("")
+    return lines
+
+
+def _goals(an: dict) -> list:
+    lines = ["## Goals (issue 5)", "", "| goal | measured | verdict |", "|---|---|---|"]
+    lines += [f"| {g} | {m} | {v} |" for g, m, v in an["goals"]]
+    rate = an.get("balanced_rate")
+    if rate:
+        lines += [
+            "",
+            f"comm~compute rate (T_comm closest to one acco round's compute): {rate}; "
+            f"comm-dominated rate: {an.get('slowest_rate')}.",
+        ]
+    lines.append("")
+    return lines
+
+
+def render(results: dict, an: dict) -> str:
+    parts = _context(results, an) + _goals(an) + _rate_table(results, an) + _hetero(an)
+    notes = results.get("notes")
+    if notes:
+        parts += ["## Notes", ""] + [f"- {n}" for n in notes] + [""]
+    return "\n".join(parts)
