@@ -31,15 +31,18 @@ from setuptools.command.build_ext import build_ext
 ROOT = Path(__file__).resolve().parent
 CSRC = ROOT / "csrc" / "adamw"
 HEADERS = ["adamw_math.h", "adamw_kernel_body.h", "adamw_launch.h"]
-CXX_FLAGS = [
+# No -march=native (the module must run on any x86-64: adamw_cpu.cpp picks AVX-512/AVX2 at runtime), no
+# -ffast-math (IEEE results, close to torch), no FMA contraction (the same fp32 operations on every ISA).
+CXX_FLAGS = ["-O3", "-std=c++17", "-fPIC", "-fvisibility=hidden", "-ffp-contract=off", "-fno-math-errno"]
+CXX_FLAGS += ["-Wall", "-Wextra"]
+# --fmad=false: the GPU does the fp32 operations of adamw_math.h one by one, like the CPU build, so a GPU
+# result is bit-identical to the CPU extension's and to the CPU harness's (tests/test_ops_gpu.py checks it).
+NVCC_FLAGS = [
     "-O3",
     "-std=c++17",
-    "-fPIC",
-    "-fvisibility=hidden",
-    "-ffp-contract=off",
-    "-fno-math-errno",
-    "-Wall",
-    "-Wextra",
+    "--fmad=false",
+    "-Xcompiler",
+    "-fPIC,-fvisibility=hidden,-ffp-contract=off",
 ]
 
 
@@ -169,7 +172,7 @@ class AccoBuildExt(build_ext):
         cu_obj = nb.add(
             build_dir / "adamw_cuda.o",
             [CSRC / "adamw_cuda.cu", *headers],
-            [nvcc, "-O3", "-std=c++17", *gencode, "-Xcompiler", "-fPIC,-fvisibility=hidden", f"-ccbin={cxx}",
+            [nvcc, *NVCC_FLAGS, *gencode, f"-ccbin={cxx}",
              f"-I{CSRC}", "-c", str(CSRC / "adamw_cuda.cu"), "-o", str(build_dir / "adamw_cuda.o")],
         )  # fmt: skip
         bind_obj = nb.add(

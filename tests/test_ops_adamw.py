@@ -314,3 +314,20 @@ def test_peek_out_must_not_alias_state():
     t["out"] = t["exp_avg"]
     with pytest.raises(ValueError, match="out overlaps"):
         adamw_step(**t, step=1, weight_decay=0.0, commit=False, **HP)
+
+
+@pytest.mark.parametrize("odtype", DTYPES)
+@pytest.mark.parametrize("gdtype", DTYPES)
+def test_cpu_ext_and_cuda_body_are_bit_identical(gdtype, odtype):
+    """Both compile adamw_math.h without FMA contraction: the same fp32 operations, the same bits."""
+    require_cpu_ext()
+    n = 278011
+    g = gen("bitident", gdtype, odtype)
+    state = rand_state(n, g)
+    grad = torch.randn(n, generator=g).to(gdtype)
+    kw = dict(step=9, weight_decay=0.1, grad_scale=0.5, scale_tensor=torch.tensor([0.3]), **HP)
+    a, b = [t.clone() for t in state], [t.clone() for t in state]
+    out_a, out_b = poisoned(n, odtype), poisoned(n, odtype)
+    adamw_step(*a, grad, out_a, **kw)
+    adamw_step_cuda_body_on_cpu(*b, grad, out_b, **kw)
+    assert torch.equal(out_a, out_b) and all(torch.equal(x, y) for x, y in zip(a, b))

@@ -262,31 +262,45 @@ def _triton_kernel():
         if ALIGNED:  # every address 16-byte aligned, every offset a multiple of 8: vector loads/stores
             gp = tl.multiple_of(gp, 16)
             boff = tl.multiple_of(boff, 8)
+        start = tl.multiple_of(start, 1024)  # chunk starts are multiples of CHUNK (a multiple of 1024)
         bp = buf_ptr + boff
-        for k in tl.static_range(0, CHUNK, BLOCK):
-            idx = start + k + tl.arange(0, BLOCK)
-            mask = idx < n
-            # bf16 -> fp32 is exact (the bf16 bits are the high half); done with integer ops, as is the
-            # fp32 -> bf16 round-to-nearest-even below (NaN -> 0x7FC0, c10::BFloat16's rule), so the GPU and the
-            # interpreter (whose own cast truncates) give the same bits. Helpers are inlined: the interpreter
-            # cannot call jit functions defined in this lazy factory.
-            g = tl.load(gp + idx, mask=mask)
-            if G_BF16:
-                g = (g.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
-            if ACC:
-                x = tl.load(bp + idx, mask=mask)
-                if B_BF16:
-                    x = (x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
-                y = x + g * scale
+        # Pass 0 runs for a full chunk without masks (so loads/stores can be vectorised: a mask against a
+        # runtime n defeats that), pass 1 for the last, partial chunk of a tensor, masked.
+        for tail in tl.static_range(2):
+            if tail == 0:
+                run = start + CHUNK <= n
             else:
-                y = g * scale
-            if B_BF16:
-                b = y.to(tl.uint32, bitcast=True)
-                r = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
-                r = tl.where((b & 0x7FFFFFFF) > 0x7F800000, 0x7FC0, r)
-                tl.store(bp + idx, r.to(tl.uint16).to(tl.bfloat16, bitcast=True), mask=mask)
-            else:
-                tl.store(bp + idx, y, mask=mask)
+                run = start + CHUNK > n
+            if run:
+                for k in tl.static_range(0, CHUNK, BLOCK):
+                    idx = start + k + tl.arange(0, BLOCK)
+                    if tail == 0:
+                        mask = None
+                    else:
+                        mask = idx < n
+                    # bf16 -> fp32 is exact (the bf16 bits are the high half) and fp32 -> bf16 is
+                    # round-to-nearest-even with NaN -> 0x7FC0 (c10::BFloat16's rule), both with integer ops so
+                    # the GPU and the interpreter (whose own cast truncates) give the same bits. Written inline:
+                    # the interpreter cannot call jit helpers defined inside this lazy factory.
+                    g = tl.load(gp + idx, mask=mask)
+                    if G_BF16:
+                        g = (g.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+                    if ACC:
+                        x = tl.load(bp + idx, mask=mask)
+                        if B_BF16:
+                            x = (x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(
+                                tl.float32, bitcast=True
+                            )
+                        y = x + g * scale
+                    else:
+                        y = g * scale
+                    if B_BF16:
+                        b = y.to(tl.uint32, bitcast=True)
+                        r = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
+                        r = tl.where((b & 0x7FFFFFFF) > 0x7F800000, 0x7FC0, r)
+                        tl.store(bp + idx, r.to(tl.uint16).to(tl.bfloat16, bitcast=True), mask=mask)
+                    else:
+                        tl.store(bp + idx, y, mask=mask)
 
     _kernel_cache["k"] = _acc_chunks
     return _acc_chunks
@@ -331,4 +345,5 @@ def _triton_launch(
             B_BF16=buffer.dtype == torch.bfloat16,
             ACC=accumulate,
             ALIGNED=aligned,
+            enable_fp_fusion=False,  # x + g*scale rounded twice, as the reference (no FMA): the same bits
         )
