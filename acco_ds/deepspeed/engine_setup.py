@@ -29,6 +29,7 @@ def configure_acco(engine, client_optimizer, model_parameters) -> None:
         gradient_clipping=engine.gradient_clipping(),
         dp_process_group=engine.seq_data_parallel_group,
     )
+    optimizer.attach_engine(engine)
     engine.basic_optimizer = optimizer.optimizer
     engine.optimizer = optimizer
     engine.enable_backward_allreduce = False

@@ -18,6 +18,7 @@ for the work in flight.
 
 from __future__ import annotations
 
+import weakref
 from typing import List
 
 import torch
@@ -27,7 +28,9 @@ from deepspeed.runtime.base_optimizer import ZeROOptimizer
 from acco_ds.config import ACCOConfig, ACCOConfigError
 from acco_ds.core.pipeline import ACCOPipeline
 from acco_ds.core.round_job import Hyper
+from acco_ds.deepspeed import checkpoint
 from acco_ds.deepspeed.accessors import link_accessors
+from acco_ds.deepspeed.monitor import ACCOMonitor
 
 HYPER_KEYS = ("lr", "betas", "eps", "weight_decay")
 
@@ -154,11 +157,65 @@ class ACCOZeroOptimizer(ZeROOptimizer):
         if self.pipeline.last_grad_norm is not None:
             self._global_grad_norm = self.pipeline.last_grad_norm.reshape(())
         self.overflow = False
+        if getattr(self, "_acco_monitor", None) is not None:
+            self._acco_monitor.after_step(self)
 
     def zero_grad(self, set_to_none: bool = True):
         for group in self.bit16_groups:
             for p in group:
                 p.grad = None
+
+    def scale_if_loss(self, value):
+        """No loss scaling (bf16/fp32); the loss is recorded for the monitor when it is enabled."""
+        monitor = getattr(self, "_acco_monitor", None)
+        if monitor is not None:
+            monitor.record_loss(value)
+        return super().scale_if_loss(value)
+
+    # -- checkpoints (acco_ds.deepspeed.checkpoint) ---------------------------------------------
+    swap_optimizer = False  # the engine reads it: no NVMe optimizer swapping
+
+    @property
+    def round_robin_bit16_groups(self):
+        """The trainable parameters per group in flat-buffer order: the engine's ``param_shapes``."""
+        return self.bit16_groups
+
+    @property
+    def engine(self):
+        """The DeepSpeedEngine driving this optimizer (None before ``attach_engine`` or once it is gone)."""
+        ref = getattr(self, "_engine_ref", None)
+        return None if ref is None else ref()
+
+    def attach_engine(self, engine) -> None:
+        """Called once by the engine setup: keep a weak reference to the engine (parameter names for
+        checkpoints), make ``engine.module.state_dict()`` return the committed parameters (see
+        ``checkpoint.install_state_dict_hook``) and, when the engine's monitor is enabled, write
+        ACCO's figures to it at every step."""
+        self._engine_ref = weakref.ref(engine)
+        self._acco_monitor = ACCOMonitor(engine) if engine.monitor.enabled else None
+        self._state_dict_hook = checkpoint.install_state_dict_hook(self, engine.module)
+
+    def checkpoint_event_prologue(self):
+        checkpoint.checkpoint_event_prologue(self)
+
+    def checkpoint_event_epilogue(self):
+        checkpoint.checkpoint_event_epilogue(self)
+
+    def state_dict(self):
+        return checkpoint.state_dict(self)
+
+    def load_state_dict(
+        self, state_dict_list, load_optimizer_states=True, load_from_fp32_weights=True, **kwargs
+    ):
+        checkpoint.load_state_dict(
+            self, state_dict_list, load_optimizer_states, load_from_fp32_weights, **kwargs
+        )
+
+    def _restore_from_bit16_weights(self):
+        checkpoint.restart_at_master(self)
+
+    def refresh_fp32_params(self):
+        self._restore_from_bit16_weights()
 
     # -- ACCO's own API -----------------------------------------------------------------------
     @property

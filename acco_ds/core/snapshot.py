@@ -1,0 +1,270 @@
+"""Capture and restore the whole state of an ``ACCOPipeline`` as plain tensors and dicts.
+
+This is what exact resume needs (ACCO.md "what must hold" 5 and 6). No DeepSpeed here: the
+DeepSpeed layer (``acco_ds.deepspeed.checkpoint``) stores the fp32 master and the Adam moments
+under DeepSpeed's ZeRO-1 keys and the rest under its own "acco" key.
+
+Contract of :func:`capture` (per rank, collective over the data-parallel group):
+
+1. :func:`drain` first. In adaptive accumulation the ranks may be one round apart (a fast rank
+   has launched round R, a slow one is still accumulating it); the ranks behind end their round
+   with the micro-batches they have, until all have launched the same number of rounds (the rule
+   of ``ACCOPipeline._agree_on_round_count``; adaptive rounds end at variable points anyway, so
+   no gradient is lost or counted twice). Then every rank waits for its job in flight
+   (``sync_in_flight``), which does NOT swap the job's result in: the schedule is unchanged.
+2. The job in flight, finished, is recorded as its ``RoundResult`` (job kind, commit index,
+   grad norm, skip flag, counts, target slot). :func:`restore` rebuilds it as an already finished
+   ticket, so the resumed run swaps the gathered parameters in at the same round end as the run
+   that was never interrupted, and applies its bookkeeping (committed steps, stats) once.
+3. Parameter buffers: each ``params_flat[slot]`` is, on every rank, the all-gather of the ranks'
+   shards (or the same initial copy), so only this rank's shard of each of the two buffers is
+   saved; :func:`restore` all-gathers them back, bit for bit.
+4. The gradients of the round being accumulated (``grads_flat[acc_slot]``, rank-local, full
+   size) are saved only when that round holds micro-batches (``counter.count > 0``): at an
+   engine boundary in fixed accumulation it is empty.
+5. The g~ kept by the last peek (``tilde_shard``, acco) and its global count, the LR/AdamW
+   settings recorded per engine step (``_hyper_history``), every counter and ``PipelineStats``.
+
+RNG state, the data order and the engine's own counters are the caller's business.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, fields
+from typing import Any, Dict, List
+
+import torch
+import torch.distributed as dist
+
+from acco_ds.core.comm import Ticket
+from acco_ds.core.round_job import Hyper, RoundResult, all_gather
+from acco_ds.core.schedule import Job, RoundEnd
+
+FORMAT_VERSION = 1
+
+_SCALARS = (
+    "round_index",
+    "phase_round",
+    "commits_launched",
+    "acc_slot",
+    "model_slot",
+    "model_holds",
+    "committed_steps",
+    "state_step",
+    "engine_steps",
+)
+_RESULT_TENSORS = ("grad_norm", "skipped", "count", "rank_counts", "round_count")
+
+
+class SnapshotMismatchError(ValueError):
+    """A snapshot taken with another layout, world size or ACCO setting than the pipeline's."""
+
+
+def _cpu(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().to("cpu", copy=True)
+
+
+def drain(pipeline) -> None:
+    """Make the pipeline's state final and readable without changing what the next round computes
+    at: adaptive ranks agree on the round count, then every rank waits for its job in flight.
+    Collective over the data-parallel group; idempotent."""
+    if pipeline.adaptive:
+        pipeline._agree_on_round_count()
+    pipeline.sync_in_flight()
+
+
+def committed_slot(pipeline) -> int:
+    """The ``params_flat`` slot that holds the committed parameters theta after :func:`drain`: the
+    target of a COMMIT in flight (finished, not yet swapped in), else the model's slot (in acco the
+    model holds theta while a peek is in flight; in sync nothing is in flight)."""
+    if pipeline.in_flight is not None:
+        result = pipeline.in_flight[0].result
+        if result is not None and result.job is Job.COMMIT:
+            return result.target_slot
+    return pipeline.model_slot
+
+
+def pending_applied_commits(pipeline) -> int:
+    """1 when a finished COMMIT in flight changed the state but is not yet counted in
+    ``state_step`` (it is counted when swapped in), else 0. Call after :func:`drain`."""
+    if pipeline.in_flight is None:
+        return 0
+    result = pipeline.in_flight[0].result
+    if result is None or result.job is not Job.COMMIT:
+        return 0
+    return 0 if int(result.skipped.item()) else 1
+
+
+def _layout_of(pipeline) -> List[Dict[str, int]]:
+    return [
+        {
+            "numel": b.layout.numel,
+            "padded_numel": b.layout.padded_numel,
+            "world_size": b.layout.world_size,
+            "num_params": len(b.layout.numels),
+        }
+        for b in pipeline.groups
+    ]
+
+
+def capture(pipeline) -> Dict[str, Any]:
+    """This rank's state as CPU tensors and plain values (see the module docstring). Calls
+    :func:`drain` (collective). The returned tensors are copies: training may go on."""
+    drain(pipeline)
+    snap: Dict[str, Any] = {
+        "format_version": FORMAT_VERSION,
+        "mode": pipeline.mode,
+        "adaptive": pipeline.adaptive,
+        "gas": pipeline.gas,
+        "world_size": pipeline.world_size,
+        "rank": pipeline.rank,
+        "layout": _layout_of(pipeline),
+        "counter_count": pipeline.counter.count,
+        "tilde_count": _cpu(pipeline.tilde_count[0]),
+        "last_grad_norm": None if pipeline.last_grad_norm is None else _cpu(pipeline.last_grad_norm),
+        "hyper_history": {int(k): [asdict(h) for h in v] for k, v in pipeline._hyper_history.items()},
+        "stats": {k: (list(v) if isinstance(v, list) else v) for k, v in pipeline.stats.as_dict().items()},
+    }
+    for name in _SCALARS:
+        snap[name] = getattr(pipeline, name)
+    snap["in_flight"] = None
+    if pipeline.in_flight is not None:
+        ticket, plan = pipeline.in_flight
+        res: RoundResult = ticket.result
+        snap["in_flight"] = {
+            "name": ticket.name,
+            "plan": {
+                "job": plan.job.value,
+                **{k: getattr(plan, k) for k in ("wait_previous", "wait_now", "commit_index")},
+            },
+            "result": {
+                "job": res.job.value,
+                "commit_index": res.commit_index,
+                "target_slot": res.target_slot,
+                **{k: _cpu(getattr(res, k)) for k in _RESULT_TENSORS},
+            },
+        }
+    groups = []
+    for b in pipeline.groups:
+        groups.append(
+            {
+                "master": _cpu(b.master),
+                "exp_avg": _cpu(b.exp_avg),
+                "exp_avg_sq": _cpu(b.exp_avg_sq),
+                "params_shard": [_cpu(b.shard_of(flat)) for flat in b.params_flat],
+                "tilde_shard": None if b.tilde_shard is None else _cpu(b.tilde_shard),
+                "acc_grads": _cpu(b.grads_flat[pipeline.acc_slot]) if pipeline.counter.count > 0 else None,
+            }
+        )
+    snap["groups"] = groups
+    return snap
+
+
+def check_compatible(pipeline, snap: Dict[str, Any]) -> None:
+    """Raise SnapshotMismatchError naming the difference when ``snap`` cannot be restored here."""
+    version = snap.get("format_version")
+    if version != FORMAT_VERSION:
+        raise SnapshotMismatchError(
+            f"ACCO checkpoint state has format_version={version}; this acco_ds reads version {FORMAT_VERSION}."
+        )
+    if snap["world_size"] != pipeline.world_size:
+        raise SnapshotMismatchError(
+            f"the checkpoint was saved with a data-parallel world size of {snap['world_size']}, this run has "
+            f"{pipeline.world_size}. ACCO shards its optimizer state (and keeps in-flight state) per rank, so it "
+            f"resumes only on {snap['world_size']} ranks. To change the world size, load the model weights only "
+            "(engine.load_checkpoint(..., load_optimizer_states=False), or the fp32 weights from zero_to_fp32.py) "
+            "and start a new optimizer state."
+        )
+    for key, label in (("mode", "optimizer.params.mode"), ("adaptive", "optimizer.params.accumulation")):
+        if snap[key] != getattr(pipeline, key):
+            saved, now = snap[key], getattr(pipeline, key)
+            if key == "adaptive":
+                saved, now = ("adaptive" if saved else "fixed"), ("adaptive" if now else "fixed")
+            raise SnapshotMismatchError(
+                f"the checkpoint was saved with {label}={saved!r}, this run has {now!r}: the in-flight state of "
+                f"one schedule cannot continue in another. Resume with {label}={saved!r}, or load with "
+                "load_optimizer_states=False to start a new optimizer state from the saved weights."
+            )
+    if snap["gas"] != pipeline.gas:
+        raise SnapshotMismatchError(
+            f"the checkpoint was saved with gradient_accumulation_steps={snap['gas']}, this run has {pipeline.gas}; "
+            f"ACCO's rounds are cut from it. Resume with gradient_accumulation_steps={snap['gas']}."
+        )
+    if snap["layout"] != _layout_of(pipeline):
+        raise SnapshotMismatchError(
+            f"the checkpoint's parameter groups {snap['layout']} differ from this model's {_layout_of(pipeline)} "
+            "(numel, padded numel, world size, parameter count per group): a different model or different "
+            "param groups (e.g. frozen parameters) than the run that saved it."
+        )
+
+
+@torch.no_grad()
+def restore(pipeline, snap: Dict[str, Any]) -> None:
+    """Put ``snap`` (from :func:`capture` on this rank, any process) into ``pipeline``.
+    Collective (every rank restores its own snapshot at the same point): :func:`drain`, then the
+    job in flight, if any, is dropped, and the parameter buffers are all-gathered from the saved
+    shards. The model's parameters end pointing at the restored model slot."""
+    check_compatible(pipeline, snap)
+    drain(pipeline)
+    pipeline.in_flight = None
+    dev = pipeline.device
+    for b, g in zip(pipeline.groups, snap["groups"]):
+        b.master.copy_(g["master"])
+        b.exp_avg.copy_(g["exp_avg"])
+        b.exp_avg_sq.copy_(g["exp_avg_sq"])
+        for flat, shard in zip(b.params_flat, g["params_shard"]):
+            b.out_shard.copy_(shard)
+            all_gather(flat, b.out_shard, pipeline.executor.group)
+        if b.tilde_shard is not None:
+            b.tilde_shard.copy_(g["tilde_shard"])
+        for flat in b.grads_flat:
+            flat.zero_()
+        if g["acc_grads"] is not None:
+            b.grads_flat[snap["acc_slot"]].copy_(g["acc_grads"])
+    for name in _SCALARS:
+        setattr(pipeline, name, snap[name])
+    pipeline.counter.count = int(snap["counter_count"])
+    pipeline.tilde_count[0] = snap["tilde_count"].to(dev)
+    pipeline.last_grad_norm = None if snap["last_grad_norm"] is None else snap["last_grad_norm"].to(dev)
+    pipeline._hyper_history = {int(k): [Hyper(**h) for h in v] for k, v in snap["hyper_history"].items()}
+    stats_type = type(pipeline.stats)
+    known = {f.name for f in fields(stats_type)}
+    pipeline.stats = stats_type(**{k: v for k, v in snap["stats"].items() if k in known})
+    if snap["in_flight"] is not None:
+        pipeline.in_flight = _finished_ticket(pipeline, snap["in_flight"])
+    for b in pipeline.groups:
+        b.point_params_at(pipeline.model_slot)
+
+
+def adopt_step_schedule_of_rank0(pipeline) -> None:
+    """Adaptive accumulation: the ranks have run different numbers of engine steps (each steps after
+    its own micro-batches), but a checkpoint holds one LR-scheduler state (DeepSpeed saves rank 0's and
+    restores it on every rank). Give every rank data-parallel rank 0's engine step count and recorded
+    AdamW settings, so that the settings commit t uses stay the same on every rank after the resume.
+    Collective over the data-parallel group."""
+    obj = [pipeline.engine_steps, pipeline._hyper_history]
+    group = getattr(pipeline, "control_group", None) or pipeline.dp_group  # CPU (gloo) when there is one
+    src = 0 if group is None else dist.get_global_rank(group, 0)
+    dist.broadcast_object_list(obj, src=src, group=group)
+    pipeline.engine_steps, pipeline._hyper_history = int(obj[0]), dict(obj[1])
+
+
+def _finished_ticket(pipeline, saved: Dict[str, Any]):
+    """(Ticket, RoundEnd) of a job that has already run: ``executor.wait`` returns its result at once."""
+    r = saved["result"]
+    dev = pipeline.device
+    result = RoundResult(
+        job=Job(r["job"]),
+        commit_index=int(r["commit_index"]),
+        target_slot=int(r["target_slot"]),
+        **{k: r[k].to(dev) for k in _RESULT_TENSORS},
+    )
+    p = saved["plan"]
+    plan = RoundEnd(Job(p["job"]), p["wait_previous"], p["wait_now"], p["commit_index"])
+    ticket = Ticket(saved["name"] + " (restored)")
+    ticket.result = result
+    if dev.type == "cuda":
+        ticket.cuda_done = torch.cuda.Event()
+        ticket.cuda_done.record(torch.cuda.current_stream(dev))
+    ticket.finished.set()
+    return ticket, plan

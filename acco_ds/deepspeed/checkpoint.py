@@ -1,0 +1,297 @@
+"""ACCO checkpoints in DeepSpeed's ZeRO-1 layout, driven by ``engine.save_checkpoint`` /
+``engine.load_checkpoint``.
+
+Files (DeepSpeed writes them; nothing here touches the file system): ``mp_rank_00_model_states.pt``
+(module weights, ``param_shapes`` from ``optimizer.round_robin_bit16_groups``) and one
+``[bf16_]zero_pp_rank_{r}_mp_rank_00_optim_states.pt`` per data-parallel rank holding
+``{"optimizer_state_dict": state_dict(opt), ...}``.
+
+``state_dict`` has DeepSpeed ZeRO-1's keys, so DeepSpeed's tools read it:
+
+- ``single_partition_of_fp32_groups``: this rank's slice of each group's fp32 master (the
+  committed parameters), padding stripped. The ranks' slices, concatenated in rank order, are
+  exactly the group's parameters in ``param_shapes`` order: ``zero_to_fp32.py`` rebuilds the fp32
+  weights from them.
+- ``base_optimizer_state``: ``{"state": {group: {"step", "exp_avg", "exp_avg_sq"}}, "param_groups"}``
+  (the moments are this rank's full, padded shards, as DeepSpeed's non-elastic ZeRO-1 saves them;
+  ``param_groups`` carries lr/betas/eps/weight_decay and the LR scheduler's keys).
+- ``loss_scaler`` (None), ``dynamic_loss_scale`` (False), ``overflow``, ``clip_grad``,
+  ``zero_stage`` (1), ``group_paddings`` (padding of this rank's slice), ``param_alignment_paddings``
+  (0 for every parameter: they are contiguous), ``partition_count``, ``ds_version``,
+  ``param_slice_mappings`` (name -> (numel, start) of the parameter's fragment in this rank's slice).
+
+plus ``"acco"``: everything else exact resume needs (``acco_ds.core.snapshot``: the stage of the
+pipeline, the finished job in flight and the slot it gathered into, both parameter buffers'
+shards, the gradients of the round being accumulated, the kept g~ and its count, counters, the
+hyper-parameter history, stats) and the optimizer's count of micro-batches since its last step.
+
+Events: ``checkpoint_event_prologue`` (the engine calls it first when saving and loading) drains
+the pipeline (``snapshot.drain``: adaptive ranks agree on the round count, then the job in flight
+is waited for, not swapped in); ``checkpoint_event_epilogue`` has nothing to undo.
+
+Module weights: in acco mode the model computes at the estimate theta~ half of the time, and in
+dpu at the previous commit. :func:`install_state_dict_hook` makes ``module.state_dict()`` return
+the committed parameters theta (the values ``safe_get_full_fp32_param`` returns, in the
+parameters' dtype) instead, so the module weights DeepSpeed saves in ``mp_rank_00_model_states.pt``,
+and the ``model.safetensors`` the HF Trainer and accelerate write, are theta. In fixed
+accumulation the hook only waits for this rank's job in flight; in adaptive accumulation it drains
+(a collective over the data-parallel group: call ``state_dict()`` on every rank, as DeepSpeed, the
+HF Trainer and accelerate do).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from typing import Any, Dict, List
+
+import deepspeed
+import torch
+import torch.distributed as dist
+from deepspeed.checkpoint.constants import (
+    BASE_OPTIMIZER_STATE,
+    CLIP_GRAD,
+    DS_VERSION,
+    GROUP_PADDINGS,
+    LOSS_SCALER,
+    PARAM_ALIGNMENT_PADDINGS,
+    PARAM_SLICE_MAPPINGS,
+    PARTITION_COUNT,
+    SINGLE_PARTITION_OF_FP32_GROUPS,
+    ZERO_STAGE,
+)
+from deepspeed.utils.tensor_fragment import fragment_address
+
+from acco_ds.config import ACCOConfigError
+from acco_ds.core import snapshot
+
+logger = logging.getLogger("acco_ds")
+
+ACCO_KEY = "acco"
+_STATE_KEYS = ("master", "exp_avg", "exp_avg_sq")
+
+
+class ACCOCheckpointError(ValueError):
+    """A checkpoint ACCO cannot load here; the message says why and what to do."""
+
+
+# -- events ------------------------------------------------------------------------------------
+def checkpoint_event_prologue(opt) -> None:
+    """Drain the pipeline (collective): its state is final and readable, the schedule unchanged."""
+    snapshot.drain(opt.pipeline)
+
+
+def checkpoint_event_epilogue(opt) -> None:
+    """Nothing to undo: draining does not change what the next round computes at."""
+
+
+# -- module weights ----------------------------------------------------------------------------
+def install_state_dict_hook(opt, module: torch.nn.Module):
+    """Make ``module.state_dict()`` hold the committed parameters theta for every trainable
+    parameter ACCO owns (all names of a tied parameter). Returns the hook handle."""
+    where = {}
+    for gi, b in enumerate(opt.pipeline.groups):
+        for p, off, numel in zip(b.params, b.layout.offsets, b.layout.numels):
+            where[id(p)] = (gi, off, numel, p.shape)
+    names = {
+        name: where[id(p)] for name, p in module.named_parameters(remove_duplicate=False) if id(p) in where
+    }
+
+    def hook(mod, state, prefix, local_metadata):
+        pipeline = opt.pipeline
+        if pipeline.in_flight is None:
+            return
+        if pipeline.adaptive:
+            snapshot.drain(pipeline)
+        else:
+            pipeline.sync_in_flight()
+        slot = snapshot.committed_slot(pipeline)
+        if slot == pipeline.model_slot:
+            return
+        for name, (gi, off, numel, shape) in names.items():
+            key = prefix + name
+            if key in state:
+                state[key] = pipeline.groups[gi].params_flat[slot][off : off + numel].view(shape).detach()
+
+    return module.register_state_dict_post_hook(hook)
+
+
+# -- save --------------------------------------------------------------------------------------
+def _param_names(opt) -> List[List[str]]:
+    engine = opt.engine
+    names = getattr(engine, "param_names", None) or {}
+    return [
+        [names.get(p, f"group{gi}.param{pi}") for pi, p in enumerate(group)]
+        for gi, group in enumerate(opt.bit16_groups)
+    ]
+
+
+def _slice_mappings(opt) -> List[Dict[str, fragment_address]]:
+    out = []
+    for b, names in zip(opt.pipeline.groups, _param_names(opt)):
+        shard = b.layout.shard_range(b.rank)
+        group = OrderedDict()
+        for name, off, numel in zip(names, b.layout.offsets, b.layout.numels):
+            lo, hi = max(off, shard.start), min(off + numel, shard.stop)
+            if hi > lo:
+                group[name] = fragment_address(numel=hi - lo, start=lo - shard.start)
+        out.append(group)
+    return out
+
+
+def state_dict(opt) -> Dict[str, Any]:
+    """This rank's optimizer state (see the module docstring). Collective (drains the pipeline);
+    the tensors are CPU copies."""
+    pipeline = opt.pipeline
+    snap = snapshot.capture(pipeline)
+    groups = snap.pop("groups")
+    applied = pipeline.state_step + snapshot.pending_applied_commits(pipeline)
+    fp32, paddings, base_state = [], [], {}
+    for i, (b, g) in enumerate(zip(pipeline.groups, groups)):
+        real = b.layout.real_shard_range(b.rank)
+        fp32.append(g["master"][: len(real)].clone())
+        paddings.append(b.layout.shard_numel - len(real))
+        base_state[i] = {
+            "step": torch.tensor(float(applied)),
+            "exp_avg": g["exp_avg"],
+            "exp_avg_sq": g["exp_avg_sq"],
+        }
+    snap["groups"] = [{k: v for k, v in g.items() if k not in _STATE_KEYS} for g in groups]
+    snap["optimizer"] = {"micro_batches_since_step": opt._micro_batches_since_step}
+    return {
+        LOSS_SCALER: opt.loss_scaler,
+        "dynamic_loss_scale": False,
+        "overflow": bool(opt.overflow),
+        CLIP_GRAD: pipeline.clip,
+        BASE_OPTIMIZER_STATE: {
+            "state": base_state,
+            "param_groups": opt.optimizer.state_dict()["param_groups"],
+        },
+        SINGLE_PARTITION_OF_FP32_GROUPS: fp32,
+        ZERO_STAGE: 1,
+        GROUP_PADDINGS: paddings,
+        PARAM_ALIGNMENT_PADDINGS: [[0] * len(group) for group in opt.bit16_groups],
+        PARTITION_COUNT: [pipeline.world_size] * len(pipeline.groups),
+        DS_VERSION: deepspeed.__version__,
+        PARAM_SLICE_MAPPINGS: _slice_mappings(opt),
+        ACCO_KEY: snap,
+    }
+
+
+# -- load --------------------------------------------------------------------------------------
+def _this_rank(opt, state_dict_list) -> Dict[str, Any]:
+    if isinstance(state_dict_list, dict):
+        return state_dict_list
+    world = opt.pipeline.world_size
+    rank = dist.get_rank(opt.dp_process_group)
+    if len(state_dict_list) != world:
+        raise ACCOCheckpointError(
+            f"the checkpoint holds {len(state_dict_list)} optimizer partitions (data-parallel world size "
+            f"{len(state_dict_list)}), this run has {world} ranks. ACCO resumes only on the world size that "
+            "saved it; load with load_optimizer_states=False (module weights only) to change it."
+        )
+    sd = state_dict_list[rank]
+    if sd is None:
+        raise ACCOCheckpointError(f"the optimizer partition of rank {rank} is missing from the checkpoint.")
+    return sd
+
+
+def _padded(t: torch.Tensor, numel: int) -> torch.Tensor:
+    if t.numel() == numel:
+        return t
+    out = torch.zeros(numel, dtype=t.dtype)
+    out[: t.numel()].copy_(t.reshape(-1))
+    return out
+
+
+def load_state_dict(
+    opt,
+    state_dict_list,
+    load_optimizer_states: bool = True,
+    load_from_fp32_weights: bool = True,
+    checkpoint_folder=None,
+    **_ignored,
+) -> None:
+    """Restore what :func:`state_dict` saved (``state_dict_list``: DeepSpeed's list with one entry
+    per rank, only this rank's filled, or this rank's dict). Collective.
+
+    ``load_optimizer_states=False`` keeps the current moments and restarts the pipeline at the
+    checkpoint's fp32 master weights. The fp32 master always comes from the checkpoint (ACCO ignores
+    ``zero_optimization.load_from_fp32_weights=false``: rebuilding it from 16-bit weights could not
+    resume exactly)."""
+    if checkpoint_folder:
+        raise ACCOConfigError(
+            "load_universal_checkpoint=true: ACCO does not read DeepSpeed universal checkpoints (its in-flight "
+            "pipeline state is per rank). Load an ACCO checkpoint saved on the same world size, or load the "
+            "weights only (load_optimizer_states=False / zero_to_fp32.py) and start a new optimizer state."
+        )
+    sd = _this_rank(opt, state_dict_list)
+    if ACCO_KEY not in sd:
+        raise ACCOCheckpointError(
+            "this optimizer checkpoint was not saved by ACCO (no 'acco' entry; DeepSpeed's own ZeRO optimizer "
+            "lays out its state differently). To start ACCO from it, load the weights only: "
+            "engine.load_checkpoint(path, load_optimizer_states=False)."
+        )
+    pipeline = opt.pipeline
+    saved = sd[ACCO_KEY]
+    snapshot.check_compatible(pipeline, saved)
+    base = sd[BASE_OPTIMIZER_STATE]
+    groups = []
+    for i, (b, g) in enumerate(zip(pipeline.groups, saved["groups"])):
+        master = _padded(sd[SINGLE_PARTITION_OF_FP32_GROUPS][i], b.layout.shard_numel)
+        st = base["state"][i]
+        groups.append({**g, "master": master, "exp_avg": st["exp_avg"], "exp_avg_sq": st["exp_avg_sq"]})
+    if not load_optimizer_states:
+        restart_at_master(opt, [g["master"] for g in groups])
+        return
+    snapshot.restore(pipeline, {**saved, "groups": groups})
+    if pipeline.adaptive:
+        snapshot.adopt_step_schedule_of_rank0(pipeline)
+    opt.optimizer.load_state_dict({"state": {}, "param_groups": base["param_groups"]})
+    opt.overflow = bool(sd.get("overflow", False))
+    opt._micro_batches_since_step = int(saved["optimizer"]["micro_batches_since_step"])
+    norm = pipeline.last_grad_norm
+    opt._global_grad_norm = None if norm is None else norm.reshape(())
+
+
+# -- weights only ------------------------------------------------------------------------------
+def _viewed_slot(b) -> int:
+    """The params_flat slot the model's parameters currently view."""
+    ptr = b.params[0].data.data_ptr()
+    for slot, flat in enumerate(b.params_flat):
+        if flat.data_ptr() <= ptr < flat.data_ptr() + flat.numel() * flat.element_size():
+            return slot
+    raise RuntimeError("acco_ds: the model's parameters no longer view ACCO's parameter buffers.")
+
+
+@torch.no_grad()
+def restart_at_master(opt, masters=None) -> None:
+    """Restart the pipeline (a new prologue, nothing in flight, no pending gradients) at the given fp32
+    master shards, or, with ``masters=None``, at the weights the model's parameters hold now (DeepSpeed's
+    ``_restore_from_bit16_weights``: a module-only load wrote them there). Adam moments and step counts
+    are kept. Collective."""
+    pipeline = opt.pipeline
+    snapshot.drain(pipeline)
+    if pipeline.in_flight is not None:
+        logger.info("acco_ds: restarting the pipeline at new weights; the round in flight is dropped")
+    pipeline.in_flight = None
+    for i, b in enumerate(pipeline.groups):
+        slot = _viewed_slot(b)
+        if masters is None:
+            b.master.copy_(b.shard_of(b.params_flat[slot]).float())
+        else:
+            b.master.copy_(masters[i])
+        b.out_shard.copy_(b.master)
+        dist.all_gather_into_tensor(b.params_flat[0], b.out_shard, group=pipeline.executor.group)
+        b.params_flat[1].copy_(b.params_flat[0])
+        for flat in b.grads_flat:
+            flat.zero_()
+        if b.tilde_shard is not None:
+            b.tilde_shard.zero_()
+        b.point_params_at(0)
+    pipeline.model_slot = 0
+    pipeline.model_holds = "theta"
+    pipeline.phase_round = 0
+    pipeline.counter.reset()
+    pipeline.tilde_count[0] = torch.zeros(1, dtype=torch.float64, device=pipeline.device)
+    opt._micro_batches_since_step = 0

@@ -1,0 +1,106 @@
+"""A Hugging Face Trainer script whose only ACCO-specific line is ``import acco_ds``; the DeepSpeed
+config (``--deepspeed``) says ``"type": "ACCO"``. Started by the ``deepspeed`` launcher.
+
+Model: a tiny Llama built from a config (2 layers, tied input/output embeddings), no download;
+data: deterministic random token sequences (no tokenizer). Rank 0 writes ``result.pt`` in
+``--output_dir``: the trainer's log history, the committed fp32 parameters at the end
+(``safe_get_full_fp32_param``), and ACCO's stats.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import acco_ds  # noqa: E402,F401  (the only change a user makes)
+from deepspeed.utils import safe_get_full_fp32_param  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments  # noqa: E402
+
+from tests.dist import cpu_accelerate_shim  # noqa: E402
+
+VOCAB, SEQ, SAMPLES = 96, 16, 64
+
+
+def tiny_llama() -> LlamaForCausalLM:
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=SEQ,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config)
+
+
+class Tokens(torch.utils.data.Dataset):
+    """Sample i: a fixed random sequence; labels = input_ids (the model shifts them)."""
+
+    def __len__(self):
+        return SAMPLES
+
+    def __getitem__(self, i):
+        ids = torch.randint(0, VOCAB, (SEQ,), generator=torch.Generator().manual_seed(1000 + i))
+        return {"input_ids": ids, "labels": ids.clone()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--output_dir", required=True)
+    ap.add_argument("--deepspeed", required=True)
+    ap.add_argument("--max_steps", type=int, default=6)
+    ap.add_argument("--save_steps", type=int, default=3)
+    ap.add_argument("--resume_from_checkpoint", default=None)
+    ap.add_argument("--local_rank", type=int, default=-1)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    cpu_accelerate_shim.apply()  # CPU-only test machines (see the module); a no-op on GPU
+    training_args = TrainingArguments(
+        output_dir=args.output_dir,
+        deepspeed=args.deepspeed,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        max_steps=args.max_steps,
+        save_strategy="steps",
+        save_steps=args.save_steps,
+        logging_steps=1,
+        learning_rate=3e-3,
+        lr_scheduler_type="linear",
+        warmup_steps=2,
+        weight_decay=0.01,
+        max_grad_norm=1.0,
+        report_to=[],
+        seed=0,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+    )
+    model = tiny_llama()
+    trainer = Trainer(model=model, args=training_args, train_dataset=Tokens())
+    trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
+    engine = trainer.model_wrapped
+    names = [n for n, p in engine.module.named_parameters() if p.requires_grad]
+    committed = {n: safe_get_full_fp32_param(p).clone() for n, p in engine.module.named_parameters() if n in names}
+    trainer.save_model(os.path.join(args.output_dir, "final"))
+    if torch.distributed.get_rank() == 0:
+        torch.save(
+            {
+                "log_history": trainer.state.log_history,
+                "committed": committed,
+                "stats": engine.optimizer.stats(),
+                "optimizer_type": type(engine.optimizer).__name__,
+                "global_step": trainer.state.global_step,
+            },
+            os.path.join(args.output_dir, "result.pt"),
+        )
+
+
+if __name__ == "__main__":
+    main()
