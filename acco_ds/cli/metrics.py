@@ -162,10 +162,33 @@ def machine_info() -> dict:
         info["deepspeed"] = deepspeed.__version__
     except Exception as err:  # pragma: no cover - reported, not fatal
         info["deepspeed"] = f"unavailable ({err})"
+    info["acco_ds"] = _acco_ds_version()
+    return info
+
+
+def _acco_ds_version() -> str:
+    """The package version plus the source commit: ``$ACCO_DS_SOURCE_COMMIT`` (set it when running
+    from an exported tree) or ``git rev-parse`` of the checkout this package lives in."""
+    import subprocess
+
+    from acco_ds.cli.launch import PACKAGE_PARENT
+
     try:
         from importlib.metadata import version
 
-        info["acco_ds"] = version("acco_ds")
+        ver = version("acco_ds")
     except Exception:
-        info["acco_ds"] = "source tree"
-    return info
+        ver = "source tree"
+    commit = os.environ.get("ACCO_DS_SOURCE_COMMIT")
+    if not commit:
+        try:
+            out = subprocess.run(
+                ["git", "-C", PACKAGE_PARENT, "rev-parse", "--short", "HEAD"],
+                capture_output=True,
+                text=True,
+                timeout=10,
+            )
+            commit = out.stdout.strip() if out.returncode == 0 else ""
+        except (OSError, subprocess.SubprocessError):
+            commit = ""
+    return f"{ver} ({commit})" if commit else ver
