@@ -331,3 +331,23 @@ def test_cpu_ext_and_cuda_body_are_bit_identical(gdtype, odtype):
     adamw_step(*a, grad, out_a, **kw)
     adamw_step_cuda_body_on_cpu(*b, grad, out_b, **kw)
     assert torch.equal(out_a, out_b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("odtype", DTYPES)
+def test_large_shard_streaming_out(odtype):
+    """n * out element size >= 16 MiB: the CPU launcher writes `out` with non-temporal stores."""
+    require_cpu_ext()
+    n = 8_388_619  # 16 MiB of bf16 and then some, odd
+    g = gen("large", odtype)
+    state = rand_state(n, g)
+    grad = torch.randn(n, generator=g).to(torch.bfloat16)
+    kw = dict(step=5, weight_decay=0.1, **HP)
+    peek = poisoned(n, odtype)
+    adamw_step(*state, grad, peek, commit=False, **kw)
+    ref = [t.clone() for t in state]
+    adamw_step_ref(*ref, grad, **kw)
+    out = poisoned(n, odtype)
+    adamw_step(*state, grad, out, **kw)
+    assert torch.equal(out, state[0].to(odtype)) and torch.equal(peek, out)
+    for ours, r in zip(state, ref):
+        torch.testing.assert_close(ours, r, rtol=2e-6, atol=ulp_atol(r))

@@ -8,6 +8,10 @@
 // results do not depend on the ISA picked.
 #include <omp.h>
 #include <stdint.h>
+#include <string.h>
+#if defined(__x86_64__)
+#include <emmintrin.h>
+#endif
 
 #include <algorithm>
 #include <vector>
@@ -44,15 +48,37 @@ const Isa kIsa = detect_isa();
 #endif
 
 // ---- AdamW ------------------------------------------------------------------------------------------
-using AdamWRange = void (*)(const AdamWKernelArgs&, float, int64_t, int64_t);
+// (args, gradient scale, begin, end, stream_out): stream_out = write `out` with non-temporal stores.
+using AdamWRange = void (*)(const AdamWKernelArgs&, float, int64_t, int64_t, bool);
 
 constexpr int64_t kTile = 256;  // elements staged in fp32 on the stack (L1) per inner step
+// `out` is written with non-temporal stores when it is at least this large: it would not stay in cache, and
+// streaming it saves the read-for-ownership of its lines (2 of the 16 bytes per parameter a peek moves).
+constexpr int64_t kStreamOutBytes = 16 << 20;
+
+// Copies `bytes` (a multiple of 16) from the 16-byte aligned `src` to the 16-byte aligned `dst` with
+// non-temporal stores (SSE2, in every x86-64); a plain copy elsewhere. Callers end with stream_fence().
+inline __attribute__((always_inline)) void stream_copy(void* dst, const void* src, int64_t bytes) {
+#if defined(__x86_64__)
+  for (int64_t o = 0; o < bytes; o += 16)
+    _mm_stream_si128(reinterpret_cast<__m128i*>(static_cast<char*>(dst) + o),
+                     _mm_load_si128(reinterpret_cast<const __m128i*>(static_cast<const char*>(src) + o)));
+#else
+  memcpy(dst, src, bytes);
+#endif
+}
+
+inline void stream_fence() {
+#if defined(__x86_64__)
+  _mm_sfence();
+#endif
+}
 
 // The loop is split in tiles so that the compiler vectorises the fp32 math at the full vector width: a
 // bf16 <-> fp32 conversion inside the math loop makes GCC pick half-width vectors for everything.
 template <typename G, typename O, bool COMMIT, bool HAS_OUT>
 inline __attribute__((always_inline)) void adamw_range_impl(const AdamWKernelArgs& a, float s, int64_t b,
-                                                              int64_t e) {
+                                                              int64_t e, bool stream_out) {
   float* __restrict p = a.p;
   float* __restrict m = a.m;
   float* __restrict v = a.v;
@@ -78,16 +104,24 @@ inline __attribute__((always_inline)) void adamw_range_impl(const AdamWKernelArg
       pt[k] = pi;
     }
     if (HAS_OUT) {
+      if (stream_out && len == kTile && reinterpret_cast<uintptr_t>(out + t0) % 16 == 0) {
+        alignas(64) O ot[kTile];
 #pragma omp simd
-      for (int64_t k = 0; k < len; ++k) out[t0 + k] = from_f32<O>(pt[k]);
+        for (int64_t k = 0; k < kTile; ++k) ot[k] = from_f32<O>(pt[k]);
+        stream_copy(out + t0, ot, kTile * sizeof(O));
+      } else {
+#pragma omp simd
+        for (int64_t k = 0; k < len; ++k) out[t0 + k] = from_f32<O>(pt[k]);
+      }
     }
   }
+  if (HAS_OUT && stream_out) stream_fence();
 }
 
 // noop step: out = cast(master), state untouched.
 template <typename O>
 inline __attribute__((always_inline)) void cast_range_impl(const AdamWKernelArgs& a, float, int64_t b,
-                                                             int64_t e) {
+                                                             int64_t e, bool) {
   const float* __restrict p = a.p;
   O* __restrict out = static_cast<O*>(a.out);
 #pragma omp simd
@@ -95,29 +129,29 @@ inline __attribute__((always_inline)) void cast_range_impl(const AdamWKernelArgs
 }
 
 template <typename G, typename O, bool COMMIT, bool HAS_OUT>
-void adamw_range_base(const AdamWKernelArgs& a, float s, int64_t b, int64_t e) {
-  adamw_range_impl<G, O, COMMIT, HAS_OUT>(a, s, b, e);
+void adamw_range_base(const AdamWKernelArgs& a, float s, int64_t b, int64_t e, bool st) {
+  adamw_range_impl<G, O, COMMIT, HAS_OUT>(a, s, b, e, st);
 }
 template <typename O>
-void cast_range_base(const AdamWKernelArgs& a, float s, int64_t b, int64_t e) {
-  cast_range_impl<O>(a, s, b, e);
+void cast_range_base(const AdamWKernelArgs& a, float s, int64_t b, int64_t e, bool st) {
+  cast_range_impl<O>(a, s, b, e, st);
 }
 #if ACCO_HAVE_ISA_VARIANTS
 template <typename G, typename O, bool COMMIT, bool HAS_OUT>
-ACCO_TARGET_AVX2 void adamw_range_avx2(const AdamWKernelArgs& a, float s, int64_t b, int64_t e) {
-  adamw_range_impl<G, O, COMMIT, HAS_OUT>(a, s, b, e);
+ACCO_TARGET_AVX2 void adamw_range_avx2(const AdamWKernelArgs& a, float s, int64_t b, int64_t e, bool st) {
+  adamw_range_impl<G, O, COMMIT, HAS_OUT>(a, s, b, e, st);
 }
 template <typename G, typename O, bool COMMIT, bool HAS_OUT>
-ACCO_TARGET_AVX512 void adamw_range_avx512(const AdamWKernelArgs& a, float s, int64_t b, int64_t e) {
-  adamw_range_impl<G, O, COMMIT, HAS_OUT>(a, s, b, e);
+ACCO_TARGET_AVX512 void adamw_range_avx512(const AdamWKernelArgs& a, float s, int64_t b, int64_t e, bool st) {
+  adamw_range_impl<G, O, COMMIT, HAS_OUT>(a, s, b, e, st);
 }
 template <typename O>
-ACCO_TARGET_AVX2 void cast_range_avx2(const AdamWKernelArgs& a, float s, int64_t b, int64_t e) {
-  cast_range_impl<O>(a, s, b, e);
+ACCO_TARGET_AVX2 void cast_range_avx2(const AdamWKernelArgs& a, float s, int64_t b, int64_t e, bool st) {
+  cast_range_impl<O>(a, s, b, e, st);
 }
 template <typename O>
-ACCO_TARGET_AVX512 void cast_range_avx512(const AdamWKernelArgs& a, float s, int64_t b, int64_t e) {
-  cast_range_impl<O>(a, s, b, e);
+ACCO_TARGET_AVX512 void cast_range_avx512(const AdamWKernelArgs& a, float s, int64_t b, int64_t e, bool st) {
+  cast_range_impl<O>(a, s, b, e, st);
 }
 #endif
 
@@ -147,7 +181,7 @@ AdamWRange pick_adamw_out(int out_dtype, bool commit) {
   return commit ? pick_adamw<G, float, true, true>() : pick_adamw<G, float, false, true>();
 }
 
-// Runs f(begin, end) over [0, n) on at most num_threads OpenMP threads, in contiguous 64-byte-aligned slices.
+// Runs f(begin, end) over [0, n) on at most num_threads OpenMP threads, in contiguous slices of whole tiles.
 template <typename F>
 void parallel_range(int64_t n, int num_threads, const F& f) {
   const int64_t want = (n + kGrain - 1) / kGrain;
@@ -159,7 +193,7 @@ void parallel_range(int64_t n, int num_threads, const F& f) {
 #pragma omp parallel num_threads(nt)
   {
     const int64_t t = omp_get_thread_num(), threads = omp_get_num_threads();
-    const int64_t per = (((n + threads - 1) / threads) + 15) / 16 * 16;
+    const int64_t per = (((n + threads - 1) / threads) + kTile - 1) / kTile * kTile;
     const int64_t b = std::min(n, t * per), e = std::min(n, b + per);
     if (b < e) f(b, e);
   }
@@ -224,7 +258,8 @@ void adamw_cpu(const AdamWKernelArgs& a, int g_dtype, int out_dtype, bool commit
     fn = g_dtype == kBF16 ? pick_adamw_out<uint16_t>(out_dtype, commit) : pick_adamw_out<float>(out_dtype, commit);
   }
   if (fn == nullptr) return;  // peek without out: nothing to write (the Python front forbids it)
-  parallel_range(a.n, num_threads, [&](int64_t b, int64_t e) { fn(a, s, b, e); });
+  const bool stream_out = out_dtype >= 0 && a.n * elem_size(out_dtype) >= kStreamOutBytes;
+  parallel_range(a.n, num_threads, [&](int64_t b, int64_t e) { fn(a, s, b, e, stream_out); });
 }
 
 void accumulate_cpu(uintptr_t buf, int buf_dtype, const int64_t* grad_ptrs, const int* grad_dtypes,
