@@ -166,14 +166,17 @@ def clone_step_restore(n: int, device: str, timer: Timer) -> float:
 def deepspeed_anchor(n: int, device: str, timer: Timer) -> float:
     import torch
 
-    if device == "cpu":
-        from deepspeed.ops.adam import DeepSpeedCPUAdam as Opt
-    else:
-        from deepspeed.ops.adam import FusedAdam as Opt
     p = torch.nn.Parameter(torch.randn(n, device=device))
     p.grad = torch.randn(n, device=device)
-    opt = Opt([p], lr=HP["lr"], betas=(HP["beta1"], HP["beta2"]), eps=HP["eps"], weight_decay=HP["weight_decay"],
-              adamw_mode=True)  # fmt: skip
+    kw = dict(lr=HP["lr"], betas=(HP["beta1"], HP["beta2"]), eps=HP["eps"], weight_decay=HP["weight_decay"])
+    if device == "cpu":
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        opt = DeepSpeedCPUAdam([p], adamw_mode=True, **kw)
+    else:
+        from deepspeed.ops.adam import FusedAdam
+
+        opt = FusedAdam([p], adam_w_mode=True, **kw)
     return timer(opt.step)
 
 
