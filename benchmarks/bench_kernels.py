@@ -43,111 +43,140 @@ def parse_args(argv=None):
     return ap.parse_args(argv)
 
 
-class Timer:
-    """Median of timed calls after warm-up; CUDA events on the GPU, perf_counter on the CPU."""
+def timed(fn, device: str) -> float:
+    """Seconds of one call; CUDA events on the GPU (no host sync inside fn), perf_counter on the CPU."""
+    import torch
 
-    def __init__(self, device: str, reps: int):
-        self.device, self.reps = device, reps
+    if device == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
 
-    def __call__(self, fn, reps=None) -> float:
-        import torch
 
-        reps = reps or self.reps
-        for _ in range(2):
+def measure(factories: dict, n: int, device: str, reps: int, interleave: bool) -> dict:
+    """Median seconds per contender. Interleaved: all contenders alive, one call each per round (in a
+    rotating order), so load from other processes on a shared machine falls on all of them alike. Otherwise
+    (large sizes, to bound memory) one contender at a time."""
+    import gc
+
+    def build(name):
+        fn = factories[name](n, device)
+        for _ in range(2):  # warm-up (Triton compiles, DeepSpeed builds, caches)
             fn()
-        times = []
-        for _ in range(reps):
-            if self.device == "cuda":
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                fn()
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end) / 1e3)
-            else:
-                t0 = time.perf_counter()
-                fn()
-                times.append(time.perf_counter() - t0)
-        return statistics.median(times)
+        return fn
+
+    times = {name: [] for name in factories}
+    if interleave:
+        fns = {name: build(name) for name in factories}
+        names = list(fns)
+        for r in range(reps):
+            for name in names[r % len(names) :] + names[: r % len(names)]:
+                times[name].append(timed(fns[name], device))
+        del fns
+    else:
+        for name in factories:
+            fn = build(name)
+            times[name] = [timed(fn, device) for _ in range(reps)]
+            del fn
+            gc.collect()
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
-def stream_bandwidth(timer: Timer, device: str) -> dict:
+def stream_bandwidth(device: str, reps: int) -> dict:
     """Copy (read + write) and triad (2 reads + write) on 64M fp32 elements: bytes moved / median time."""
     import torch
 
     n = 64 * 2**20
     a, b, c = (torch.rand(n, device=device) for _ in range(3))
-    copy = 8 * n / timer(lambda: a.copy_(b))
-    triad = 12 * n / timer(lambda: torch.add(b, c, alpha=0.5, out=a))
-    return {"copy": copy / 1e9, "triad": triad / 1e9, "best": max(copy, triad) / 1e9}
+    t = measure({"copy": lambda *_: lambda: a.copy_(b),
+                 "triad": lambda *_: lambda: torch.add(b, c, alpha=0.5, out=a)}, n, device, reps, True)  # fmt: skip
+    copy, triad = 8 * n / t["copy"] / 1e9, 12 * n / t["triad"] / 1e9
+    return {"copy": copy, "triad": triad, "best": max(copy, triad)}
 
 
-def ours(n: int, device: str, timer: Timer) -> dict:
-    """Our kernels: commit / peek with bf16 grad in and bf16 param out; accumulation bf16 -> fp32 and bf16."""
+# -- contenders: factory(n, device) -> a callable doing one step -------------------------------------------
+def _state(n, device):
     import torch
-
-    from acco_ds.ops import _build
-    from acco_ds.ops.accumulate import accumulate_grads
-
-    if _build.load(device) is None:
-        raise SystemExit(f"bench_kernels: the {device} extension is not built: {_build.why_missing(device)}")
-    grad = torch.randn(n, device=device).to(torch.bfloat16)
-    res = _adamw_times(n, device, timer, grad)
-    buf32 = torch.randn(n, device=device)
-    res["acc_bf16_fp32"] = timer(lambda: accumulate_grads(buf32, [grad], [0], 0.5))
-    buf16 = torch.randn(n, device=device).to(torch.bfloat16)
-    res["acc_bf16_bf16"] = timer(lambda: accumulate_grads(buf16, [grad], [0], 0.5))
-    return res
-
-
-def _adamw_times(n: int, device: str, timer: Timer, grad) -> dict:
-    import torch
-
-    from acco_ds.ops.adamw import adamw_step
 
     master = torch.randn(n, device=device)
     m = torch.randn(n, device=device) * 0.1
     v = torch.rand(n, device=device) * 0.01
+    grad = torch.randn(n, device=device).to(torch.bfloat16)
     out = torch.empty(n, dtype=torch.bfloat16, device=device)
-    commit = timer(lambda: adamw_step(master, m, v, grad, out, step=10, **HP))
-    peek = timer(lambda: adamw_step(master, m, v, grad, out, step=11, commit=False, **HP))
-    return {"commit": commit, "peek": peek}
+    return master, m, v, grad, out
 
 
-def torch_adamw(n: int, device: str, timer: Timer, **opt_kw) -> float:
+def acco_commit(n, device):
+    from acco_ds.ops.adamw import adamw_step
+
+    master, m, v, grad, out = _state(n, device)
+    return lambda: adamw_step(master, m, v, grad, out, step=10, **HP)
+
+
+def acco_peek(n, device):
+    from acco_ds.ops.adamw import adamw_step
+
+    master, m, v, grad, out = _state(n, device)
+    return lambda: adamw_step(master, m, v, grad, out, step=11, commit=False, **HP)
+
+
+def acco_accumulate(buf_dtype):
+    def factory(n, device):
+        import torch
+
+        from acco_ds.ops.accumulate import accumulate_grads
+
+        grad = torch.randn(n, device=device).to(torch.bfloat16)
+        buf = torch.randn(n, device=device).to(buf_dtype)
+        return lambda: accumulate_grads(buf, [grad], [0], 0.5)
+
+    return factory
+
+
+def _torch_opt(n, device, **kw):
     import torch
 
     p = torch.nn.Parameter(torch.randn(n, device=device))
     p.grad = torch.randn(n, device=device)
     opt = torch.optim.AdamW([p], lr=HP["lr"], betas=(HP["beta1"], HP["beta2"]), eps=HP["eps"],
-                            weight_decay=HP["weight_decay"], **opt_kw)  # fmt: skip
-    return timer(opt.step)
+                            weight_decay=HP["weight_decay"], **kw)  # fmt: skip
+    return p, opt
 
 
-def torch_fused_plus_cast(n: int, device: str, timer: Timer) -> float:
+def torch_fused(n, device):
+    return _torch_opt(n, device, fused=True)[1].step
+
+
+def torch_foreach(n, device):
+    return _torch_opt(n, device, foreach=True)[1].step
+
+
+def torch_fused_cast(n, device):
     """torch fused AdamW, then the bf16 copy of the parameters it does not write itself."""
     import torch
 
-    p = torch.nn.Parameter(torch.randn(n, device=device))
-    p.grad = torch.randn(n, device=device)
+    p, opt = _torch_opt(n, device, fused=True)
     out = torch.empty(n, dtype=torch.bfloat16, device=device)
-    opt = torch.optim.AdamW([p], lr=HP["lr"], fused=True)
 
     def step():
         opt.step()
         out.copy_(p.detach())
 
-    return timer(step)
+    return step
 
 
-def clone_step_restore(n: int, device: str, timer: Timer) -> float:
+def clone_step_restore(n, device):
     """The estimate as ACCO's reference code gets it: save params and state, step, copy out, restore."""
     import torch
 
-    p = torch.nn.Parameter(torch.randn(n, device=device))
-    p.grad = torch.randn(n, device=device)
+    p, opt = _torch_opt(n, device, fused=True)
     out = torch.empty(n, dtype=torch.bfloat16, device=device)
-    opt = torch.optim.AdamW([p], lr=HP["lr"], fused=device == "cuda")
     opt.step()
     st = opt.state[p]
 
@@ -160,10 +189,10 @@ def clone_step_restore(n: int, device: str, timer: Timer) -> float:
         st["exp_avg_sq"].copy_(saved[2])
         st["step"].copy_(saved[3])
 
-    return timer(peek)
+    return peek
 
 
-def deepspeed_anchor(n: int, device: str, timer: Timer) -> float:
+def deepspeed_adam(n, device):
     import torch
 
     p = torch.nn.Parameter(torch.randn(n, device=device))
@@ -172,12 +201,10 @@ def deepspeed_anchor(n: int, device: str, timer: Timer) -> float:
     if device == "cpu":
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
-        opt = DeepSpeedCPUAdam([p], adamw_mode=True, **kw)
-    else:
-        from deepspeed.ops.adam import FusedAdam
+        return DeepSpeedCPUAdam([p], adamw_mode=True, **kw).step
+    from deepspeed.ops.adam import FusedAdam
 
-        opt = FusedAdam([p], adam_w_mode=True, **kw)
-    return timer(opt.step)
+    return FusedAdam([p], adam_w_mode=True, **kw).step
 
 
 def machine(device: str) -> str:
@@ -227,51 +254,53 @@ LABEL = {
 def run(args) -> str:
     import torch
 
+    from acco_ds.ops import _build
+
     if args.device == "cpu":
         torch.set_num_threads(args.threads)
     elif not torch.cuda.is_available():
         raise SystemExit("bench_kernels: --device cuda but torch.cuda.is_available() is False")
-    sizes = args.sizes or (QUICK_SIZES if args.quick else DEFAULT_SIZES)
-    reps = args.reps or (5 if args.quick else 15)
-    timer = Timer(args.device, reps)
-    bw = stream_bandwidth(timer, args.device)
-    print(f"stream bandwidth: copy {bw['copy']:.1f} GB/s, triad {bw['triad']:.1f} GB/s", flush=True)
-    rows, notes = [], []
-    for n in sizes:
-        big = n >= 50_000_000
-        t = Timer(args.device, max(3, reps // 3) if big else reps)
-        res = ours(n, args.device, t)
-        anchors = {}
-        anchors["torch_fused"] = torch_adamw(n, args.device, t, fused=True)
-        anchors["torch_fused_cast"] = torch_fused_plus_cast(n, args.device, t)
-        anchors["torch_foreach"] = torch_adamw(
-            n, args.device, Timer(args.device, 3) if big else t, foreach=True
+    if _build.load(args.device) is None:
+        raise SystemExit(
+            f"bench_kernels: the {args.device} extension is not built: {_build.why_missing(args.device)}"
         )
-        if args.device == "cuda":
-            anchors["clone_step_restore"] = clone_step_restore(n, args.device, t)
-        if not args.no_deepspeed:
-            key = "deepspeed" if args.device == "cpu" else "deepspeed_gpu"
-            try:
-                anchors[key] = deepspeed_anchor(n, args.device, t)
-            except Exception as e:  # noqa: BLE001 - an anchor that cannot run is reported, not fatal
-                notes.append(f"{LABEL[key]} unavailable at n={n}: {type(e).__name__}: {str(e)[:200]}")
-        for key, sec in res.items():
-            vs = {}
+    sizes = args.sizes or (QUICK_SIZES if args.quick else DEFAULT_SIZES)
+    reps = args.reps or (5 if args.quick else 21)
+    bw = stream_bandwidth(args.device, reps)
+    print(f"stream bandwidth: copy {bw['copy']:.1f} GB/s, triad {bw['triad']:.1f} GB/s", flush=True)
+    contenders = {"commit": acco_commit, "peek": acco_peek, "acc_bf16_fp32": acco_accumulate(torch.float32),
+                  "acc_bf16_bf16": acco_accumulate(torch.bfloat16), "torch_fused": torch_fused,
+                  "torch_fused_cast": torch_fused_cast}  # fmt: skip
+    contenders["torch_foreach"] = torch_foreach
+    if args.device == "cuda":
+        contenders["clone_step_restore"] = clone_step_restore
+    notes = []
+    if not args.no_deepspeed:
+        key = "deepspeed" if args.device == "cpu" else "deepspeed_gpu"
+        try:
+            deepspeed_adam(16, args.device)()  # builds DeepSpeed's op once (JIT, ~1 min the first time)
+            contenders[key] = deepspeed_adam
+        except Exception as e:  # noqa: BLE001 - an anchor that cannot run is reported, not fatal
+            notes.append(f"{LABEL[key]} unavailable: {type(e).__name__}: {str(e)[:300]}")
+    rows = []
+    for n in sizes:
+        big = n >= 50_000_000 and args.device == "cpu"
+        t = measure(contenders, n, args.device, max(5, reps // 3) if big else reps, interleave=not big)
+        anchors = {k: v for k, v in t.items() if k not in BYTES or k == "anchor"}
+        for key in ("commit", "peek", "acc_bf16_fp32", "acc_bf16_bf16"):
+            sec, vs = t[key], {}
             if key in ("commit", "peek"):
                 vs = {a: anchors[a] / sec for a in anchors if a != "clone_step_restore" or key == "peek"}
                 if key == "peek":
-                    vs["commit"] = res["commit"] / sec
+                    vs["commit"] = t["commit"] / sec
             rows.append((n, LABEL[key], sec, BYTES[key] * n / sec / 1e9, vs))
         for key, sec in anchors.items():
             rows.append((n, LABEL[key], sec, BYTES["anchor"] * n / sec / 1e9, {}))
-        print(
-            f"n={n:,}: " + ", ".join(f"{k} {v * 1e3:.3f} ms" for k, v in {**res, **anchors}.items()),
-            flush=True,
-        )
-    return render(args, bw, rows, notes)
+        print(f"n={n:,}: " + ", ".join(f"{k} {v * 1e3:.3f} ms" for k, v in t.items()), flush=True)
+    return render(args, bw, rows, notes, reps)
 
 
-def render(args, bw, rows, notes) -> str:
+def render(args, bw, rows, notes, reps) -> str:
     head = (
         "| params | kernel | median ms | GB/s | % of stream BW | speed vs anchors (anchor time / this time) |"
     )
@@ -294,7 +323,12 @@ def render(args, bw, rows, notes) -> str:
         f"- Streaming bandwidth in this run (64M fp32): copy {bw['copy']:.1f} GB/s, triad {bw['triad']:.1f} GB/s; "
         f"the % column divides by the best, {bw['best']:.1f} GB/s.",
         "- Bytes per parameter: commit 28 (read p, m, v fp32 + bf16 g; write p, m, v + bf16 out), peek 16 "
-        "(read the same, write bf16 out), accumulate grad + buffer read + buffer write; fp32 AdamW anchors 28.",
+        "(read the same, write bf16 out), accumulate grad + buffer read + buffer write; anchors are credited with the 28 B of an fp32 AdamW step "
+        "(what the work needs, not what they move: the bf16 copy and clone/restore traffic is not counted).",
+        f"- Median of {reps} timed calls after 2 warm-up calls; below 50M parameters (and on the GPU) the "
+        "contenders are interleaved call by call (so load from other processes falls on all alike, and no "
+        "contender keeps its data in the caches from one call to the next); at 50M and above, one contender at a "
+        "time with a third of the calls (memory). The streaming bandwidth is measured on 64M fp32 elements.",
         "",
         table,
     ]
