@@ -130,8 +130,8 @@ class AccoBuildExt(build_ext):
 
     def _cxx(self) -> str:
         cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-        if cxx is None:
-            raise RuntimeError("no C++ compiler (g++/c++ or $CXX) found")
+        if cxx is None or shutil.which(cxx) is None:
+            raise RuntimeError(f"no C++ compiler found (CXX={os.environ.get('CXX')!r}, no g++/c++ on PATH)")
         return cxx
 
     def _build_cpu(self, target: Path, build_dir: Path) -> None:
@@ -191,6 +191,9 @@ class AccoBuildExt(build_ext):
 
 def _extensions() -> list[Extension]:
     if _mode("ACCO_DS_BUILD_EXT") == "0":
+        _log(
+            "ACCO_DS_BUILD_EXT=0: pure-Python install, no compiled kernels (acco_ds uses its torch fallback)."
+        )
         return []
     # Sources are compiled by AccoBuildExt, not by distutils; listing them keeps sdists complete.
     srcs = [str(p.relative_to(ROOT)) for p in sorted(CSRC.glob("*")) if p.suffix in (".cpp", ".cu", ".h")]

@@ -20,6 +20,9 @@ _MODULES = {"cpu": "acco_ds._adamw_cpu", "cuda": "acco_ds._adamw_cuda"}
 _lock = threading.Lock()
 _cache: Dict[str, Tuple[object | None, str]] = {}
 
+ABI_VERSION = 1
+"""The argument layout the Python front uses (csrc/adamw/bindings.cpp's kAbiVersion must match)."""
+
 DISABLE_ENV = "ACCO_DS_DISABLE_EXT"
 """Set to 1 to ignore the compiled extensions at runtime (the torch reference is used instead)."""
 
@@ -40,13 +43,18 @@ def load(kind: str):
 def _try_import(kind: str) -> Tuple[object | None, str]:
     if os.environ.get(DISABLE_ENV, "0") not in ("", "0"):
         return None, f"{DISABLE_ENV}={os.environ[DISABLE_ENV]} is set"
+    rebuild = "Rebuild with `ACCO_DS_BUILD_EXT=1 pip install -e .` or `python setup.py build_ext --inplace`."
     try:
-        return importlib.import_module(_MODULES[kind]), ""
+        mod = importlib.import_module(_MODULES[kind])
     except ImportError as e:  # not built (no compiler at install time) or a broken build
-        return None, (
-            f"{_MODULES[kind]} could not be imported: {type(e).__name__}: {e}. "
-            "Rebuild with `ACCO_DS_BUILD_EXT=1 pip install -e .` or `python setup.py build_ext --inplace`."
+        return None, f"{_MODULES[kind]} could not be imported: {type(e).__name__}: {e}. {rebuild}"
+    found = getattr(mod, "ABI_VERSION", None)
+    if found != ABI_VERSION:
+        return (
+            None,
+            f"{mod.__file__} is a stale build (ABI_VERSION {found}, expected {ABI_VERSION}). {rebuild}",
         )
+    return mod, ""
 
 
 def why_missing(kind: str) -> str:

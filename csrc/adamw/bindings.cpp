@@ -15,6 +15,10 @@
 
 namespace py = pybind11;
 
+// Bumped whenever an entry point's arguments change; acco_ds/ops/_build.py refuses a module with another
+// value (a stale build) instead of failing at the first call.
+constexpr int kAbiVersion = 1;
+
 namespace {
 
 acco::AdamWHyper hyper(float decay, float beta1, float omb1, float beta2, float omb2, float bc2_sqrt, float eps,
@@ -89,12 +93,14 @@ PYBIND11_MODULE(_adamw_cpu, mod) {
         acco::accumulate_cpu(dst, dst_dtype, &ptr, &src_dtype, &off, &n, 1, scale, false, num_threads);
       },
       "dst = cast(float(src) * scale), n elements.", py::call_guard<py::gil_scoped_release>());
+  mod.attr("ABI_VERSION") = kAbiVersion;
   mod.attr("VEC") = acco::kVec;
   mod.attr("BLOCK") = acco::kBlock;
 }
 #elif defined(ACCO_BIND_CUDA)
 PYBIND11_MODULE(_adamw_cuda, mod) {
   mod.doc() = "acco_ds CUDA kernels (cudart static; no libtorch). Call them through acco_ds.ops.";
+  mod.attr("ABI_VERSION") = kAbiVersion;
   mod.def(
       "adamw_cuda",
       [](ACCO_ADAMW_ARGS, uintptr_t stream) {
