@@ -166,6 +166,11 @@ def test_copy_flat_scale_one_is_a_cast():
         (lambda b: accumulate_grads(b, [torch.ones(3)], [0], backend="cuda"), ValueError, "backend must be"),
         (lambda b: accumulate_grads(b.view(10, 10), [torch.ones(3)], [0]), ValueError, "buffer must be 1-D"),
         (lambda b: accumulate_flat(b, torch.ones(99)), ValueError, "sizes differ"),
+        (
+            lambda b: accumulate_flat(b, torch.ones(100), backend="triton"),
+            ValueError,
+            "needs TRITON_INTERPRET=1",
+        ),
         (lambda b: copy_flat(b, torch.ones(100, dtype=torch.int32)), TypeError, "src has dtype torch.int32"),
     ],
 )

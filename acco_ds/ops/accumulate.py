@@ -24,6 +24,7 @@ Triton is imported lazily; importing this module never imports triton nor touche
 from __future__ import annotations
 
 import logging
+import os
 from typing import List, Sequence
 
 import torch
@@ -86,6 +87,11 @@ def _validate_grads(fn: str, buffer, grads, offsets) -> List[int]:
 def _pick(fn: str, device: torch.device, backend: str | None) -> str:
     if backend not in _BACKENDS:
         raise ValueError(f"{fn}: backend must be one of {_BACKENDS}, got {backend!r}.")
+    if backend == "triton" and device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(
+            f"{fn}: backend='triton' on CPU tensors needs TRITON_INTERPRET=1 in the environment before triton is "
+            "first imported (the Triton interpreter); use backend='cpp' or 'ref' on CPU otherwise."
+        )
     if backend in ("ref", "triton"):
         return backend
     if backend == "cpp":
@@ -192,9 +198,9 @@ def copy_flat_ref(dst, src, scale: float = 1.0) -> None:
 def copy_flat(dst, src, scale: float = 1.0, *, backend=None) -> None:
     """``dst = cast(src.float() * scale)``: same numel, both contiguous fp32/bf16, one pass.
 
-    With ``scale == 1`` this is ``dst.copy_(src)`` (torch's cast is round-to-nearest-even, one pass on every
-    device); otherwise the accumulate kernels with the destination zeroed are avoided by a dedicated path:
-    Triton on CUDA, the CPU extension on CPU, torch (``copy_flat_ref``) as the fallback.
+    With ``scale == 1`` and no backend named this is ``dst.copy_(src)`` (torch's cast is round-to-nearest-even,
+    one pass on every device); otherwise the cast-and-scale kernel of the chosen backend runs (Triton on CUDA,
+    the CPU extension on CPU, ``copy_flat_ref`` as the fallback).
     """
     _check("copy_flat", "dst", dst, None)
     _check("copy_flat", "src", src, dst.device)
