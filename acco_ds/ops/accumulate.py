@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
+from collections import OrderedDict
 from typing import List, Sequence
 
 import torch
@@ -324,6 +326,28 @@ def _chunk_table(grads: List[torch.Tensor], offsets: List[int]) -> torch.Tensor:
     return torch.stack([ptrs[tidx], offs[tidx], cstart, numels[tidx]], 1).contiguous()
 
 
+_TABLE_CACHE_SIZE = 16
+_table_cache: OrderedDict = OrderedDict()
+_table_lock = threading.Lock()
+
+
+def _device_table(grads: List[torch.Tensor], offsets: List[int], device: torch.device) -> torch.Tensor:
+    """The chunk table on ``device``, cached by (addresses, offsets, sizes): the caching allocator hands the
+    same gradient addresses back micro-batch after micro-batch, so most calls skip the build and the copy."""
+    key = (device, tuple(g.data_ptr() for g in grads), tuple(offsets), tuple(g.numel() for g in grads))
+    with _table_lock:
+        table = _table_cache.get(key)
+        if table is not None:
+            _table_cache.move_to_end(key)
+            return table
+    table = _chunk_table(grads, offsets).to(device)
+    with _table_lock:
+        _table_cache[key] = table
+        if len(_table_cache) > _TABLE_CACHE_SIZE:
+            _table_cache.popitem(last=False)
+    return table
+
+
 def _triton_launch(
     buffer, grads: List[torch.Tensor], offsets: List[int], scale: float, accumulate: bool
 ) -> None:
@@ -337,7 +361,7 @@ def _triton_launch(
         if not idx:
             continue
         gs, offs = [grads[i] for i in idx], [offsets[i] for i in idx]
-        table = _chunk_table(gs, offs).to(buffer.device)
+        table = _device_table(gs, offs, buffer.device)
         aligned = buffer.data_ptr() % 16 == 0 and all(
             g.data_ptr() % 16 == 0 and o % 8 == 0 for g, o in zip(gs, offs)
         )
