@@ -31,7 +31,7 @@ def _context(results: dict, an: dict) -> list:
         "- link: all ranks in one network namespace, loopback limited by `tc qdisc add dev lo root tbf rate "
         "<rate> burst 256kb latency 200ms`",
         f"- compute-only (no communication, same micro-batches, ranks concurrently): "
-        f"{comp['samples_per_s']:.1f} samples/s (runs: {', '.join(f'{x:.1f}' for x in comp['each_samples_per_s'])}), "
+        f"{comp['samples_per_s']:.1f} samples/s (best of runs: {', '.join(f'{x:.1f}' for x in comp['each_samples_per_s'])}), "
         f"one micro-batch {1000 * comp['t_mb_mean']:.1f} ms",
         "- DeepSpeed baselines' settings (printed as run):",
     ]
@@ -45,7 +45,7 @@ def _rate_table(results: dict, an: dict) -> list:
     head = (
         "| link | T_comm/round s | contender | s/step | samples/s | x ZeRO-1 steps/s | x ZeRO-1 samples/s | x sync steps/s "
         "| vs compute-only | T_compute/round s | T_round s | overlap eff | loss @ ZeRO-1 samples | val loss (samples) "
-        "| time to ZeRO-1 loss s (x) | peak RSS MiB per rank | load |"
+        "| time to ZeRO-1 loss s (x) | peak RSS MiB per rank | load | samples/s of each repeat |"
     )
     lines = ["## Per link rate", "", head, "|" + "---|" * (head.count("|") - 1)]
     for rate, rows in an["tables"].items():
@@ -59,7 +59,8 @@ def _rate_table(results: dict, an: dict) -> list:
                 f"| {100 * r['vs_compute_only']:.0f}% "
                 f"| {r['t_compute_round_s']:.3f} | {r['t_round_s']:.3f} | {_f(r['overlap_eff'] and 100 * r['overlap_eff'], '.0f')}% "
                 f"| {_f(r['loss_at_base_samples'], '.4f')} | {_f(r['val_loss'], '.4f')} ({r['samples']}) | {ttl_s} "
-                f"| {_mem(r['peak_mem_mib'])} | {r['load'][0]:.1f}/{r['load'][1]:.1f} |"
+                f"| {_mem(r['peak_mem_mib'])} | {r['load'][0]:.1f}/{r['load'][1]:.1f} "
+                f"| {', '.join(f'{x:.1f}' for x in r['repeats'])} |"
             )
     lines.append("")
     return lines
