@@ -109,10 +109,13 @@ def run_job(a) -> dict:
             raise SystemExit(
                 f"acco-train: cannot run the ACCO modes: {why}. Run with --mode zero1 meanwhile."
             )
+    first = runs[0][3]
+    mb = first.get("train_micro_batch_size_per_gpu", a.micro_batch)
+    gas = first.get("gradient_accumulation_steps", a.grad_accum)
     print(
         f"acco-train: {len(runs)} run(s) [{', '.join(r[0] for r in runs)}], {a.world_size} ranks x {a.threads} "
-        f"thread(s), model {n_params / 1e6:.2f}M params, {a.steps} steps x {a.grad_accum} micro-batches x "
-        f"{a.micro_batch} seq x {a.context} bytes per rank; output: {out}",
+        f"thread(s), model {n_params / 1e6:.2f}M params, {a.steps} steps x {gas} micro-batches x "
+        f"{mb} seq x {a.context} bytes per rank; output: {out}",
         flush=True,
     )
     summary = {
