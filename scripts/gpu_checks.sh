@@ -43,9 +43,9 @@ else
   status=1
 fi
 
-step "GPU tests + compile-only tests"
+step "GPU tests (kernels, ACCO pipeline on NCCL + side stream) + compile-only tests"
 "$PY" -m pytest -q -rs --durations=10 --junitxml="$RESULTS/pytest_gpu.xml" \
-  tests/test_ops_gpu.py tests/test_ops_cuda_compile.py || status=1
+  tests/test_ops_gpu.py tests/test_ops_cuda_compile.py tests/test_gpu_pipeline.py || status=1
 
 step "kernel benchmark on the GPU"
 # shellcheck disable=SC2086
