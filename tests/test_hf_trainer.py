@@ -42,7 +42,10 @@ def runs(tmp_path_factory):
     run_deepspeed(
         script, 2, ["--output_dir", tmp / "resumed", "--resume_from_checkpoint", resume_from, *common]
     )
-    load = lambda d: torch.load(tmp / d / "result.pt", weights_only=False)  # noqa: E731
+
+    def load(name):
+        return torch.load(tmp / name / "result.pt", weights_only=False)
+
     return tmp, load("full"), load("resumed")
 
 
@@ -74,11 +77,15 @@ def test_resume_from_checkpoint_is_exact(runs):
     assert resumed["global_step"] == STEPS
     for name, want in full["committed"].items():
         assert torch.equal(resumed["committed"][name], want), name
-    after = lambda r: [
-        (h["step"], h["loss"], h.get("grad_norm"))
-        for h in r["log_history"]
-        if h.get("step", 0) > SAVE and "loss" in h
-    ]  # noqa: E731
+
+    def after(result):
+        logs = result["log_history"]
+        return [
+            (h["step"], h["loss"], h.get("grad_norm"))
+            for h in logs
+            if h.get("step", 0) > SAVE and "loss" in h
+        ]
+
     assert after(resumed) == after(full)
 
 

@@ -33,10 +33,13 @@ Module weights: in acco mode the model computes at the estimate theta~ half of t
 dpu at the previous commit. :func:`install_state_dict_hook` makes ``module.state_dict()`` return
 the committed parameters theta (the values ``safe_get_full_fp32_param`` returns, in the
 parameters' dtype) instead, so the module weights DeepSpeed saves in ``mp_rank_00_model_states.pt``,
-and the ``model.safetensors`` the HF Trainer and accelerate write, are theta. In fixed
-accumulation the hook only waits for this rank's job in flight; in adaptive accumulation it drains
-(a collective over the data-parallel group: call ``state_dict()`` on every rank, as DeepSpeed, the
-HF Trainer and accelerate do).
+and the ``model.safetensors`` the HF Trainer and accelerate write, are theta. The hook never
+communicates, so ``state_dict()`` may be called on one rank only: in fixed accumulation it waits for
+this rank's job in flight (every rank launches the same jobs at the same micro-batch, so that job
+completes without this rank); in adaptive accumulation a peer may not have launched that job yet and
+could be waiting for this rank elsewhere, so the hook does not wait: while the job is still running,
+``state_dict()`` holds the parameters the model computes at (a warning says so once). DeepSpeed's
+save drains first (``checkpoint_event_prologue``), so its files hold theta in every mode.
 """
 
 from __future__ import annotations
@@ -97,14 +100,24 @@ def install_state_dict_hook(opt, module: torch.nn.Module):
         name: where[id(p)] for name, p in module.named_parameters(remove_duplicate=False) if id(p) in where
     }
 
+    warned = []
+
     def hook(mod, state, prefix, local_metadata):
         pipeline = opt.pipeline
         if pipeline.in_flight is None:
             return
-        if pipeline.adaptive:
-            snapshot.drain(pipeline)
-        else:
+        if not pipeline.adaptive:
             pipeline.sync_in_flight()
+        elif not pipeline.executor.done(pipeline.in_flight[0]):
+            if not warned:
+                warned.append(True)
+                logger.warning(
+                    "acco_ds: module.state_dict() during adaptive accumulation with a round in flight holds the "
+                    "parameters the model computes at (acco: possibly the estimate), not the committed ones. "
+                    "engine.save_checkpoint (+ zero_to_fp32.py) or engine.optimizer.finish() give the committed "
+                    "weights."
+                )
+            return
         slot = snapshot.committed_slot(pipeline)
         if slot == pipeline.model_slot:
             return
