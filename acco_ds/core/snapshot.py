@@ -53,7 +53,6 @@ _SCALARS = (
     "state_step",
     "engine_steps",
 )
-_RESULT_TENSORS = ("grad_norm", "skipped", "count", "rank_counts", "round_count")
 
 
 class SnapshotMismatchError(ValueError):
@@ -137,12 +136,7 @@ def capture(pipeline) -> Dict[str, Any]:
                 "job": plan.job.value,
                 **{k: getattr(plan, k) for k in ("wait_previous", "wait_now", "commit_index")},
             },
-            "result": {
-                "job": res.job.value,
-                "commit_index": res.commit_index,
-                "target_slot": res.target_slot,
-                **{k: _cpu(getattr(res, k)) for k in _RESULT_TENSORS},
-            },
+            "result": _result_to_plain(res),
         }
     groups = []
     for b in pipeline.groups:
@@ -249,16 +243,31 @@ def adopt_step_schedule_of_rank0(pipeline) -> None:
     pipeline.engine_steps, pipeline._hyper_history = int(obj[0]), dict(obj[1])
 
 
+def _result_to_plain(res: RoundResult) -> Dict[str, Any]:
+    """Every field of the RoundResult: tensors as CPU copies, the job kind as its value."""
+    out = {}
+    for f in fields(RoundResult):
+        v = getattr(res, f.name)
+        out[f.name] = _cpu(v) if isinstance(v, torch.Tensor) else (v.value if isinstance(v, Job) else v)
+    return out
+
+
+def _result_from_plain(saved: Dict[str, Any], dev: torch.device) -> RoundResult:
+    names = {f.name for f in fields(RoundResult)}
+    if set(saved) != names:
+        raise SnapshotMismatchError(
+            f"the checkpoint's job in flight has fields {sorted(saved)}, this acco_ds's RoundResult has "
+            f"{sorted(names)}: the checkpoint was saved by another acco_ds version."
+        )
+    kw = {k: (v.to(dev) if isinstance(v, torch.Tensor) else v) for k, v in saved.items()}
+    kw["job"] = Job(kw["job"])
+    return RoundResult(**kw)
+
+
 def _finished_ticket(pipeline, saved: Dict[str, Any]):
     """(Ticket, RoundEnd) of a job that has already run: ``executor.wait`` returns its result at once."""
-    r = saved["result"]
     dev = pipeline.device
-    result = RoundResult(
-        job=Job(r["job"]),
-        commit_index=int(r["commit_index"]),
-        target_slot=int(r["target_slot"]),
-        **{k: r[k].to(dev) for k in _RESULT_TENSORS},
-    )
+    result = _result_from_plain(saved["result"], dev)
     p = saved["plan"]
     plan = RoundEnd(Job(p["job"]), p["wait_previous"], p["wait_now"], p["commit_index"])
     ticket = Ticket(saved["name"] + " (restored)")
