@@ -126,6 +126,13 @@ def acco_peek(n, device):
     return lambda: adamw_step(master, m, v, grad, out, step=11, commit=False, **HP)
 
 
+def read_floor(n, device):
+    """Only the reads a peek must do (p, m, v fp32 + g bf16, 14 B/param), as four reductions: what a peek
+    would take if its computation and its 2 B/param of writes were free."""
+    master, m, v, grad, _ = _state(n, device)
+    return lambda: (master.sum(), m.sum(), v.sum(), grad.sum())
+
+
 def acco_accumulate(buf_dtype):
     def factory(n, device):
         import torch
@@ -236,12 +243,20 @@ def versions() -> str:
     return ", ".join(vs)
 
 
-BYTES = {"commit": 28, "peek": 16, "acc_bf16_fp32": 2 + 4 + 4, "acc_bf16_bf16": 2 + 2 + 2, "anchor": 28}
+BYTES = {
+    "commit": 28,
+    "peek": 16,
+    "acc_bf16_fp32": 2 + 4 + 4,
+    "acc_bf16_bf16": 2 + 2 + 2,
+    "read_floor": 14,
+    "anchor": 28,
+}
 LABEL = {
     "commit": "acco commit (bf16 g in, bf16 p out)",
     "peek": "acco peek (bf16 g in, bf16 p out)",
     "acc_bf16_fp32": "acco accumulate bf16 -> fp32 buf",
     "acc_bf16_bf16": "acco accumulate bf16 -> bf16 buf",
+    "read_floor": "limit: the reads of a peek alone (torch sums)",
     "torch_fused": "torch AdamW fused (fp32)",
     "torch_fused_cast": "torch AdamW fused + bf16 copy",
     "torch_foreach": "torch AdamW foreach (fp32)",
@@ -270,7 +285,7 @@ def run(args) -> str:
     print(f"stream bandwidth: copy {bw['copy']:.1f} GB/s, triad {bw['triad']:.1f} GB/s", flush=True)
     contenders = {"commit": acco_commit, "peek": acco_peek, "acc_bf16_fp32": acco_accumulate(torch.float32),
                   "acc_bf16_bf16": acco_accumulate(torch.bfloat16), "torch_fused": torch_fused,
-                  "torch_fused_cast": torch_fused_cast}  # fmt: skip
+                  "torch_fused_cast": torch_fused_cast, "read_floor": read_floor}  # fmt: skip
     contenders["torch_foreach"] = torch_foreach
     if args.device == "cuda":
         contenders["clone_step_restore"] = clone_step_restore
@@ -287,7 +302,7 @@ def run(args) -> str:
         big = n >= 50_000_000 and args.device == "cpu"
         t = measure(contenders, n, args.device, max(5, reps // 3) if big else reps, interleave=not big)
         anchors = {k: v for k, v in t.items() if k not in BYTES or k == "anchor"}
-        for key in ("commit", "peek", "acc_bf16_fp32", "acc_bf16_bf16"):
+        for key in ("commit", "peek", "acc_bf16_fp32", "acc_bf16_bf16", "read_floor"):
             sec, vs = t[key], {}
             if key in ("commit", "peek"):
                 vs = {a: anchors[a] / sec for a in anchors if a != "clone_step_restore" or key == "peek"}
