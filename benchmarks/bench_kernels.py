@@ -43,10 +43,19 @@ def parse_args(argv=None):
     return ap.parse_args(argv)
 
 
+CLOCK = {"name": "wall clock"}
+
+
 def timed(fn, device: str) -> float:
-    """Seconds of one call; CUDA events on the GPU (no host sync inside fn), perf_counter on the CPU."""
+    """Seconds of one call: CUDA events on the GPU (no host sync inside fn); on the CPU the calling thread's CPU
+    time when every contender runs on that one thread (--threads 1: time-slicing with other processes on a shared
+    machine is not counted, memory stalls are), else the wall clock."""
     import torch
 
+    if device == "cpu" and CLOCK["name"] == "thread CPU time":
+        t0 = time.thread_time()
+        fn()
+        return time.thread_time() - t0
     if device == "cuda":
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
@@ -231,6 +240,13 @@ def machine(device: str) -> str:
     return desc
 
 
+def _cpu_isa() -> str:
+    from acco_ds.ops import _build
+
+    ext = _build.load("cpu")
+    return getattr(ext, "ISA", "?") if ext is not None else "not built"
+
+
 def versions() -> str:
     import torch
 
@@ -273,7 +289,10 @@ def run(args) -> str:
 
     if args.device == "cpu":
         torch.set_num_threads(args.threads)
-    elif not torch.cuda.is_available():
+        CLOCK["name"] = "thread CPU time" if args.threads == 1 else "wall clock"
+    else:
+        CLOCK["name"] = "CUDA events"
+    if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("bench_kernels: --device cuda but torch.cuda.is_available() is False")
     if _build.load(args.device) is None:
         raise SystemExit(
@@ -333,14 +352,14 @@ def render(args, bw, rows, notes, reps) -> str:
         "",
         f"- Date: {datetime.datetime.now().isoformat(timespec='seconds')}",
         f"- Machine: {machine(dev)}",
-        f"- Versions: {versions()}",
+        f"- Versions: {versions()}" + (f"; CPU kernel variant: {_cpu_isa()}" if dev == "cpu" else ""),
         f"- Command: `python {' '.join([Path(sys.argv[0]).name, *sys.argv[1:]])}` ({threads} for every contender)",
         f"- Streaming bandwidth in this run (64M fp32): copy {bw['copy']:.1f} GB/s, triad {bw['triad']:.1f} GB/s; "
         f"the % column divides by the best, {bw['best']:.1f} GB/s.",
         "- Bytes per parameter: commit 28 (read p, m, v fp32 + bf16 g; write p, m, v + bf16 out), peek 16 "
         "(read the same, write bf16 out), accumulate grad + buffer read + buffer write; anchors are credited with the 28 B of an fp32 AdamW step "
         "(what the work needs, not what they move: the bf16 copy and clone/restore traffic is not counted).",
-        f"- Median of {reps} timed calls after 2 warm-up calls; below 50M parameters (and on the GPU) the "
+        f"- Clock: {CLOCK['name']}. Median of {reps} timed calls after 2 warm-up calls; below 50M parameters (and on the GPU) the "
         "contenders are interleaved call by call (so load from other processes falls on all alike, and no "
         "contender keeps its data in the caches from one call to the next); at 50M and above, one contender at a "
         "time with a third of the calls (memory). The streaming bandwidth is measured on 64M fp32 elements.",

@@ -351,3 +351,64 @@ def test_large_shard_streaming_out(odtype):
     assert torch.equal(out, state[0].to(odtype)) and torch.equal(peek, out)
     for ours, r in zip(state, ref):
         torch.testing.assert_close(ours, r, rtol=2e-6, atol=ulp_atol(r))
+
+
+_ISA_SCRIPT = """
+import sys, torch
+import acco_ds._adamw_cpu as ext
+from acco_ds.ops.accumulate import accumulate_grads, copy_flat
+from acco_ds.ops.adamw import adamw_step
+
+torch.set_num_threads(1)
+g = torch.Generator().manual_seed(1234)
+n = 100_003
+res = {"isa": ext.ISA}
+for gdt in (torch.float32, torch.bfloat16):
+    for odt in (torch.float32, torch.bfloat16):
+        for commit in (True, False):
+            st = [torch.randn(n, generator=g), torch.randn(n, generator=g) * 0.1, torch.rand(n, generator=g) * 0.01]
+            grad = torch.randn(n, generator=g).to(gdt)
+            out = torch.full((n,), float("nan"), dtype=odt)
+            adamw_step(*st, grad, out, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, step=7,
+                       grad_scale=0.5, commit=commit)
+            res[(gdt, odt, commit)] = (*st, out)
+for bdt in (torch.float32, torch.bfloat16):
+    buf = torch.randn(n, generator=g).to(bdt)
+    accumulate_grads(buf, [torch.randn(n - 5, generator=g).to(torch.bfloat16)], [3], 0.37)
+    dst = torch.empty(n, dtype=bdt)
+    copy_flat(dst, torch.randn(n, generator=g), 0.37)
+    res[("acc", bdt)] = (buf, dst)
+torch.save(res, sys.argv[1])
+"""
+
+
+def test_every_cpu_isa_variant_gives_the_same_bits(tmp_path):
+    """The AVX-512, AVX2 and baseline loops (ACCO_DS_CPU_ISA picks a lower one) compute the same bits."""
+    require_cpu_ext()
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    script = tmp_path / "isa.py"
+    script.write_text(_ISA_SCRIPT)
+    results = {}
+    for isa in ("default", "avx2", "base"):
+        env = {k: v for k, v in os.environ.items() if k != "ACCO_DS_CPU_ISA"}
+        if isa != "default":
+            env["ACCO_DS_CPU_ISA"] = isa
+        env["PYTHONPATH"] = os.pathsep.join(x for x in (str(root), env.get("PYTHONPATH", "")) if x)
+        path = tmp_path / f"{isa}.pt"
+        r = subprocess.run([sys.executable, str(script), str(path)], env=env, cwd=root, capture_output=True,
+                           text=True, timeout=300)  # fmt: skip
+        assert r.returncode == 0, r.stderr[-3000:]
+        results[isa] = torch.load(path, weights_only=False)
+    assert results["base"]["isa"] == "base"
+    ref = results.pop("default")
+    for res in results.values():
+        for key, tensors in ref.items():
+            if key == "isa":
+                continue
+            for a, b in zip(tensors, res[key]):
+                assert torch.equal(a, b), f"{res['isa']} differs from {ref['isa']} for {key}"

@@ -8,6 +8,7 @@
 // results do not depend on the ISA picked.
 #include <omp.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #if defined(__x86_64__)
 #include <emmintrin.h>
@@ -26,15 +27,25 @@ constexpr int64_t kChunk = 1 << 16;  // accumulate: elements per work item
 
 enum class Isa { kBase, kAvx2, kAvx512 };
 
-Isa detect_isa() {
+Isa best_isa() {
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
     return Isa::kAvx512;
-  if (__builtin_cpu_supports("avx2")) return Isa::kAvx2;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return Isa::kAvx2;
 #endif
   return Isa::kBase;
+}
+
+// The best variant the CPU runs, or a lower one named by ACCO_DS_CPU_ISA=avx2|base (tests use it to run
+// every variant on one machine); a higher one than the CPU supports is never picked.
+Isa detect_isa() {
+  const Isa best = best_isa();
+  const char* env = getenv("ACCO_DS_CPU_ISA");
+  if (env == nullptr) return best;
+  const Isa want = strcmp(env, "base") == 0 ? Isa::kBase : strcmp(env, "avx2") == 0 ? Isa::kAvx2 : best;
+  return static_cast<int>(want) < static_cast<int>(best) ? want : best;
 }
 
 const Isa kIsa = detect_isa();
@@ -246,6 +257,8 @@ AccRange pick_acc(int buf_dtype, int grad_dtype) {
 inline int64_t elem_size(int dtype) { return dtype == kBF16 ? 2 : 4; }
 
 }  // namespace
+
+const char* cpu_isa() { return kIsa == Isa::kAvx512 ? "avx512" : kIsa == Isa::kAvx2 ? "avx2" : "base"; }
 
 void adamw_cpu(const AdamWKernelArgs& a, int g_dtype, int out_dtype, bool commit, int num_threads) {
   const bool noop = a.noop_ptr != nullptr && *a.noop_ptr != 0;

@@ -38,6 +38,9 @@ inline AdamWKernelArgs make_adamw_args(uintptr_t p, uintptr_t m, uintptr_t v, ui
   return a;
 }
 
+// CPU: the instruction-set variant of the CPU loops in use ("avx512", "avx2" or "base").
+const char* cpu_isa();
+
 // CPU: OpenMP over `num_threads` threads; reads scale/noop from host memory. Returns when done.
 void adamw_cpu(const AdamWKernelArgs& a, int g_dtype, int out_dtype, bool commit, int num_threads);
 

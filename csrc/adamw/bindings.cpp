@@ -94,6 +94,7 @@ PYBIND11_MODULE(_adamw_cpu, mod) {
       },
       "dst = cast(float(src) * scale), n elements.", py::call_guard<py::gil_scoped_release>());
   mod.attr("ABI_VERSION") = kAbiVersion;
+  mod.attr("ISA") = acco::cpu_isa();
   mod.attr("VEC") = acco::kVec;
   mod.attr("BLOCK") = acco::kBlock;
 }
