@@ -309,11 +309,17 @@ def test_bad_scalar_arguments(fn, kw, msg):
         fn(**t, **hp)
 
 
-def test_peek_out_must_not_alias_state():
+@pytest.mark.parametrize("commit", [True, False])
+def test_buffers_must_not_overlap(commit):
     t = _good()
     t["out"] = t["exp_avg"]
-    with pytest.raises(ValueError, match="out overlaps"):
-        adamw_step(**t, step=1, weight_decay=0.0, commit=False, **HP)
+    with pytest.raises(ValueError, match="exp_avg and out overlap"):
+        adamw_step(**t, step=1, weight_decay=0.0, commit=commit, **HP)
+    t = _good()
+    big = torch.randn(40)
+    t["master"], t["grad"] = big[:16], big[10:26]
+    with pytest.raises(ValueError, match="master and grad overlap"):
+        adamw_step(**t, step=1, weight_decay=0.0, commit=commit, **HP)
 
 
 @pytest.mark.parametrize("odtype", DTYPES)

@@ -103,14 +103,19 @@ def _validate(a: _Step) -> None:
     _check_tensor("grad", a.grad, (_FP32, _BF16), n, dev)
     if a.out is not None:
         _check_tensor("out", a.out, (_FP32, _BF16), n, dev)
-        if not a.commit and _overlaps(a.out, (a.master, a.exp_avg, a.exp_avg_sq)):
-            raise ValueError(
-                "adamw_step: peek (commit=False) must not write over the state; out overlaps it."
-            )
     elif not a.commit:
         raise ValueError(
             "adamw_step: commit=False (peek) writes only `out`, so out must be a tensor, got None."
         )
+    named = [("master", a.master), ("exp_avg", a.exp_avg), ("exp_avg_sq", a.exp_avg_sq), ("grad", a.grad)]
+    named += [("out", a.out)] if a.out is not None else []
+    for i, (name_i, t_i) in enumerate(named):
+        for name_j, t_j in named[i + 1 :]:
+            if n and _overlaps(t_i, t_j):
+                raise ValueError(
+                    f"adamw_step: {name_i} and {name_j} overlap in memory; the kernels read and write them "
+                    "element by element as distinct buffers (pass separate tensors)."
+                )
     for arg, t, dt in (("scale_tensor", a.scale_tensor, _FP32), ("noop_flag", a.noop_flag, torch.int32)):
         if t is None:
             continue
@@ -135,9 +140,11 @@ def _validate(a: _Step) -> None:
             raise ValueError(f"adamw_step: {arg} must be finite and >= 0, got {x!r}.")
 
 
-def _overlaps(t: torch.Tensor, others) -> bool:
-    lo, hi = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
-    return any(o.data_ptr() < hi and lo < o.data_ptr() + o.numel() * o.element_size() for o in others)
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (
+        a.data_ptr() < b.data_ptr() + b.numel() * b.element_size()
+        and b.data_ptr() < a.data_ptr() + a.numel() * a.element_size()
+    )
 
 
 def hyper_scalars(lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: int):
