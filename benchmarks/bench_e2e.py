@@ -81,6 +81,12 @@ def parse(argv=None) -> argparse.Namespace:
         default=None,
         help="runs of each contender, interleaved; the best is kept (default 2, quick 1): shared machines are noisy",
     )
+    ap.add_argument(
+        "--nice",
+        type=int,
+        default=0,
+        help="niceness of every run's ranks (e.g. -10 as root on a machine shared with other jobs: the same for all)",
+    )
     ap.add_argument("--out", default=str(HERE / "results"), help="folder of the table, JSON and plots")
     ap.add_argument("--prefix", default=None, help="file name prefix (default e2e, quick: e2e_quick)")
     ap.add_argument("--work", default=None, help="scratch folder of the runs (default: a new temp folder)")
@@ -183,6 +189,7 @@ def run_all(a) -> dict:
         threads=a.threads,
         seed=a.seed,
         bf16=a.bf16,
+        nice=a.nice,
     )
     results = {
         "command": shlex.join([sys.executable, *sys.argv]) if sys.argv else "bench_e2e",

@@ -7,8 +7,10 @@ Contract:
   link with artificial delays.
 - ``wrap(rate)`` returns a function that turns a shell command into the argv running it inside
   ``unshare -n sh -c 'ip link set lo up && tc qdisc add dev lo root tbf rate <rate> burst 256kb
-  latency 200ms && exec <command>'`` (rate ``none``: the private loopback, not throttled). All
+  latency 200ms && exec [nice -n N] <command>'`` (rate ``none``: the private loopback, not
+  throttled; ``nice``: the scheduling priority of the ranks, for machines shared with other jobs). All
   ranks of a run share that one link; the throttle lives and dies with the namespace.
+- ``link_env()``: the environment that keeps NCCL on that link (sockets over ``lo``) on GPUs.
 """
 
 from __future__ import annotations
@@ -44,9 +46,31 @@ def _setup(rate: str) -> str:
     return f"{up} && tc qdisc add dev lo root tbf rate {rate} burst 256kb latency 200ms"
 
 
-def wrap(rate: str) -> Callable[[str], List[str]]:
+def wrap(rate: str, nice: int = 0) -> Callable[[str], List[str]]:
     setup = _setup(rate)
-    return lambda command: ["unshare", "-n", "sh", "-c", f"{setup} && exec {command}"]
+    prefix = f"nice -n {int(nice)} " if nice else ""
+    return lambda command: ["unshare", "-n", "sh", "-c", f"{setup} && exec {prefix}{command}"]
+
+
+def link_env() -> dict:
+    """Environment that keeps every collective on the (throttled) loopback. gloo always uses TCP;
+    NCCL between GPUs of one node would use NVLink/PCIe or shared memory and bypass the link, so
+    on GPUs it is forced onto TCP sockets over ``lo``."""
+    try:
+        import torch
+
+        cuda = torch.cuda.is_available()
+    except Exception:  # pragma: no cover
+        cuda = False
+    if not cuda:
+        return {}
+    return {
+        "NCCL_P2P_DISABLE": "1",
+        "NCCL_SHM_DISABLE": "1",
+        "NCCL_IB_DISABLE": "1",
+        "NCCL_NET": "Socket",
+        "NCCL_SOCKET_IFNAME": "lo",
+    }
 
 
 def throttle_unavailable() -> str | None:

@@ -56,6 +56,7 @@ class Setup:
     min_lr: float = 2e-4
     warmup_lr_steps: int = 10
     timeout_s: float = 1200.0
+    nice: int = 0  # scheduling priority of every run's ranks (same for every contender)
 
     def knobs(self, accumulation: str) -> dsconfig.Knobs:
         return dsconfig.Knobs(
@@ -100,7 +101,12 @@ def _launch(setup: Setup, spec: RunSpec, rate: str) -> dict:
     t = time.perf_counter()
     cmd = launch_command(str(path), setup.world, PORT)
     run_ranks(
-        cmd, setup.threads, log_path=run_dir / "launch.log", wrap=e2e_env.wrap(rate), timeout=setup.timeout_s
+        cmd,
+        setup.threads,
+        log_path=run_dir / "launch.log",
+        wrap=e2e_env.wrap(rate, setup.nice),
+        timeout=setup.timeout_s,
+        env_extra=e2e_env.link_env(),
     )
     wall = time.perf_counter() - t
     logs, ranks = read_ranks(run_dir, setup.world)
@@ -151,7 +157,14 @@ def run_comm_probe(setup: Setup, rate: str, reps: int = 5) -> dict:
     cmd = launch_command(
         None, setup.world, PORT, target=str(HERE / "e2e_comm.py"), extra=extra + ["--out", str(out)]
     )
-    run_ranks(cmd, 1, log_path=run_dir / "launch.log", wrap=e2e_env.wrap(rate), timeout=setup.timeout_s)
+    run_ranks(
+        cmd,
+        1,
+        log_path=run_dir / "launch.log",
+        wrap=e2e_env.wrap(rate, setup.nice),
+        timeout=setup.timeout_s,
+        env_extra=e2e_env.link_env(),
+    )
     res = json.loads(out.read_text())
     res["t_comm_s"] = min(res[k] for k in ("rs_ag_s", "ar_ag_s", "p2p_ag_s") if k in res)
     res["t_reduce_s"] = min(res[k] for k in ("rs_s", "ar_s", "p2p_s") if k in res)

@@ -28,6 +28,9 @@ def _context(results: dict, an: dict) -> list:
         f"- batch: {s['world']} ranks x {s['threads']} thread(s) each, micro-batch {s['micro_batch']} x "
         f"{s['model']['context']} bytes, gradient accumulation {s['grad_accum']} (acco: 2 rounds of "
         f"{s['grad_accum'] // 2}), {s['steps']} optimizer steps, first {s['warmup']} steps are warm-up; seed {s['seed']}",
+        f"- each contender ran {results.get('repeats', 1)} time(s), interleaved with the others; the run with the "
+        "highest samples/s is reported (the machine is shared; `load` = 1-min load average before/after it); "
+        f"ranks at niceness {s.get('nice', 0)}",
         "- link: all ranks in one network namespace, loopback limited by `tc qdisc add dev lo root tbf rate "
         "<rate> burst 256kb latency 200ms`",
         f"- compute-only (no communication, same micro-batches, ranks concurrently): "

@@ -89,14 +89,17 @@ def run_ranks(
     show_stderr: bool = False,
     wrap: Callable[[str], List[str]] | None = None,
     timeout: float | None = None,
+    env_extra: dict | None = None,
 ) -> None:
-    """Run ``cmd`` (wrapped by ``wrap(shell_command)`` when given) and wait for it.
+    """Run ``cmd`` (wrapped by ``wrap(shell_command)`` when given) and wait for it, with
+    ``env_extra`` added to the ranks' environment.
 
     Output: to the terminal when ``log_path`` is None; else stdout (DeepSpeed's log chatter) goes
     to ``log_path`` and stderr too, unless ``show_stderr`` keeps it on the terminal (the progress
     bar and any traceback). Raises LaunchError, quoting the end of the log, on a non-zero exit."""
     full = wrap(shlex.join(cmd)) if wrap else cmd
     env = rank_env(threads)
+    env.update(env_extra or {})
     tail = ""
     if log_path is None:
         proc = subprocess.run(full, env=env, timeout=timeout)
