@@ -44,6 +44,7 @@ def parse_args(argv=None):
 
 
 CLOCK = {"name": "wall clock"}
+LOAD = {"start": 0.0}
 
 
 def timed(fn, device: str) -> float:
@@ -298,6 +299,7 @@ def run(args) -> str:
         raise SystemExit(
             f"bench_kernels: the {args.device} extension is not built: {_build.why_missing(args.device)}"
         )
+    LOAD["start"] = os.getloadavg()[0]
     sizes = args.sizes or (QUICK_SIZES if args.quick else DEFAULT_SIZES)
     reps = args.reps or (5 if args.quick else 21)
     bw = stream_bandwidth(args.device, reps)
@@ -351,7 +353,8 @@ def render(args, bw, rows, notes, reps) -> str:
         f"# Kernel microbenchmarks ({dev})",
         "",
         f"- Date: {datetime.datetime.now().isoformat(timespec='seconds')}",
-        f"- Machine: {machine(dev)}",
+        f"- Machine: {machine(dev)}; load average (1 min) at start / end: {LOAD['start']:.1f} / "
+        f"{os.getloadavg()[0]:.1f} (a shared machine: other processes compete for the memory bandwidth)",
         f"- Versions: {versions()}" + (f"; CPU kernel variant: {_cpu_isa()}" if dev == "cpu" else ""),
         f"- Command: `python {' '.join([Path(sys.argv[0]).name, *sys.argv[1:]])}` ({threads} for every contender)",
         f"- Streaming bandwidth in this run (64M fp32): copy {bw['copy']:.1f} GB/s, triad {bw['triad']:.1f} GB/s; "
