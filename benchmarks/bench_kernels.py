@@ -10,7 +10,8 @@ bf16 copy it needs), DeepSpeed FusedAdam, and the clone/step/restore way of comp
     python benchmarks/bench_kernels.py --threads 2 --quick
     python benchmarks/bench_kernels.py --device cuda --out-dir "$OUT"
 
-Prints the table last and writes it (machine, versions, date) to benchmarks/results/kernels_<device>.md.
+Prints the table last and writes it (machine, versions, date) to benchmarks/results/kernels_<device>.md
+(kernels_cpu_<N>threads.md for --threads N > 1).
 """
 
 from __future__ import annotations
@@ -381,7 +382,8 @@ def main(argv=None) -> None:
         os.environ["OMP_NUM_THREADS"] = str(args.threads)
     sys.path.insert(0, str(ROOT))
     md = run(args)
-    out = Path(args.out_dir) / f"kernels_{args.device}.md"
+    suffix = f"_{args.threads}threads" if args.device == "cpu" and args.threads != 1 else ""
+    out = Path(args.out_dir) / f"kernels_{args.device}{suffix}.md"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(md)
     print()
