@@ -8,6 +8,7 @@ the DeepSpeed config (ZeRO stage, gradient_accumulation_steps, ...) live in
 
 from __future__ import annotations
 
+import math
 from typing import Literal, Tuple
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -15,10 +16,55 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 MODES = ("acco", "dpu", "sync")
 ACCUMULATIONS = ("fixed", "adaptive")
 COMM_DTYPES = ("auto", "bf16", "fp32")
+MIN_TIMEOUT_S = 1.0
+"""Shortest comm_timeout_s accepted: below it a loaded machine would time out healthy rounds."""
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
+"""Longest comm_timeout_s accepted (a week); larger values overflow the backends' millisecond timers."""
+
+ALLOWED = {
+    "lr": "a finite number >= 0",
+    "betas": "two finite numbers in [0, 1), e.g. [0.9, 0.999]",
+    "eps": "a finite number > 0",
+    "weight_decay": "a finite number >= 0",
+    "mode": "'acco', 'dpu' or 'sync'",
+    "accumulation": "'fixed' or 'adaptive'",
+    "comm_dtype": "'auto', 'bf16' or 'fp32'",
+    "max_micro_batches_per_round": "null (no bound) or an integer >= 1, with accumulation='adaptive'",
+    "comm_timeout_s": f"a number of seconds in [{MIN_TIMEOUT_S:g}, {MAX_TIMEOUT_S:g}]",
+}
+"""What each option accepts, quoted in the error messages."""
 
 
 class ACCOConfigError(ValueError):
     """An invalid ACCO option or an unsupported DeepSpeed combination. The message says the fix."""
+
+
+class _ComboError(ValueError):
+    """A combination of two valid options that does not work together (raised by the model validator)."""
+
+    def __init__(self, key: str, value, text: str):
+        super().__init__(text)
+        self.key, self.value, self.text = key, value, text
+
+    def line(self) -> str:
+        return f"optimizer.params.{self.key}={self.value!r}: {self.text}"
+
+
+def _number(v) -> float:
+    """A finite real number (int or float; JSON numbers and numeric strings), never a bool."""
+    if isinstance(v, bool):
+        raise ValueError("must be a number, not a boolean")
+    if isinstance(v, str):
+        try:
+            v = float(v)
+        except ValueError:
+            raise ValueError("must be a number") from None
+    if not isinstance(v, (int, float)):
+        raise ValueError(f"must be a number, got {type(v).__name__}")
+    v = float(v)
+    if not math.isfinite(v):
+        raise ValueError("must be finite")
+    return v
 
 
 class ACCOConfig(BaseModel):
@@ -59,78 +105,120 @@ class ACCOConfig(BaseModel):
     """Seconds a rank waits for the communication of a round (or a peer) before raising an error
     that names the stalled collective, instead of hanging forever."""
 
-    @field_validator("lr")
+    # -- field checks: each names what is allowed (ALLOWED); from_params adds the key and the value --
+    @field_validator("lr", "weight_decay", mode="before")
     @classmethod
-    def _lr(cls, v: float) -> float:
+    def _non_negative(cls, v):
+        v = _number(v)
         if not v >= 0.0:
-            raise ValueError(f"lr must be >= 0, got {v}")
+            raise ValueError("must be >= 0")
         return v
 
-    @field_validator("betas")
+    @field_validator("eps", mode="before")
     @classmethod
-    def _betas(cls, v: Tuple[float, float]) -> Tuple[float, float]:
+    def _positive(cls, v):
+        v = _number(v)
+        if not v > 0.0:
+            raise ValueError("must be > 0")
+        return v
+
+    @field_validator("betas", mode="before")
+    @classmethod
+    def _betas(cls, v):
+        if isinstance(v, (str, bytes, dict)) or not hasattr(v, "__len__") or len(v) != 2:
+            raise ValueError("must be a pair [beta1, beta2]")
+        out = []
         for i, b in enumerate(v):
+            try:
+                b = _number(b)
+            except ValueError as err:
+                raise ValueError(f"betas[{i}]={b!r} {err}") from None
             if not 0.0 <= b < 1.0:
-                raise ValueError(f"betas[{i}] must be in [0, 1), got {b}")
+                raise ValueError(f"betas[{i}]={b!r} is outside [0, 1)")
+            out.append(b)
+        return tuple(out)
+
+    @field_validator("max_micro_batches_per_round", mode="before")
+    @classmethod
+    def _max_mb(cls, v):
+        if v is None:
+            return None
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or v != int(v) or not math.isfinite(v):
+            raise ValueError("must be an integer")
+        if int(v) < 1:
+            raise ValueError("must be >= 1")
+        return int(v)
+
+    @field_validator("comm_timeout_s", mode="before")
+    @classmethod
+    def _timeout(cls, v):
+        v = _number(v)
+        if not MIN_TIMEOUT_S <= v <= MAX_TIMEOUT_S:
+            raise ValueError(f"must be in [{MIN_TIMEOUT_S:g}, {MAX_TIMEOUT_S:g}] seconds")
         return v
 
-    @field_validator("eps")
+    @field_validator("mode", "accumulation", "comm_dtype", mode="before")
     @classmethod
-    def _eps(cls, v: float) -> float:
-        if not v > 0.0:
-            raise ValueError(f"eps must be > 0, got {v}")
-        return v
-
-    @field_validator("weight_decay")
-    @classmethod
-    def _wd(cls, v: float) -> float:
-        if not v >= 0.0:
-            raise ValueError(f"weight_decay must be >= 0, got {v}")
-        return v
-
-    @field_validator("max_micro_batches_per_round")
-    @classmethod
-    def _max_mb(cls, v: int | None) -> int | None:
-        if v is not None and v < 1:
-            raise ValueError(f"max_micro_batches_per_round must be >= 1 or null, got {v}")
-        return v
-
-    @field_validator("comm_timeout_s")
-    @classmethod
-    def _timeout(cls, v: float) -> float:
-        if not v > 0.0:
-            raise ValueError(f"comm_timeout_s must be > 0, got {v}")
+    def _choice(cls, v):
+        if not isinstance(v, str):
+            raise ValueError("must be a string")
         return v
 
     @model_validator(mode="after")
     def _combinations(self) -> ACCOConfig:
         if self.mode == "sync" and self.accumulation == "adaptive":
-            raise ValueError(
-                "accumulation='adaptive' needs communication that overlaps the compute; "
-                "mode='sync' has none. Use mode='acco' or 'dpu', or accumulation='fixed'."
+            raise _ComboError(
+                "accumulation",
+                "adaptive",
+                "adaptive accumulation needs communication that overlaps the compute and mode='sync' has "
+                "none. Allowed: 'fixed' with mode='sync'; or mode='acco' / 'dpu' with 'adaptive'.",
             )
         if self.accumulation == "fixed" and self.max_micro_batches_per_round is not None:
-            raise ValueError(
-                "max_micro_batches_per_round applies to accumulation='adaptive' only; remove it."
+            raise _ComboError(
+                "max_micro_batches_per_round",
+                self.max_micro_batches_per_round,
+                "applies to accumulation='adaptive' only (accumulation='fixed' here). Allowed: null with "
+                "'fixed'; remove it, or set accumulation='adaptive'.",
             )
         return self
 
     @classmethod
     def from_params(cls, params: dict | None) -> ACCOConfig:
-        """Build from the config's ``optimizer.params``; raise ACCOConfigError with every problem found."""
-        params = dict(params or {})
+        """Build from the config's ``optimizer.params``. Raise ACCOConfigError (and nothing else) with one
+        message listing every problem found, each as ``optimizer.params.<key>=<value>: <what is wrong>.
+        Allowed: <what is allowed>``."""
+        if params is None:
+            params = {}
+        if not isinstance(params, dict):
+            raise ACCOConfigError(
+                f"Invalid ACCO optimizer config:\n  optimizer.params={params!r}: must be a JSON object "
+                f'(a dict of options), got {type(params).__name__}. Allowed: {{"lr": 0.001, "mode": "acco", ...}} '
+                f"with keys among {', '.join(sorted(cls.model_fields))}."
+            )
         try:
-            return cls(**params)
+            return cls(**{str(k): v for k, v in params.items()})
+        except _ComboError as err:  # raised directly when pydantic does not wrap it
+            raise ACCOConfigError(f"Invalid ACCO optimizer config:\n  {err.line()}") from None
         except ValidationError as err:
             lines = []
             for e in err.errors():
-                key = ".".join(str(x) for x in e["loc"])
-                msg = e["msg"].removeprefix("Value error, ")
-                if not key:
-                    lines.append(f"optimizer.params: {msg}")
+                loc = e["loc"]
+                key = str(loc[0]) if loc else ""
+                combo = (e.get("ctx") or {}).get("error")
+                if isinstance(combo, _ComboError):
+                    lines.append(combo.line())
                 elif e["type"] == "extra_forbidden":
                     allowed = ", ".join(sorted(cls.model_fields))
-                    lines.append(f"optimizer.params.{key}: unknown option (allowed: {allowed})")
+                    lines.append(
+                        f"optimizer.params.{key}={params.get(key)!r}: unknown option. Allowed keys: {allowed}."
+                    )
+                elif key in cls.model_fields:
+                    msg = e["msg"].removeprefix("Value error, ")
+                    if e["type"] == "literal_error":
+                        msg = "unknown value"
+                    lines.append(
+                        f"optimizer.params.{key}={params.get(key)!r}: {msg}. Allowed: {ALLOWED[key]}."
+                    )
                 else:
-                    lines.append(f"optimizer.params.{key}={e.get('input')!r}: {msg}")
+                    lines.append(f"optimizer.params: {e['msg'].removeprefix('Value error, ')}")
             raise ACCOConfigError("Invalid ACCO optimizer config:\n  " + "\n  ".join(lines)) from None

@@ -30,7 +30,16 @@ import torch.distributed as dist
 
 
 class CommTimeoutError(RuntimeError):
-    """The communication of a round did not finish within comm_timeout_s (a peer is lost or stalled)."""
+    """The communication of a round did not finish within comm_timeout_s (a peer is lost or stalled).
+    The message names the job and, when the heartbeats tell, the lost peer (``core.liveness``)."""
+
+
+class PeerLostError(RuntimeError):
+    """A collective of a round failed and the heartbeats name a lost peer rank (``lost_ranks``)."""
+
+    def __init__(self, message: str, lost_ranks):
+        super().__init__(message)
+        self.lost_ranks = list(lost_ranks)
 
 
 class Ticket:
@@ -46,11 +55,18 @@ class Ticket:
 
 
 class ThreadExecutor:
-    """Runs jobs in order on one daemon thread (CPU tensors, gloo)."""
+    """Runs jobs in order on one daemon thread (CPU tensors, gloo).
 
-    def __init__(self, group, timeout_s: float):
+    Failure contract: ``wait`` returns within ``timeout_s`` (plus the heartbeat read below) or raises.
+    A job that raised (gloo reports a dead peer at once: "Connection closed by peer") or did not
+    finish in time is turned into PeerLostError / CommTimeoutError naming the job and, from
+    ``monitor.report()``, the lost peer rank. The collectives themselves run on ``group``, created
+    with ``timeout_s``, so a frozen peer cannot block the worker thread longer than that either."""
+
+    def __init__(self, group, timeout_s: float, monitor=None):
         self.group = group
         self.timeout_s = timeout_s
+        self.monitor = monitor
         self._queue: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._loop, name="acco-comm", daemon=True)
         self._thread.start()
@@ -78,28 +94,38 @@ class ThreadExecutor:
 
     def wait(self, ticket: Ticket) -> Any:
         if not ticket.finished.wait(self.timeout_s):
+            report = self._report()
             raise CommTimeoutError(
                 f"acco_ds: the communication job '{ticket.name}' did not finish within comm_timeout_s="
-                f"{self.timeout_s:g} s: a peer rank is lost or stalled in the collective. "
-                "Raise optimizer.params.comm_timeout_s if your link is that slow."
+                f"{self.timeout_s:g} s; {report.describe()}. If no peer is lost and your link is that slow, "
+                "raise optimizer.params.comm_timeout_s."
             )
         if ticket.error is not None:
-            raise RuntimeError(
-                f"acco_ds: the communication job '{ticket.name}' failed: {ticket.error}"
-            ) from (ticket.error)
+            raise self.failure(f"the communication job '{ticket.name}'", ticket.error) from ticket.error
         return ticket.result
+
+    def failure(self, what: str, err: BaseException) -> BaseException:
+        """The exception to raise for ``err`` from a collective of ``what``: PeerLostError naming the
+        lost rank when the heartbeats find one, else a RuntimeError naming ``what``."""
+        return collective_failure(self.monitor, what, err)
+
+    def _report(self):
+        return peer_report(self.monitor)
 
     def close(self) -> None:
         self._queue.put(None)
+        if self.monitor is not None:
+            self.monitor.stop()
 
 
 class StreamExecutor:
     """Enqueues jobs on a side CUDA stream, ordered against the compute stream by events."""
 
-    def __init__(self, group, timeout_s: float, device: torch.device):
+    def __init__(self, group, timeout_s: float, device: torch.device, monitor=None):
         self.group = group
         self.timeout_s = timeout_s
         self.device = device
+        self.monitor = monitor
         self.stream = torch.cuda.Stream(device=device)
 
     def launch(self, name: str, job: Callable[[], Any]) -> Ticket:
@@ -121,8 +147,38 @@ class StreamExecutor:
         torch.cuda.current_stream(self.device).wait_event(ticket.cuda_done)
         return ticket.result
 
+    def failure(self, what: str, err: BaseException) -> BaseException:
+        """See ThreadExecutor.failure. (NCCL collectives do not fail on the host: a lost peer ends in
+        NCCL's watchdog after the group's timeout, comm_timeout_s.)"""
+        return collective_failure(self.monitor, what, err)
+
     def close(self) -> None:
-        pass
+        if self.monitor is not None:
+            self.monitor.stop()
+
+
+def peer_report(monitor):
+    """``monitor.report()``, or a report saying why there is none."""
+    from acco_ds.core.liveness import PeerReport
+
+    if monitor is None:
+        return PeerReport(unavailable="no heartbeat monitor")
+    return monitor.report()
+
+
+def collective_failure(monitor, what: str, err: BaseException) -> BaseException:
+    """Turn the error of a failed collective into PeerLostError naming the lost rank (from the
+    heartbeats), or a RuntimeError naming ``what`` when no peer is lost (or it is not a comm error)."""
+    if isinstance(err, (CommTimeoutError, PeerLostError)):
+        return err
+    if isinstance(err, (RuntimeError, OSError)):
+        report = peer_report(monitor)
+        lost = report.lost or ([0] if report.store_lost else [])
+        if lost:
+            return PeerLostError(
+                f"acco_ds: {what} failed: {report.describe()}. The collective reported: {err}", lost
+            )
+    return RuntimeError(f"acco_ds: {what} failed: {type(err).__name__}: {err}")
 
 
 def make_executor(device: torch.device, timeout_s: float, group=None):
@@ -133,6 +189,54 @@ def make_executor(device: torch.device, timeout_s: float, group=None):
     ranks = None if group is None else dist.get_process_group_ranks(group)
     backend = "nccl" if device.type == "cuda" else "gloo"
     comm_group = dist.new_group(ranks=ranks, backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+    from acco_ds.core.liveness import PeerMonitor, heartbeat_interval
+
+    monitor = PeerMonitor(
+        dist.get_process_group_ranks(comm_group),
+        dist.get_rank(),
+        heartbeat_interval(timeout_s),
+        prefix=f"acco_ds/liveness/{comm_group.group_name}",
+    )
+    monitor.start()
     if device.type == "cuda":
-        return StreamExecutor(comm_group, timeout_s, device)
-    return ThreadExecutor(comm_group, timeout_s)
+        return StreamExecutor(comm_group, timeout_s, device, monitor)
+    return ThreadExecutor(comm_group, timeout_s, monitor)
+
+
+def make_control_group(group, timeout_s: float):
+    """A gloo group over the ranks of ``group`` (default: WORLD) for the pipeline's few collectives
+    issued from the compute side (end-of-run agreement on the round count and pending counts): the
+    communication group is busy with the job in flight then, and DeepSpeed's default group has its own
+    (30 min) timeout. CPU tensors only. Collective."""
+    import datetime
+
+    ranks = None if group is None else dist.get_process_group_ranks(group)
+    return dist.new_group(ranks=ranks, backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def check_reducible(group, dtype: torch.dtype, device: torch.device, option: str) -> None:
+    """Probe that ``group``'s backend sums ``dtype`` tensors with reduce-scatter and all-gathers them
+    (one element per rank); raise ACCOConfigError naming ``option`` (the comm_dtype setting) otherwise.
+    Collective: every rank calls it at the same point, before any training."""
+    from acco_ds.config import ACCOConfigError
+
+    world = dist.get_world_size(group)
+    backend = dist.get_backend(group)
+    try:
+        # element j is (j + 1) / world on every rank: rank j's reduced element is j + 1
+        full = ((torch.arange(world, dtype=torch.float64) + 1) / world).to(device=device, dtype=dtype)
+        out = torch.zeros(1, dtype=dtype, device=device)
+        dist.reduce_scatter_tensor(out, full, op=dist.ReduceOp.SUM, group=group)
+        gathered = torch.zeros(world, dtype=dtype, device=device)
+        dist.all_gather_into_tensor(gathered, out, group=group)
+        want = torch.arange(world, dtype=torch.float64) + 1
+        ok = bool(((gathered.double().cpu() - want).abs() <= 0.02 * want).all())
+        why = "" if ok else f"the probe summed to {gathered.tolist()} instead of {want.tolist()}"
+    except (RuntimeError, TypeError, ValueError) as err:
+        ok, why = False, f"{type(err).__name__}: {err}"
+    if not ok:
+        raise ACCOConfigError(
+            f"optimizer.params.comm_dtype={option!r} resolves to {dtype}, which the {backend} backend cannot "
+            f"reduce-scatter/all-gather here ({why}). Allowed: a comm_dtype the backend reduces: 'fp32' works on "
+            "every backend; 'bf16' works on NCCL and on gloo with recent torch."
+        )

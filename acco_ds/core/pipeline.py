@@ -30,10 +30,10 @@ from typing import Callable, Dict, List, Sequence
 import torch
 import torch.distributed as dist
 
-from acco_ds.config import ACCOConfig
+from acco_ds.config import ACCOConfig, ACCOConfigError
 from acco_ds.core import schedule
 from acco_ds.core.buffers import GroupBuffers, GroupLayout
-from acco_ds.core.comm import make_executor
+from acco_ds.core.comm import check_reducible, make_control_group, make_executor
 from acco_ds.core.round_job import Hyper, RoundResult, all_gather, run_round_job
 from acco_ds.core.schedule import Job, RoundCounter
 from acco_ds.ops.accumulate import accumulate_grads
@@ -49,7 +49,9 @@ class PipelineStats:
     micro_batches_peeked: int = 0  # global: micro-batches that entered peeks
     micro_batches_discarded: int = 0  # global: gradients of rounds that end no commit (end of run)
     comm_wait_s: float = 0.0
-    skipped_steps: int = 0
+    skipped_steps: int = 0  # commits skipped for a non-finite gradient (state and parameters unchanged)
+    skipped_peeks: int = 0  # peeks skipped for a non-finite g~ (the estimate is then theta itself)
+    empty_commits: int = 0  # commits with no micro-batch on any rank (ended by a drain): no-ops
     last_round_counts: List[int] = field(default_factory=list)
 
     def as_dict(self) -> dict:
@@ -58,6 +60,24 @@ class PipelineStats:
 
 def dtype_of(name: str, param_dtype: torch.dtype) -> torch.dtype:
     return {"auto": param_dtype, "bf16": torch.bfloat16, "fp32": torch.float32}[name]
+
+
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
+"""Parameter and communication dtypes of the buffers and the fused AdamW (fp32 master in any case)."""
+
+
+def check_dtypes(param_dtype: torch.dtype, comm_dtype: torch.dtype, option: str) -> None:
+    """Raise ACCOConfigError unless the model's parameters and the resolved comm dtype are fp32/bf16."""
+    if param_dtype not in SUPPORTED_DTYPES:
+        raise ACCOConfigError(
+            f"the model's trainable parameters are {param_dtype}: ACCO keeps parameters in fp32 or bf16 "
+            '(bf16 with "bf16": {"enabled": true}). Allowed: a float32 or bfloat16 model (e.g. model.float()).'
+        )
+    if comm_dtype not in SUPPORTED_DTYPES:
+        raise ACCOConfigError(
+            f"optimizer.params.comm_dtype={option!r} resolves to {comm_dtype}. Allowed: 'auto' (the parameters' "
+            "dtype), 'bf16' or 'fp32'."
+        )
 
 
 class ACCOPipeline:
@@ -86,6 +106,7 @@ class ACCOPipeline:
         first = groups_params[0][0]
         self.device = first.device
         comm_dtype = dtype_of(cfg.comm_dtype, first.dtype)
+        check_dtypes(first.dtype, comm_dtype, cfg.comm_dtype)
         self.groups = [
             GroupBuffers(
                 list(ps),
@@ -97,6 +118,12 @@ class ACCOPipeline:
             for ps in groups_params
         ]
         self.executor = make_executor(self.device, cfg.comm_timeout_s, dp_group)
+        self.control_group = make_control_group(dp_group, cfg.comm_timeout_s)
+        try:
+            check_reducible(self.executor.group, comm_dtype, self.device, cfg.comm_dtype)
+        except ACCOConfigError:
+            self.executor.close()
+            raise
         self.round_index = 0  # rounds launched since the start (global, for names and stats)
         self.phase_round = 0  # rounds since the pipeline (re)started: what schedule.plan sees
         self.commits_launched = 0  # index of the next commit (a peek predicts this one)
@@ -106,7 +133,7 @@ class ACCOPipeline:
         self.model_holds = "theta"  # "theta" (committed) or "estimate" (theta~, acco)
         self.committed_steps = 0  # commits swapped in (applied or skipped)
         self.state_step = 0  # applied commits: the AdamW step count
-        self.engine_steps = 0
+        self.engine_steps = 0  # LR-schedule steps: engine steps whose scheduler step ran (no overflow)
         self._hyper_history: Dict[int, List[Hyper]] = {}
         self.tilde_count = [torch.zeros(1, dtype=torch.float64, device=self.device)]
         self.last_grad_norm: torch.Tensor | None = None
@@ -125,8 +152,11 @@ class ACCOPipeline:
         if self.counter.may_end(self._in_flight_done()):
             self.end_round()
 
-    def on_engine_step(self) -> None:
-        self.engine_steps += 1
+    def on_engine_step(self, lr_stepped: bool = True) -> None:
+        """The engine's optimizer step was called; ``lr_stepped``: its LR scheduler steps right after
+        (DeepSpeed skips the scheduler step when the optimizer reports ``overflow``)."""
+        if lr_stepped:
+            self.engine_steps += 1
 
     def _in_flight_done(self) -> bool:
         return self.in_flight is None or self.executor.done(self.in_flight[0])
@@ -135,14 +165,17 @@ class ACCOPipeline:
         if self.engine_steps not in self._hyper_history:
             self._hyper_history[self.engine_steps] = list(self._hypers())
 
-    def _hypers_for(self, commit_index: int) -> List[Hyper]:
+    def _hypers_for(self, applied: int) -> List[Hyper]:
+        """The AdamW settings of the next commit (and of the peek predicting it) when ``applied``
+        commits have been applied: the LR schedule advances once per APPLIED step, so this commit
+        uses the settings the engine had after ``applied`` scheduler steps (adaptive rounds may lag
+        behind the engine's steps; a skipped commit does not advance the schedule)."""
         self._record_hypers()
-        # the LR schedule advances once per committed step: commit t uses the settings the engine
-        # had after t scheduler steps (adaptive rounds may lag behind the engine's steps).
-        hyp = self._hyper_history.get(commit_index)
+        hyp = self._hyper_history.get(applied)
         if hyp is None:
-            hyp = self._hyper_history[max(k for k in self._hyper_history if k <= commit_index)]
-        for k in [k for k in self._hyper_history if k < commit_index]:
+            older = [k for k in self._hyper_history if k <= applied]
+            hyp = self._hyper_history[max(older) if older else min(self._hyper_history)]
+        for k in [k for k in self._hyper_history if k < applied]:
             del self._hyper_history[k]
         return hyp
 
@@ -163,7 +196,7 @@ class ACCOPipeline:
             commit_index=commit_index,
             step=step,
             groups=self.groups,
-            hypers=self._hypers_for(commit_index),
+            hypers=self._hypers_for(self.state_step),
             grad_slot=grad_slot,
             target_slot=self.model_slot ^ 1,
             local_count=torch.tensor([float(self.counter.count)], dtype=torch.float64),
@@ -197,18 +230,25 @@ class ACCOPipeline:
             b.point_params_at(self.model_slot)
         counts = result.rank_counts.tolist()
         self.stats.last_round_counts = [int(c) for c in counts]
+        empty = result.empty is not None and bool(int(result.empty.item()))
         if result.job is Job.COMMIT:
             self.committed_steps += 1
-            self.last_grad_norm = result.grad_norm
-            if int(result.skipped.item()):
+            if empty:  # nothing to commit: state and parameters unchanged
+                self.stats.empty_commits += 1
+            elif int(result.skipped.item()):
+                self.last_grad_norm = result.grad_norm
                 self.stats.skipped_steps += 1
                 self.stats.micro_batches_discarded += int(result.count.item())
             else:
+                self.last_grad_norm = result.grad_norm
                 self.state_step += 1
                 self.stats.micro_batches_committed += int(result.count.item())
             self.model_holds = "theta"
         else:
-            self.stats.micro_batches_peeked += int(result.round_count.item())
+            if int(result.skipped.item()) and not empty:  # non-finite g~: estimate = theta, commit skips
+                self.stats.skipped_peeks += 1
+            elif not empty:
+                self.stats.micro_batches_peeked += int(result.round_count.item())
             self.model_holds = "estimate"
         return result
 
@@ -239,16 +279,48 @@ class ACCOPipeline:
             b.grads_flat[self.acc_slot].zero_()
         self.phase_round = 0  # training may go on: it restarts with a prologue at theta
 
+    def _control_all_reduce(self, t: torch.Tensor, op, what: str) -> None:
+        """All-reduce a CPU tensor on the control group (timeout comm_timeout_s); a failure names the
+        lost peer like a failed round does."""
+        try:
+            dist.all_reduce(t, op=op, group=self.control_group)
+        except RuntimeError as err:
+            raise self.executor.failure(what, err) from err
+
     def _global_pending_count(self) -> int:
-        t = torch.tensor([float(self.counter.count)], dtype=torch.float64, device=self.device)
-        dist.all_reduce(t, group=self.executor.group)
+        t = torch.tensor([float(self.counter.count)], dtype=torch.float64)
+        self._control_all_reduce(t, dist.ReduceOp.SUM, "the end-of-run count of pending micro-batches")
         return int(t.item())
 
     def _agree_on_round_count(self) -> None:
         """Adaptive ranks may be one round apart when the run stops: the ranks behind end rounds
-        (with the micro-batches they have) until all have launched the same number."""
-        t = torch.tensor([float(self.round_index)], dtype=torch.float64, device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.dp_group)
+        (with the micro-batches they have) until all have launched the same number. Collective.
+
+        With max_micro_batches_per_round, a peer may be blocked at its cap, waiting for the job of a
+        round this rank has not launched, and would never reach a blocking collective. So this rank
+        first announces its round count with a non-blocking all-reduce and, until every rank has
+        announced, keeps ending a round each time its job in flight is done (never blocking; a round
+        no rank put a micro-batch in is a no-op). Then no rank is training any more, and the blocking
+        agreement below is safe."""
+        if self.counter.cap is not None:
+            t = torch.tensor([float(self.round_index)], dtype=torch.float64)
+            try:
+                work = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.control_group, async_op=True)
+                deadline = time.monotonic() + self.cfg.comm_timeout_s
+                while not work.is_completed():
+                    if self.in_flight is not None and self._in_flight_done():
+                        self.end_round()
+                    elif time.monotonic() > deadline:
+                        raise RuntimeError(
+                            f"the peers did not join the drain within comm_timeout_s={self.cfg.comm_timeout_s:g} s"
+                        )
+                    else:
+                        time.sleep(0.0005)
+                work.wait()
+            except RuntimeError as err:
+                raise self.executor.failure("the agreement on the round count", err) from err
+        t = torch.tensor([float(self.round_index)], dtype=torch.float64)
+        self._control_all_reduce(t, dist.ReduceOp.MAX, "the agreement on the round count")
         while self.round_index < int(t.item()):
             self.end_round()
 

@@ -47,6 +47,7 @@ class RoundResult:
     rank_counts: torch.Tensor  # float64 [W]: this round's micro-batches per rank
     round_count: torch.Tensor  # float64 [1]: this round's global micro-batches (without the kept g~)
     target_slot: int  # params_flat slot the parameters were gathered into
+    empty: torch.Tensor | None = None  # int32 [1]: 1 when no rank had a micro-batch (nothing to step)
 
 
 def reduce_scatter_sum(b: GroupBuffers, full: torch.Tensor, group) -> None:
@@ -124,13 +125,17 @@ def run_round_job(
             b.grad_shard.add_(b.tilde_shard)
         count = count + tilde_count[0]
 
-    avg_scale = (gas / count).to(torch.float32)
+    # a round no rank put a micro-batch in (a drain can end one, see ACCOPipeline._agree_on_round_count)
+    # has nothing to average: it is a no-op, not a non-finite skip
+    empty = count <= 0
+    avg_scale = torch.where(empty, torch.zeros_like(count), gas / count.clamp(min=1.0)).to(torch.float32)
     sumsq = torch.zeros(1, dtype=torch.float32, device=dev)
     for b in groups:
         sumsq += b.grad_shard.square().sum()
     dist.all_reduce(sumsq, op=dist.ReduceOp.SUM, group=group)
     grad_norm = sumsq.sqrt() * avg_scale
     skipped = (~torch.isfinite(grad_norm)).to(torch.int32)
+    noop = (skipped.bool() | empty).to(torch.int32)
     scale = avg_scale
     if clip > 0.0:
         # DeepSpeed's rule: divide by (norm + 1e-6) / clip when that exceeds 1.
@@ -152,8 +157,18 @@ def run_round_job(
             weight_decay=h.weight_decay,
             step=step,
             scale_tensor=scale,
-            noop_flag=skipped,
+            noop_flag=noop,
             commit=job is Job.COMMIT,
         )
         all_gather(b.params_flat[target_slot], b.out_shard, group)
-    return RoundResult(job, commit_index, grad_norm, skipped, count, rank_counts, round_count, target_slot)
+    return RoundResult(
+        job,
+        commit_index,
+        grad_norm,
+        skipped,
+        count,
+        rank_counts,
+        round_count,
+        target_slot,
+        empty.to(torch.int32),
+    )

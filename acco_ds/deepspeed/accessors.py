@@ -40,8 +40,17 @@ def _state_tensor(buffers, key):
     )
 
 
+def _drain(optimizer) -> None:
+    """Make the committed state final before a collective read. In adaptive accumulation a rank may
+    have launched one round more than a peer; waiting for that job while the peer blocks in the
+    all-reduce below would deadlock, so the ranks first agree on the round count (snapshot.drain)."""
+    from acco_ds.core.snapshot import drain
+
+    drain(optimizer.pipeline)
+
+
 def _get_full_hp_param(param, optimizer, optim_state_key=None):
-    optimizer.pipeline.sync_in_flight()
+    _drain(optimizer)
     full = torch.zeros(param.numel(), dtype=torch.float32, device=param.device)
     frag = param._hp_mapping
     if frag.numel:
@@ -54,7 +63,7 @@ def _get_full_hp_param(param, optimizer, optim_state_key=None):
 
 
 def _set_full_hp_param(param, optimizer, value, optim_state_key=None):
-    optimizer.pipeline.sync_in_flight()
+    optimizer.pipeline.sync_in_flight()  # local: no collective follows, a peer behind is not waited on
     frag = param._hp_mapping
     if frag.numel:
         dst = _state_tensor(optimizer.pipeline.groups[frag.group_index], optim_state_key)

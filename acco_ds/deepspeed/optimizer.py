@@ -153,12 +153,31 @@ class ACCOZeroOptimizer(ZeROOptimizer):
                 "through engine.backward(loss). Call engine.backward once per micro-batch and engine.step() after each."
             )
         self._micro_batches_since_step = 0
-        self.pipeline.on_engine_step()
+        self.overflow = self._take_unreported_skip()
+        self.pipeline.on_engine_step(lr_stepped=not self.overflow)
         if self.pipeline.last_grad_norm is not None:
             self._global_grad_norm = self.pipeline.last_grad_norm.reshape(())
-        self.overflow = False
         if getattr(self, "_acco_monitor", None) is not None:
             self._acco_monitor.after_step(self)
+
+    def _take_unreported_skip(self) -> bool:
+        """``overflow`` for this engine step: True when a commit skipped for a non-finite gradient has
+        finished and not been reported yet (one skip per step; the engine counts it in ``skipped_steps``
+        and does not step its LR scheduler, so the schedule follows the applied commits).
+
+        In ``sync`` the boundary's own commit has finished: a skip is reported at the step that made it.
+        In ``acco``/``dpu`` the commit launched at a boundary finishes during the next round, so its
+        skip is reported one engine step later. The reported count is the engine's ``skipped_steps``
+        (saved in DeepSpeed's checkpoints), or this optimizer's own counter without an engine."""
+        engine = getattr(self, "engine", None)
+        reported = getattr(engine, "skipped_steps", None)
+        if reported is None:
+            reported = getattr(self, "_skips_reported", 0)
+        if self.pipeline.stats.skipped_steps <= reported:
+            return False
+        if engine is None:
+            self._skips_reported = reported + 1
+        return True
 
     def zero_grad(self, set_to_none: bool = True):
         for group in self.bit16_groups:

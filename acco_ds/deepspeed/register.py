@@ -1,11 +1,13 @@
 """Registration of ``"type": "ACCO"`` with DeepSpeed: the only module that patches DeepSpeedEngine.
 
-DeepSpeed has no registry for third-party optimizers. ``register()`` wraps two engine methods
+DeepSpeed has no registry for third-party optimizers. ``register()`` wraps four engine methods
 (idempotently): ``_is_supported_optimizer`` accepts "acco" in any case, and
 ``_configure_optimizer`` builds the ACCO optimizer for such a config (with no client optimizer)
-and turns off the engine's own gradient all-reduce for that engine; any other optimizer goes
-through DeepSpeed's original method unchanged. Patching the class covers every way an engine is
-built: ``deepspeed.initialize``, the HF Trainer and accelerate.
+and turns off the engine's own gradient all-reduce for that engine; ``save_checkpoint`` and
+``load_checkpoint`` of an ACCO engine go through ``ckpt_guard`` (a save interrupted at any point
+leaves ``latest`` on a complete checkpoint; truncated files and another model fail clearly). Any
+other optimizer goes through DeepSpeed's original methods unchanged. Patching the class covers
+every way an engine is built: ``deepspeed.initialize``, the HF Trainer and accelerate.
 """
 
 from __future__ import annotations
@@ -39,10 +41,17 @@ def check_deepspeed_version(version: str) -> None:
     if low <= _version_tuple(version) < high or os.environ.get(ALLOW_UNTESTED_ENV) == "1":
         return
     fmt = ".".join
+    lo, hi = fmt(map(str, low)), fmt(map(str, high))
     raise ACCOConfigError(
-        f"acco_ds is tested with DeepSpeed >= {fmt(map(str, low))} and < {fmt(map(str, high))}; found "
-        f"deepspeed=={version}. Install a tested version (pip install 'deepspeed>={fmt(map(str, low))},"
-        f"<{fmt(map(str, high))}') or set {ALLOW_UNTESTED_ENV}=1 to try this one at your own risk."
+        f"deepspeed=={version}: acco_ds patches DeepSpeed internals and is tested with DeepSpeed >= {lo} and "
+        f"< {hi}. Allowed: pip install 'deepspeed>={lo},<{hi}', or set {ALLOW_UNTESTED_ENV}=1 to try "
+        "this version at your own risk."
+    )
+
+
+def _is_acco_engine(engine) -> bool:
+    return getattr(getattr(engine, "optimizer", None), "pipeline", None) is not None and is_acco_name(
+        engine._config.optimizer_name
     )
 
 
@@ -67,6 +76,30 @@ def register() -> None:
 
         return configure_acco(self, client_optimizer, model_parameters)
 
+    original_save = DeepSpeedEngine.save_checkpoint
+    original_load = DeepSpeedEngine.load_checkpoint
+
+    @functools.wraps(original_save)
+    def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True, **kwargs):  # noqa: B006
+        if not _is_acco_engine(self):
+            return original_save(self, save_dir, tag, client_state, save_latest, **kwargs)
+        from acco_ds.deepspeed import ckpt_guard
+
+        return ckpt_guard.save_checkpoint(
+            self, original_save, save_dir, tag, client_state, save_latest, **kwargs
+        )
+
+    @functools.wraps(original_load)
+    def load_checkpoint(self, load_dir, tag=None, **kwargs):
+        if not _is_acco_engine(self):
+            return original_load(self, load_dir, tag, **kwargs)
+        from acco_ds.deepspeed import ckpt_guard
+
+        return ckpt_guard.load_checkpoint(self, original_load, load_dir, tag, **kwargs)
+
     DeepSpeedEngine._is_supported_optimizer = _is_supported_optimizer
     DeepSpeedEngine._configure_optimizer = _configure_optimizer
+    DeepSpeedEngine.save_checkpoint = save_checkpoint
+    DeepSpeedEngine.load_checkpoint = load_checkpoint
+    DeepSpeedEngine._acco_original_save_checkpoint = original_save  # DeepSpeed's own, for tests
     setattr(DeepSpeedEngine, _PATCHED_FLAG, True)

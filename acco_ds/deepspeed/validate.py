@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import math
+
+import torch
+
 from acco_ds.config import ACCOConfig, ACCOConfigError
 from acco_ds.core.schedule import micro_batches_per_round
 
@@ -13,23 +17,27 @@ def _offload_device(cfg) -> str:
 
 
 def check_engine_config(engine, client_optimizer, cfg: ACCOConfig) -> None:
-    """Raise ACCOConfigError for an engine config that "type": "ACCO" cannot run."""
+    """Raise ACCOConfigError for an engine config that "type": "ACCO" cannot run, before any state is
+    built. Each message names the DeepSpeed key, the value seen and what is allowed. Checked: client
+    optimizer, ZeRO stage, fp16, offload, pipeline/model/sequence parallelism, MoE, gradient_clipping,
+    communication_data_type, fp16 autocast, ZenFlow, gradient_accumulation_steps for the mode and
+    max_micro_batches_per_round against a round's share."""
     if client_optimizer is not None:
         raise ACCOConfigError(
-            'optimizer.type="ACCO" builds its own optimizer, but deepspeed.initialize was also given a client '
-            "optimizer (optimizer=...). Pass one or the other: drop optimizer=... to use ACCO, or remove the "
-            '"optimizer" section of the config to use yours.'
+            f'optimizer.type="ACCO" builds its own optimizer, but deepspeed.initialize was also given a client '
+            f"optimizer (optimizer={type(client_optimizer).__name__}). Allowed: one or the other; drop "
+            'optimizer=... to use ACCO, or remove the "optimizer" section of the config to use yours.'
         )
     stage = engine.zero_optimization_stage()
     if stage != 1:
         raise ACCOConfigError(
             f"zero_optimization.stage={stage}: ACCO is a ZeRO stage 1 optimizer (sharded optimizer state, "
-            'full parameters and gradients on every rank). Set "zero_optimization": {"stage": 1}.'
+            'full parameters and gradients on every rank). Allowed: "zero_optimization": {"stage": 1}.'
         )
     if engine.fp16_enabled():
         raise ACCOConfigError(
-            'fp16.enabled=true: ACCO does not implement fp16 loss scaling. Use "bf16": {"enabled": true} '
-            "(or fp32) instead."
+            'fp16.enabled=true: ACCO does not implement fp16 loss scaling. Allowed: "bf16": {"enabled": true} '
+            "or fp32 (fp16.enabled=false)."
         )
     for key, sub in (
         ("offload_optimizer", engine.zero_offload_optimizer()),
@@ -39,21 +47,69 @@ def check_engine_config(engine, client_optimizer, cfg: ACCOConfig) -> None:
         if device not in ("none", "OffloadDeviceEnum.none"):
             raise ACCOConfigError(
                 f"zero_optimization.{key}.device={device}: ACCO keeps its sharded state on the training "
-                f'device and overlaps its own communication; remove "{key}" (or set its device to "none").'
+                f'device and overlaps its own communication. Allowed: no "{key}" section, or device "none".'
             )
     if getattr(engine, "pipeline_parallelism", False):
         raise ACCOConfigError(
             "pipeline parallelism (a PipelineModule / PipelineEngine) is not supported by ACCO: it drives the "
-            "optimizer per micro-batch on its own schedule. Use a plain module with data parallelism."
+            "optimizer per micro-batch on its own schedule. Allowed: a plain nn.Module with data parallelism."
         )
     if getattr(engine, "has_moe_layers", False):
         raise ACCOConfigError(
             "MoE layers are not supported by ACCO (expert parameters need expert-parallel groups). "
-            "Use DeepSpeed's ZeRO optimizers for MoE models."
+            "Allowed: models without deepspeed.moe layers; use DeepSpeed's ZeRO optimizers for MoE models."
         )
-    try:
-        micro_batches_per_round(cfg.mode, engine.gradient_accumulation_steps())
-    except ValueError as err:
+    mp = int(getattr(engine, "mp_world_size", 1) or 1)
+    if mp > 1:
         raise ACCOConfigError(
-            f"gradient_accumulation_steps={engine.gradient_accumulation_steps()}: {err}"
+            f"model parallelism (mpu / tensor_parallel.autotp_size) with a model-parallel world size of {mp}: "
+            "ACCO's flat buffers, global gradient norm and shards assume every data-parallel rank holds the full "
+            "parameters. Allowed: a model-parallel world size of 1 (pure data parallelism)."
+        )
+    seq_dp, dp = getattr(engine, "seq_dp_world_size", None), getattr(engine, "dp_world_size", None)
+    if seq_dp is not None and dp is not None and seq_dp != dp:
+        raise ACCOConfigError(
+            f"sequence_parallel_size={seq_dp // max(dp, 1)}: ACCO does not support sequence parallelism "
+            "(DeepSpeed-Ulysses). Allowed: sequence_parallel_size=1."
+        )
+    clip = engine.gradient_clipping()
+    if isinstance(clip, bool) or not isinstance(clip, (int, float)) or not math.isfinite(clip) or clip < 0:
+        raise ACCOConfigError(
+            f"gradient_clipping={clip!r}: ACCO clips the global gradient norm to this value. Allowed: a finite "
+            "number >= 0 (0 disables clipping)."
+        )
+    comm_type = getattr(engine._config, "communication_data_type", None)
+    if comm_type is not None:
+        raise ACCOConfigError(
+            f"communication_data_type={comm_type}: ACCO reduces gradients in the dtype of its own option "
+            "optimizer.params.comm_dtype. Allowed: remove communication_data_type and set "
+            "optimizer.params.comm_dtype to 'auto', 'bf16' or 'fp32'."
+        )
+    if engine.torch_autocast_enabled() and engine.torch_autocast_dtype() == torch.float16:
+        raise ACCOConfigError(
+            "torch_autocast.dtype=torch.float16: fp16 autocast needs loss scaling, which ACCO does not implement. "
+            "Allowed: torch_autocast with dtype bfloat16, or bf16.enabled=true."
+        )
+    if getattr(engine._config.zero_config, "zenflow", None) is not None:
+        raise ACCOConfigError(
+            "zero_optimization.zenflow: ZenFlow replaces the optimizer step with its own offloaded one; ACCO "
+            'runs its own. Allowed: remove "zenflow".'
+        )
+    gas = engine.gradient_accumulation_steps()
+    try:
+        share = micro_batches_per_round(cfg.mode, gas)
+    except ValueError:
+        raise ACCOConfigError(
+            f"gradient_accumulation_steps={gas}: mode='{cfg.mode}' splits each optimizer step into two rounds of "
+            "gradient_accumulation_steps / 2 micro-batches (the g~ of the peek and the g of the commit). "
+            f"Allowed: an even number >= 2 (e.g. {max(2, gas + gas % 2)}, with train_batch_size to match), or "
+            "mode='dpu' / 'sync' with any value."
         ) from None
+    cap = cfg.max_micro_batches_per_round
+    if cap is not None and cap < share:
+        raise ACCOConfigError(
+            f"optimizer.params.max_micro_batches_per_round={cap}: a round of mode='{cfg.mode}' takes at least "
+            f"{share} micro-batches (gradient_accumulation_steps={gas}"
+            f"{' / 2' if cfg.mode == 'acco' else ''}), so a cap below that is never reached. Allowed: null or "
+            f"an integer >= {share}."
+        )

@@ -1,0 +1,108 @@
+"""Per-rank worker for the non-finite-gradient tests (tests/test_reliability_nonfinite.py), started by
+the ``deepspeed`` launcher.
+
+Each scenario of the JSON list trains the toy model with a DeepSpeed config for ``steps`` engine
+steps and may:
+
+- ``fault``: ``{"rank", "step", "micro", "kind"}``: on that rank, at micro-batch ``micro`` of engine
+  step ``step``, make the gradient non-finite: ``"nan"`` multiplies the loss by NaN (every gradient
+  element NaN), ``"inf"`` sets one element of one parameter's gradient to +Inf (a backward hook).
+- ``skip_steps``: engine steps whose micro-batches are never fed (the data of those steps is left
+  out, on every rank: "a run that never saw them"); ``restart_after``: after the engine step of this
+  (0-based) index, call ``optimizer.finish()`` (drain, load theta; the pipeline restarts with a
+  prologue), as the run that never saw the skipped step would have to.
+
+Rank 0 saves per step: the lr the step used, the committed fp32 parameters and Adam moments read
+through DeepSpeed's public accessors, ``optimizer.overflow`` and ``engine.skipped_steps``; at the
+end every rank's final model parameters and ACCO stats.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import deepspeed  # noqa: E402
+from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state  # noqa: E402
+
+import acco_ds  # noqa: E402,F401
+from tests.dist import toy  # noqa: E402
+
+
+def _inf_hook(grad: torch.Tensor) -> torch.Tensor:
+    grad = grad.clone()
+    grad.view(-1)[grad.numel() // 2] = math.inf
+    return grad
+
+
+def run_scenario(sc: dict, rank: int) -> dict:
+    cfg = sc["config"]
+    gas = cfg["gradient_accumulation_steps"]
+    model = toy.build()
+    engine, _, _, _ = deepspeed.initialize(model=model, config=cfg, model_parameters=model.parameters())
+    params = toy.trainable(engine.module)
+    fault = sc.get("fault")
+    skip = set(sc.get("skip_steps", []))
+    out = {k: [] for k in ("lrs", "traj", "exp_avg", "exp_avg_sq", "overflow", "skipped_steps", "data_steps")}
+    for data_step in range(sc["steps"]):
+        if data_step in skip:
+            continue
+        out["lrs"].append(float(engine.get_lr()[0]))
+        for j in range(gas):
+            x, y = toy.micro_batch(rank, data_step * gas + j)
+            hit = fault is not None and (fault["rank"], fault["step"], fault["micro"]) == (rank, data_step, j)
+            handle = params[1].register_hook(_inf_hook) if hit and fault["kind"] == "inf" else None
+            loss = engine(x, y)
+            if hit and fault["kind"] == "nan":
+                loss = loss * float("nan")
+            engine.backward(loss)
+            engine.step()
+            if handle is not None:
+                handle.remove()
+        out["overflow"].append(bool(engine.optimizer.overflow))
+        out["skipped_steps"].append(int(engine.skipped_steps))
+        out["data_steps"].append(data_step)
+        out["traj"].append(toy.flat(safe_get_full_fp32_param(p) for p in params))
+        for key in ("exp_avg", "exp_avg_sq"):
+            out[key].append(toy.flat(safe_get_full_optimizer_state(p, key) for p in params))
+        if sc.get("restart_after") == data_step:
+            engine.optimizer.finish()
+    opt = engine.optimizer
+    opt.finish()
+    out["final_model"] = toy.flat(params)
+    out["stats"] = opt.stats()
+    out["engine_skipped_steps"] = int(engine.skipped_steps)
+    opt.pipeline.close()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--scenarios", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--local_rank", type=int, default=0)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank = torch.distributed.get_rank()
+    with open(args.scenarios) as f:
+        scenarios = json.load(f)
+    results = {sc["name"]: run_scenario(sc, rank) for sc in scenarios}
+    per_rank = [None] * torch.distributed.get_world_size()
+    mine = {k: {"final_model": v["final_model"], "stats": v["stats"]} for k, v in results.items()}
+    torch.distributed.all_gather_object(per_rank, mine)
+    if rank == 0:
+        for name in results:
+            results[name]["per_rank"] = [r[name] for r in per_rank]
+        torch.save(results, os.path.join(args.out, "results.pt"))
+
+
+if __name__ == "__main__":
+    main()
