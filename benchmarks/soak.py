@@ -191,6 +191,18 @@ def worker(args) -> None:
 
 
 # -- checks and report (the driver) ---------------------------------------------------------------------
+def window_peaks(r: dict, args) -> list:
+    """Peak RSS (MB) of rank ``r`` per tenth of the run after the warm-up fraction."""
+    total = r["global_steps"]
+    warm = int(args.warmup * total)
+    tenth = max(1, (total - warm) // 10)
+    windows: dict = {}
+    for step, mb in r["rss"]:
+        if step >= warm:
+            windows.setdefault(min((step - warm) // tenth, 9), []).append(mb)
+    return [max(windows[k]) for k in sorted(windows)]
+
+
 def check(res: dict, args) -> list:
     """[(check, ok, detail)] for the run in ``res``."""
     ranks = res["ranks"]
@@ -230,14 +242,7 @@ def check(res: dict, args) -> list:
         )
     )
     for r in ranks:
-        total = r["global_steps"]
-        warm = int(args.warmup * total)
-        post = [(s, m) for s, m in r["rss"] if s >= warm]
-        tenth = max(1, (total - warm) // 10)
-        windows = {}
-        for s, m in post:
-            windows.setdefault((s - warm) // tenth, []).append(m)
-        peaks = [max(windows[k]) for k in sorted(windows)]
+        peaks = window_peaks(r, args)
         growth = max(peaks) - peaks[0] if peaks else 0.0
         out.append(
             (
@@ -273,7 +278,7 @@ def report(res: dict, checks: list, args, elapsed: float) -> str:
         f"# Soak: ACCO adaptive, {s0['committed_steps']} optimizer steps, {len(ranks)} ranks"
         f"{' (small model)' if args.small else ''}",
         "",
-        f"- Date: {datetime.datetime.now().isoformat(timespec='seconds')}",
+        f"- Date: {res.get('date') or datetime.datetime.now().isoformat(timespec='seconds')}",
         f"- Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, {platform.system()}",
         f"- Versions: python {platform.python_version()}, torch {torch.__version__}, "
         f"deepspeed {_version('deepspeed')}",
@@ -281,18 +286,17 @@ def report(res: dict, checks: list, args, elapsed: float) -> str:
         f"gradient_accumulation_steps 2, max_micro_batches_per_round {args.cap or 'null'}, fp32, gloo",
         f"- Speeds: every {args.phase} steps each rank draws a slowdown factor in [1, {args.max_slow:g}] "
         "(extra real compute per micro-batch)",
-        f"- Command: `python benchmarks/soak.py {' '.join(sys.argv[1:])}` ({elapsed:.0f} s)",
+        f"- Command: `{res.get('command') or 'python benchmarks/soak.py ' + ' '.join(sys.argv[1:])}` ({elapsed:.0f} s)",
         "",
         "| rank | micro-batches computed | wall s | extra compute s | slowdown factors (first 8) | peak RSS MB "
-        "(first post-warm-up tenth -> max) | threads | open files |",
+        "per tenth after warm-up | threads | open files |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in ranks:
-        warm = int(args.warmup * r["global_steps"])
-        post = [m for s, m in r["rss"] if s >= warm]
+        peaks = window_peaks(r, args)
         lines.append(
             f"| {r['rank']} | {r['stats']['micro_batches_local']} | {r['wall_s']:.0f} | {r['spin_s']:.0f} | "
-            f"{', '.join(f'{f:.2f}' for f in r['factors'][:8])} | {post[0]:.0f} -> {max(post):.0f} | "
+            f"{', '.join(f'{f:.2f}' for f in r['factors'][:8])} | {', '.join(f'{p:.0f}' for p in peaks)} | "
             f"{r['threads'][0]} -> {r['threads'][1]} | {r['open_files'][0]} -> {r['open_files'][1]} |"
         )
     lines += [
@@ -317,7 +321,22 @@ def _version(pkg: str) -> str:
         return "?"
 
 
+def render(args, res: dict, elapsed: float, out: Path) -> int:
+    checks = check(res, args)
+    text = report(res, checks, args, elapsed)
+    print(text)
+    if not args.no_write:
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        (RESULTS / ("soak_small.md" if args.small else "soak.md")).write_text(text)
+    (out / "checks.json").write_text(json.dumps([{"check": n, "ok": ok, "detail": d} for n, ok, d in checks]))
+    return 0 if all(ok for _, ok, _ in checks) else 1
+
+
 def driver(args) -> int:
+    if args.from_json:
+        res = json.loads(Path(args.from_json).read_text())
+        args = argparse.Namespace(**{**res["args"], "no_write": args.no_write, "from_json": args.from_json})
+        return render(args, res, args_elapsed(res, args), Path(args.from_json).parent)
     sys.path.insert(0, str(REPO))
     from tests.launch import deepspeed_cmd, free_port
 
@@ -348,14 +367,15 @@ def driver(args) -> int:
         print(f"soak: the ranks failed (rc={proc.returncode})", file=sys.stderr)
         return 2
     res = json.loads((out / "soak.json").read_text())
-    checks = check(res, args)
-    text = report(res, checks, args, elapsed)
-    print(text)
-    if not args.no_write:
-        RESULTS.mkdir(parents=True, exist_ok=True)
-        (RESULTS / ("soak_small.md" if args.small else "soak.md")).write_text(text)
-    (out / "checks.json").write_text(json.dumps([{"check": n, "ok": ok, "detail": d} for n, ok, d in checks]))
-    return 0 if all(ok for _, ok, _ in checks) else 1
+    res["elapsed_s"] = elapsed
+    res["date"] = datetime.datetime.now().isoformat(timespec="seconds")
+    res["command"] = "python benchmarks/soak.py " + " ".join(sys.argv[1:])
+    (out / "soak.json").write_text(json.dumps(res))
+    return render(args, res, elapsed, out)
+
+
+def args_elapsed(res: dict, args) -> float:
+    return float(res.get("elapsed_s") or getattr(args, "elapsed", 0.0) or 0.0)
 
 
 def parse(argv=None):
@@ -378,6 +398,8 @@ def parse(argv=None):
     ap.add_argument("--rss-tol-mb", type=float, default=16.0, help="allowed peak-RSS growth after warm-up")
     ap.add_argument("--out", default=str(REPO / "acco_out" / "soak"), help="folder for soak.json")
     ap.add_argument("--no-write", action="store_true", help="do not write benchmarks/results/")
+    ap.add_argument("--from-json", default=None, help="re-check and re-render a soak.json of an earlier run")
+    ap.add_argument("--elapsed", type=float, default=0.0, help="with --from-json: the run's duration (s)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--local_rank", type=int, default=0, help=argparse.SUPPRESS)
     return ap.parse_args(argv)
