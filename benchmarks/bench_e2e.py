@@ -37,6 +37,7 @@ import e2e_table  # noqa: E402
 
 from acco_ds.cli.dsconfig import build_config  # noqa: E402
 from acco_ds.cli.job import acco_registered  # noqa: E402
+from acco_ds.cli.launch import LaunchError  # noqa: E402
 from acco_ds.cli.metrics import machine_info  # noqa: E402
 from acco_ds.models import GPTConfig, TinyGPT  # noqa: E402
 
@@ -148,19 +149,37 @@ def _best(runs: list) -> dict:
     return best
 
 
-def _round_robin(setup, labels: list, rate: str, repeats: int, slow=None, tag: str = "") -> dict:
+def _round_robin(setup, labels: list, rate: str, repeats: int, notes: list, slow=None, tag: str = "") -> dict:
     """Every contender ``repeats`` times, interleaved (a, b, c, a, b, c, ...), best of each."""
     done: dict = {label: [] for label in labels}
     for rep in range(repeats):
         for label in labels:
-            s = e2e_runs.run_contender(setup, label, rate, slow=slow, tag=f"{tag}/r{rep}")
+            s = _attempt(
+                lambda label=label, rep=rep: e2e_runs.run_contender(setup, label, rate, slow, f"{tag}/r{rep}")
+            )
+            if s is None:
+                notes.append(
+                    f"{rate}{tag} {label} repeat {rep + 1}: failed twice (see the work folder); left out"
+                )
+                continue
             done[label].append(s)
             _log(
                 f"{rate}{tag} {label} (repeat {rep + 1}/{repeats}): {s['step_time_s']:.3f} s/step, "
                 f"{s['samples_per_s']:.1f} samples/s, per rank {[round(x, 1) for x in s['rank_samples_per_s']]}, "
                 f"val {s['val_loss']:.4f}, load {s['load_before']:.1f}->{s['load_after']:.1f}"
             )
-    return {label: _best(runs) for label, runs in done.items()}
+    return {label: _best(runs) for label, runs in done.items() if runs}
+
+
+def _attempt(run):
+    """``run()``, retried once when the ranks fail (e.g. killed by the OOM killer on a shared
+    machine); None when both attempts fail."""
+    for attempt in (1, 2):
+        try:
+            return run()
+        except LaunchError as err:
+            _log(f"run failed (attempt {attempt}/2): {str(err).splitlines()[0]}")
+    return None
 
 
 def _compute_only(setup, results: dict, tag: str) -> None:
@@ -214,7 +233,10 @@ def run_all(a) -> dict:
         comm = e2e_runs.run_comm_probe(setup, rate)
         parts = ", ".join(f"{k[:-2]} {comm[k]:.3f}" for k in ("rs_ag_s", "ar_ag_s", "p2p_ag_s") if k in comm)
         _log(f"{rate}: T_comm {comm['t_comm_s']:.3f} s ({parts})")
-        results["rates"][rate] = {"comm": comm, "runs": _round_robin(setup, a.contenders, rate, a.repeats)}
+        results["rates"][rate] = {
+            "comm": comm,
+            "runs": _round_robin(setup, a.contenders, rate, a.repeats, notes),
+        }
     if not a.quick:
         _compute_only(setup, results, "-end")
     if a.hetero_rate != "off" and a.hetero_contenders and a.slow_factor > 1:
@@ -227,7 +249,7 @@ def run_all(a) -> dict:
         _log(
             f"heterogeneous: link {rate}, rank {a.slow_rank} +{1000 * extra:.1f} ms of compute per micro-batch"
         )
-        runs = _round_robin(setup, a.hetero_contenders, rate, a.repeats, slow=slow, tag="-hetero")
+        runs = _round_robin(setup, a.hetero_contenders, rate, a.repeats, notes, slow=slow, tag="-hetero")
         results["hetero"] = {
             "rate": rate,
             "slow_rank": a.slow_rank,

@@ -3,13 +3,14 @@
 Launched like a training run (DeepSpeed launcher, W ranks, inside the throttled namespace):
 ``python -m deepspeed.launcher.runner --num_gpus W ... benchmarks/e2e_comm.py --numel N --dtype fp32
 --out FILE``. Every round of every contender moves one full gradient (reduced) and one full set of
-parameters (gathered), so T_comm of a round is measured as the median over ``--reps`` repetitions
-(after one warm-up) of a gradient reduction followed by a parameter all-gather of N elements in the
-communication dtype, with torch.distributed on the default backend (gloo on CPU). Three gradient
-reductions are timed, since implementations differ: the backend's reduce-scatter, all-reduce, and
-acco_ds's own reduce-scatter (``acco_ds.core.round_job.reduce_scatter_sum``: on gloo a direct
-point-to-point exchange of the shards, the fewest bytes). Rank 0 writes ``{"rs_ag_s", "ar_ag_s",
-"p2p_ag_s", "rs_s", "ar_s", "p2p_s", "ag_s", ...}`` (medians, seconds) to ``--out``.
+parameters (gathered), so T_comm of a round is measured as the time per call of ``--reps``
+back-to-back calls (barrier to barrier, median of 3 windows, after a warm-up) of a gradient
+reduction followed by a parameter all-gather of N elements in the communication dtype, with
+torch.distributed on the default backend (gloo on CPU). Three gradient reductions are timed,
+since implementations differ: the backend's reduce-scatter, all-reduce, and acco_ds's own
+reduce-scatter (``acco_ds.core.round_job.reduce_scatter_sum``: on gloo a direct point-to-point
+exchange of the shards, the fewest bytes). Rank 0 writes ``{"rs_ag_s", "ar_ag_s", "p2p_ag_s",
+"rs_s", "ar_s", "p2p_s", "ag_s", ...}`` (seconds per call) to ``--out``.
 """
 
 from __future__ import annotations
@@ -24,14 +25,21 @@ import torch.distributed as dist
 
 
 def _timed(fn, reps: int) -> float:
+    """Seconds per call of ``fn`` back to back, from a barrier to a barrier after ``reps`` calls
+    (median of 3 such windows, after a warm-up). A send completes when the kernel has buffered
+    the bytes, not when they crossed the link; timing a lone call would under-count them, timing
+    a run of calls that ends with a barrier counts every byte."""
     fn()  # warm-up
-    times = []
-    for _ in range(reps):
+    dist.barrier()
+    windows = []
+    for _ in range(3):
         dist.barrier()
         t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+        for _ in range(reps):
+            fn()
+        dist.barrier()
+        windows.append((time.perf_counter() - t) / reps)
+    return statistics.median(windows)
 
 
 def main() -> None:

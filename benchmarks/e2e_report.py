@@ -64,6 +64,15 @@ def _loss_at(records: list, samples: int, window: int):
     return None
 
 
+def step_time_p20(s: dict) -> float:
+    """20th percentile of the per-step times after warm-up (slowest rank): the step time when
+    other jobs on the machine leave the run alone (bursts of interference lengthen some steps;
+    the median is the figure BENCHMARKS.md asks for, this one is shown beside it)."""
+    recs = s["records"][s.get("warmup_steps", 0) :]
+    dts = sorted((b["time_s"] - a["time_s"]) / (b["step"] - a["step"]) for a, b in zip(recs, recs[1:]))
+    return dts[int(0.2 * (len(dts) - 1))] if dts else s["step_time_s"]
+
+
 def analyse_rate(block: dict, comp: dict, gas: int, world: int) -> dict:
     """Rows (one per contender) for one link rate."""
     runs, comm = block["runs"], block["comm"]
@@ -81,8 +90,11 @@ def analyse_rate(block: dict, comp: dict, gas: int, world: int) -> dict:
         t_cmp = mb_round * comp["t_mb_mean"]
         t_comm = comm["t_comm_s"] + (gas - 1) * comm["t_reduce_s"] * (label == "zero2")
         ttl = time_to_loss(s["records"], target, window) if target is not None else None
+        p20 = step_time_p20(s)
         rows[label] = {
             "step_time_s": s["step_time_s"],
+            "step_time_p20_s": p20,
+            "x_steps_p20": step_time_p20(base) / p20 if base else None,
             "samples_per_s": s["samples_per_s"],
             "x_steps": base["step_time_s"] / s["step_time_s"] if base else None,
             "x_samples": s["samples_per_s"] / base["samples_per_s"] if base else None,
@@ -184,7 +196,7 @@ def goals(an: dict, results: dict) -> list:
         g.append(
             (
                 f"acco fixed >= 1.35x ZeRO-1 steps/s at comm~compute ({rate})",
-                f"{row['x_steps']:.2f}x",
+                f"{row['x_steps']:.2f}x (20th-percentile step: {row['x_steps_p20']:.2f}x)",
                 _verdict(row["x_steps"] >= 1.35),
             )
         )
@@ -193,7 +205,8 @@ def goals(an: dict, results: dict) -> list:
             g.append(
                 (
                     f"acco fixed ahead of ZeRO-2 overlap_comm ({rate})",
-                    f"{row['x_steps']:.2f}x vs {z2['x_steps']:.2f}x",
+                    f"{row['x_steps']:.2f}x vs {z2['x_steps']:.2f}x (p20: {row['x_steps_p20']:.2f}x vs "
+                    f"{z2['x_steps_p20']:.2f}x)",
                     _verdict(row["x_steps"] > z2["x_steps"]),
                 )
             )

@@ -3,9 +3,11 @@
 Contract: every run is launched with the DeepSpeed launcher exactly as ``acco-train`` launches
 its ranks (``acco_ds.cli.launch``), inside the throttled namespace of ``e2e_env.wrap(rate)``, with
 the same model, data, seed, micro-batch, accumulation, dtype and threads per rank for every
-contender (``Setup``). Each run's files go to ``<work>/<rate>/<label>/``; the functions return
-the merged figures (``acco_ds.cli.metrics``) plus the load average of the machine before and after
-the run (these machines are shared: a high load flags a noisy figure).
+contender (``Setup``). Each run's files go to ``<work>/<rate>[-hetero]/r<repeat>/<label>/``; the
+functions return the merged figures (``acco_ds.cli.metrics``) plus the load average of the
+machine before and after the run (these machines are shared: a high load flags a noisy figure).
+A run that finished is saved as ``bench_run.json`` (``comm.json`` for the probe) and reused when
+the same work folder is given again, so an interrupted sweep resumes.
 """
 
 from __future__ import annotations
@@ -94,7 +96,12 @@ def _spec(setup: Setup, run_dir: Path, label: str, mode: str, acc: str, cfg: dic
 
 
 def _launch(setup: Setup, spec: RunSpec, rate: str) -> dict:
+    """Run one spec (or reuse ``bench_run.json`` of a run that finished in this work folder: an
+    interrupted sweep resumes where it stopped when given the same ``--work``)."""
     run_dir = Path(spec.run_dir)
+    cached = run_dir / "bench_run.json"
+    if cached.exists():
+        return json.loads(cached.read_text())
     path = spec.save()
     (run_dir / "ds_config.json").write_text(json.dumps(spec.ds_config, indent=2))
     load0 = os.getloadavg()[0]
@@ -121,6 +128,7 @@ def _launch(setup: Setup, spec: RunSpec, rate: str) -> dict:
         slow_extra_s=[r.get("slow_extra_s", 0.0) for r in ranks],
         records=records,
     )
+    cached.write_text(json.dumps(s))
     return s
 
 
@@ -153,6 +161,8 @@ def run_comm_probe(setup: Setup, rate: str, reps: int = 5) -> dict:
     run_dir = setup.work / rate / "comm-only"
     run_dir.mkdir(parents=True, exist_ok=True)
     out = run_dir / "comm.json"
+    if out.exists():  # resumed sweep
+        return _comm_figures(json.loads(out.read_text()))
     extra = ["--numel", str(setup.n_params), "--dtype", "bf16" if setup.bf16 else "fp32", "--reps", str(reps)]
     cmd = launch_command(
         None, setup.world, PORT, target=str(HERE / "e2e_comm.py"), extra=extra + ["--out", str(out)]
@@ -165,7 +175,10 @@ def run_comm_probe(setup: Setup, rate: str, reps: int = 5) -> dict:
         timeout=setup.timeout_s,
         env_extra=e2e_env.link_env(),
     )
-    res = json.loads(out.read_text())
+    return _comm_figures(json.loads(out.read_text()))
+
+
+def _comm_figures(res: dict) -> dict:
     res["t_comm_s"] = min(res[k] for k in ("rs_ag_s", "ar_ag_s", "p2p_ag_s") if k in res)
     res["t_reduce_s"] = min(res[k] for k in ("rs_s", "ar_s", "p2p_s") if k in res)
     return res

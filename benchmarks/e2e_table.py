@@ -46,7 +46,8 @@ def _context(results: dict, an: dict) -> list:
 
 def _rate_table(results: dict, an: dict) -> list:
     head = (
-        "| link | T_comm/round s | contender | s/step | samples/s | x ZeRO-1 steps/s | x ZeRO-1 samples/s | x sync steps/s "
+        "| link | T_comm/round s | contender | s/step | s/step p20 | samples/s | x ZeRO-1 steps/s | x ZeRO-1 steps/s p20 "
+        "| x ZeRO-1 samples/s | x sync steps/s "
         "| vs compute-only | T_compute/round s | T_round s | overlap eff | loss @ ZeRO-1 samples | val loss (samples) "
         "| time to ZeRO-1 loss s (x) | peak RSS MiB per rank | load | samples/s of each repeat |"
     )
@@ -57,8 +58,9 @@ def _rate_table(results: dict, an: dict) -> list:
             ttl = r["time_to_base_loss_s"]
             ttl_s = "not reached" if ttl is None else f"{ttl:.1f} ({_f(r['x_time_to_base_loss'], '.2f')}x)"
             lines.append(
-                f"| {rate} | {comm:.3f} | {label} | {r['step_time_s']:.3f} | {r['samples_per_s']:.1f} "
-                f"| {_f(r['x_steps'], '.2f')} | {_f(r['x_samples'], '.2f')} | {_f(r['x_sync_steps'], '.2f')} "
+                f"| {rate} | {comm:.3f} | {label} | {r['step_time_s']:.3f} | {r['step_time_p20_s']:.3f} "
+                f"| {r['samples_per_s']:.1f} | {_f(r['x_steps'], '.2f')} | {_f(r['x_steps_p20'], '.2f')} "
+                f"| {_f(r['x_samples'], '.2f')} | {_f(r['x_sync_steps'], '.2f')} "
                 f"| {100 * r['vs_compute_only']:.0f}% "
                 f"| {r['t_compute_round_s']:.3f} | {r['t_round_s']:.3f} | {_f(r['overlap_eff'] and 100 * r['overlap_eff'], '.0f')}% "
                 f"| {_f(r['loss_at_base_samples'], '.4f')} | {_f(r['val_loss'], '.4f')} ({r['samples']}) | {ttl_s} "

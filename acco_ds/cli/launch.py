@@ -5,8 +5,8 @@ Contract: ``launch_command(spec_path, world, port)`` is the argv of
 --module acco_ds.cli.worker --spec SPEC``: one node, W ranks, every socket on 127.0.0.1 (gloo on
 CPU, NCCL on GPUs). ``run_ranks`` runs it (optionally wrapped, e.g. in a throttled network
 namespace by the benchmark), with ``OMP_NUM_THREADS`` set to the threads per rank and the
-package importable by the ranks, and raises ``LaunchError`` with the tail of the output when a
-rank fails.
+package importable by the ranks, removes the shared-memory buffers DeepSpeed leaves behind on
+CPU (``cleanup_shm``), and raises ``LaunchError`` with the tail of the output when a rank fails.
 """
 
 from __future__ import annotations
@@ -82,6 +82,26 @@ def rank_env(threads: int) -> dict:
     return env
 
 
+def cleanup_shm(port: int, world: int, addr: str = "127.0.0.1") -> int:
+    """Remove the shared-memory buffers DeepSpeed's CPU communication op creates per rank
+    (``/dev/shm/deepspeed_allreduce_buffer_<uid>_<addr>_<port>_<rank>``, 69 MB each) and never
+    unlinks: without this every CPU run leaks them into RAM. Returns how many were removed."""
+    removed = 0
+    uid = os.getuid() if hasattr(os, "getuid") else 0
+    for rank in range(world):
+        path = Path(f"/dev/shm/deepspeed_allreduce_buffer_{uid}_{addr}_{port}_{rank}")
+        try:
+            path.unlink()
+            removed += 1
+        except (FileNotFoundError, PermissionError, IsADirectoryError):
+            pass
+    return removed
+
+
+def _flag(cmd: List[str], name: str) -> str | None:
+    return cmd[cmd.index(name) + 1] if name in cmd[:-1] else None
+
+
 def run_ranks(
     cmd: List[str],
     threads: int,
@@ -101,13 +121,18 @@ def run_ranks(
     env = rank_env(threads)
     env.update(env_extra or {})
     tail = ""
-    if log_path is None:
-        proc = subprocess.run(full, env=env, timeout=timeout)
-    else:
-        with open(log_path, "w") as fh:
-            err = None if show_stderr else subprocess.STDOUT
-            proc = subprocess.run(full, env=env, stdout=fh, stderr=err, timeout=timeout)
-        tail = "\n".join(Path(log_path).read_text(errors="replace").splitlines()[-40:])
+    try:
+        if log_path is None:
+            proc = subprocess.run(full, env=env, timeout=timeout)
+        else:
+            with open(log_path, "w") as fh:
+                err = None if show_stderr else subprocess.STDOUT
+                proc = subprocess.run(full, env=env, stdout=fh, stderr=err, timeout=timeout)
+            tail = "\n".join(Path(log_path).read_text(errors="replace").splitlines()[-40:])
+    finally:
+        port, world = _flag(cmd, "--master_port"), _flag(cmd, "--num_gpus")
+        if port and world:
+            cleanup_shm(int(port), int(world), _flag(cmd, "--master_addr") or "127.0.0.1")
     if proc.returncode != 0:
         where = f" (log: {log_path})" if log_path else ""
         raise LaunchError(
