@@ -183,7 +183,9 @@ def _attempt(run):
 
 
 def _compute_only(setup, results: dict, tag: str) -> None:
-    s = e2e_runs.run_compute_only(setup, tag)
+    s = _attempt(lambda: e2e_runs.run_compute_only(setup, tag))
+    if s is None:
+        raise SystemExit(f"bench_e2e: the compute-only run{tag} failed twice; see {setup.work}")
     results["compute"].append(s)
     _log(
         f"compute-only{tag}: {s['samples_per_s']:.1f} samples/s, t_mb {[round(t, 4) for t in s['t_mb']]}, "
@@ -230,7 +232,9 @@ def run_all(a) -> dict:
     for rep in range(a.repeats):
         _compute_only(setup, results, f"-start{rep}")
     for rate in a.rates:
-        comm = e2e_runs.run_comm_probe(setup, rate)
+        comm = _attempt(lambda rate=rate: e2e_runs.run_comm_probe(setup, rate))
+        if comm is None:
+            raise SystemExit(f"bench_e2e: the comm-only probe at {rate} failed twice; see {setup.work}")
         parts = ", ".join(f"{k[:-2]} {comm[k]:.3f}" for k in ("rs_ag_s", "ar_ag_s", "p2p_ag_s") if k in comm)
         _log(f"{rate}: T_comm {comm['t_comm_s']:.3f} s ({parts})")
         results["rates"][rate] = {

@@ -106,7 +106,6 @@ def main() -> None:
         with open(args.out, "w") as fh:
             json.dump(res, fh, indent=2)
     dist.barrier()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

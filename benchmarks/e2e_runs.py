@@ -21,12 +21,19 @@ from pathlib import Path
 import e2e_env
 
 from acco_ds.cli import dsconfig
-from acco_ds.cli.launch import launch_command, run_ranks
+from acco_ds.cli.launch import free_port, launch_command, run_ranks
 from acco_ds.cli.metrics import merge_ranks, read_ranks, summarize
 from acco_ds.cli.spec import RunSpec
 
 HERE = Path(__file__).resolve().parent
-PORT = 29500  # every run has its own network namespace: the port is always free there
+
+
+def _port() -> int:
+    """A port free on the host: every run has its own network namespace, so any port would do
+    there, but DeepSpeed names its /dev/shm buffers (shared by all namespaces) after the port,
+    and two jobs running at once must not share them."""
+    return free_port()
+
 
 # contender label -> (mode, accumulation)
 CONTENDERS = {
@@ -106,7 +113,7 @@ def _launch(setup: Setup, spec: RunSpec, rate: str) -> dict:
     (run_dir / "ds_config.json").write_text(json.dumps(spec.ds_config, indent=2))
     load0 = os.getloadavg()[0]
     t = time.perf_counter()
-    cmd = launch_command(str(path), setup.world, PORT)
+    cmd = launch_command(str(path), setup.world, _port())
     run_ranks(
         cmd,
         setup.threads,
@@ -165,7 +172,7 @@ def run_comm_probe(setup: Setup, rate: str, reps: int = 5) -> dict:
         return _comm_figures(json.loads(out.read_text()))
     extra = ["--numel", str(setup.n_params), "--dtype", "bf16" if setup.bf16 else "fp32", "--reps", str(reps)]
     cmd = launch_command(
-        None, setup.world, PORT, target=str(HERE / "e2e_comm.py"), extra=extra + ["--out", str(out)]
+        None, setup.world, _port(), target=str(HERE / "e2e_comm.py"), extra=extra + ["--out", str(out)]
     )
     run_ranks(
         cmd,
