@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tests.launch import run_scenarios
-from tests.test_trajectories import DTYPES, MODES, STEPS, reference, scenarios
+from tests.test_trajectories import DTYPES, MODES, assert_matches_reference, scenarios
 
 pytestmark = [
     pytest.mark.gpu,
@@ -27,12 +27,7 @@ def results(tmp_path_factory):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_gpu_matches_reference(results, mode, dtype):
     world, res = results
-    got = res[f"{mode}_{dtype}"]
-    ref = reference(mode, dtype, world, got["lrs"])
-    assert len(got["traj"]) == STEPS
-    for t, (a, (b,)) in enumerate(zip(got["traj"], ref)):
-        diff = (a - b).abs().max().item()
-        assert diff <= GPU_TOL[dtype], f"{mode}/{dtype} step {t + 1}: {diff:.3e}"
+    assert_matches_reference(res[f"{mode}_{dtype}"], mode, dtype, world, GPU_TOL[dtype])
 
 
 def test_gpu_finish_loads_committed(results):
