@@ -25,9 +25,11 @@ probes at set-up that the backend reduces the communication dtype.
 
 from __future__ import annotations
 
+import atexit
 import queue
 import threading
 import time
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -59,6 +61,18 @@ class Ticket:
         self.cuda_done = None  # torch.cuda.Event on the StreamExecutor
 
 
+_OPEN_EXECUTORS: weakref.WeakSet[ThreadExecutor] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_executors() -> None:
+    """Close (drain and join) the worker threads of engines never closed (e.g. under the HF Trainer)
+    before the interpreter finalises: a daemon thread still inside a gloo call then would abort the
+    process (see ``core.liveness._stop_running_monitors``)."""
+    for executor in list(_OPEN_EXECUTORS):
+        executor.close()
+
+
 class ThreadExecutor:
     """Runs jobs in order on one daemon thread (CPU tensors, gloo).
 
@@ -75,6 +89,7 @@ class ThreadExecutor:
         self._queue: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._loop, name="acco-comm", daemon=True)
         self._thread.start()
+        _OPEN_EXECUTORS.add(self)
 
     def _loop(self) -> None:
         while True:
@@ -118,7 +133,13 @@ class ThreadExecutor:
         return peer_report(self.monitor)
 
     def close(self) -> None:
-        self._queue.put(None)
+        """Let the jobs already launched finish, end the worker thread and join it (at most
+        ``timeout_s``: the group's timeout bounds a collective), then stop the heartbeats. Idempotent."""
+        if self._thread.is_alive():
+            self._queue.put(None)
+            if self._thread is not threading.current_thread():
+                self._thread.join(timeout=self.timeout_s)
+        _OPEN_EXECUTORS.discard(self)
         if self.monitor is not None:
             self.monitor.stop()
 

@@ -23,10 +23,12 @@ Cost: one store increment and one multi-get per rank per period (a tenth of comm
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Dict, List, Sequence
@@ -35,6 +37,18 @@ import torch.distributed as dist
 
 FAILING = 1 << 40
 """Added to a rank's heartbeat counter when it has seen a failure itself (it is alive, then exits)."""
+
+_RUNNING: weakref.WeakSet[PeerMonitor] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_running_monitors() -> None:
+    """Stop and join every heartbeat thread before the interpreter finalises. A daemon thread that is
+    inside a store call (GIL released) when finalisation starts is ended by pthread_exit as it takes
+    the GIL back, from within pybind11's noexcept GIL guard: ``std::terminate`` ("terminate called
+    without an active exception", SIGABRT) at exit of a job that trained fine."""
+    for monitor in list(_RUNNING):
+        monitor.stop()
 
 
 def heartbeat_interval(timeout_s: float) -> float:
@@ -129,6 +143,7 @@ class PeerMonitor:
         if self._store is None or self._thread is not None:
             return
         self._thread = threading.Thread(target=self._beat, name="acco-heartbeat", daemon=True)
+        _RUNNING.add(self)
         self._thread.start()
 
     def _read(self, store) -> List[int]:
@@ -159,7 +174,13 @@ class PeerMonitor:
                 self._store_down_at = time.monotonic()
 
     def stop(self) -> None:
+        """End the heartbeat thread and join it: it returns within one store operation (bounded by the
+        store timeout, at most max(2, 4 x interval) s). Idempotent."""
         self._stop.set()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=max(2.0, 4 * self.interval_s) + 1.0)
+        _RUNNING.discard(self)
 
     def _mark_failing(self) -> None:
         with contextlib.suppress(Exception):  # the store is down: report() says so
