@@ -193,3 +193,16 @@ def test_acco_train_tiny_run(tmp_path):
 def test_console_script_help():
     proc = subprocess.run(["acco-train", "--help"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "--accumulation" in proc.stdout
+
+
+def test_progress_loss_keeps_the_last_value_when_no_micro_batch_ran():
+    from acco_ds.cli.steplog import StepLog
+
+    log = StepLog()
+    assert math.isnan(log.recent_loss())
+    log.micro(2.0)
+    log.micro(4.0)
+    assert log.recent_loss() == 3.0
+    assert log.recent_loss() == 3.0  # the final update after the loop: no new micro-batch
+    log.micro(1.0)
+    assert log.recent_loss() == 1.0

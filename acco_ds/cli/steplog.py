@@ -22,6 +22,7 @@ class StepLog:
         self._last_step = 0
         self._window_loss = 0.0
         self._window_mb = 0
+        self._recent = float("nan")
 
     @property
     def last_step(self) -> int:
@@ -41,12 +42,12 @@ class StepLog:
         self.records.append({"step": step, "t": round(t, 6), "mb": self.mb, "loss_sum": self.loss_sum})
 
     def recent_loss(self) -> float:
-        """Mean loss of the micro-batches since the last call (for the progress bar)."""
-        if self._window_mb == 0:
-            return float("nan")
-        value = self._window_loss / self._window_mb
-        self._window_loss, self._window_mb = 0.0, 0
-        return value
+        """Mean loss of the micro-batches since the last call (for the progress bar); the previous
+        value when none was computed since (e.g. the update after the last step), NaN before any."""
+        if self._window_mb:
+            self._recent = self._window_loss / self._window_mb
+            self._window_loss, self._window_mb = 0.0, 0
+        return self._recent
 
     def write(self, path: Path) -> None:
         path.write_text("".join(json.dumps(r) + "\n" for r in self.records))
