@@ -114,7 +114,7 @@ class ThreadExecutor:
 
     def wait(self, ticket: Ticket) -> Any:
         if not ticket.finished.wait(self.timeout_s):
-            report = self._report()
+            report = peer_report(self.monitor)
             raise CommTimeoutError(
                 f"acco_ds: the communication job '{ticket.name}' did not finish within comm_timeout_s="
                 f"{self.timeout_s:g} s; {report.describe()}. If no peer is lost and your link is that slow, "
@@ -128,9 +128,6 @@ class ThreadExecutor:
         """The exception to raise for ``err`` from a collective of ``what``: PeerLostError naming the
         lost rank when the heartbeats find one, else a RuntimeError naming ``what``."""
         return collective_failure(self.monitor, what, err)
-
-    def _report(self):
-        return peer_report(self.monitor)
 
     def close(self) -> None:
         """Let the jobs already launched finish, end the worker thread and join it (at most
@@ -207,14 +204,18 @@ def collective_failure(monitor, what: str, err: BaseException) -> BaseException:
     return RuntimeError(f"acco_ds: {what} failed: {type(err).__name__}: {err}")
 
 
-def make_executor(device: torch.device, timeout_s: float, group=None):
-    """A dedicated process group over all ranks of ``group`` (default: WORLD) and the executor for
-    ``device``. Collective: every rank calls it at the same point."""
+def _new_group(group, backend: str, timeout_s: float):
+    """A new process group over the ranks of ``group`` (default: WORLD) with ``timeout_s``. Collective."""
     import datetime
 
     ranks = None if group is None else dist.get_process_group_ranks(group)
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    comm_group = dist.new_group(ranks=ranks, backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+    return dist.new_group(ranks=ranks, backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def make_executor(device: torch.device, timeout_s: float, group=None):
+    """A dedicated process group over all ranks of ``group`` (default: WORLD) and the executor for
+    ``device``. Collective: every rank calls it at the same point."""
+    comm_group = _new_group(group, "nccl" if device.type == "cuda" else "gloo", timeout_s)
     from acco_ds.core.liveness import PeerMonitor, heartbeat_interval
 
     monitor = PeerMonitor(
@@ -234,10 +235,7 @@ def make_control_group(group, timeout_s: float):
     issued from the compute side (end-of-run agreement on the round count and pending counts): the
     communication group is busy with the job in flight then, and DeepSpeed's default group has its own
     (30 min) timeout. CPU tensors only. Collective."""
-    import datetime
-
-    ranks = None if group is None else dist.get_process_group_ranks(group)
-    return dist.new_group(ranks=ranks, backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+    return _new_group(group, "gloo", timeout_s)
 
 
 def check_reducible(group, dtype: torch.dtype, device: torch.device, option: str) -> None:

@@ -93,12 +93,13 @@ def save_checkpoint(
     engine, original, save_dir, tag=None, client_state=None, save_latest=True, exclude_frozen_parameters=False
 ):
     """``DeepSpeedEngine.save_checkpoint`` made crash-safe (module docstring). Collective."""
+    client_state = client_state if client_state is not None else {}
     if engine.checkpoint_engine.is_decoupled():
         return original(
             engine,
             save_dir,
             tag=tag,
-            client_state=client_state if client_state is not None else {},
+            client_state=client_state,
             save_latest=save_latest,
             exclude_frozen_parameters=exclude_frozen_parameters,
         )
@@ -117,7 +118,7 @@ def save_checkpoint(
         engine,
         save_dir,
         tag=staging,
-        client_state=client_state if client_state is not None else {},
+        client_state=client_state,
         save_latest=False,
         exclude_frozen_parameters=exclude_frozen_parameters,
     )  # ends with a barrier: every rank's files are written
