@@ -22,6 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import deepspeed  # noqa: E402
 
 import acco_ds  # noqa: E402,F401
+from tests.dist import rank_start  # noqa: E402
 
 DIM = 37
 
@@ -47,9 +48,7 @@ def main() -> None:
     ap.add_argument("--slow-ms", type=float, default=40.0)
     ap.add_argument("--local_rank", type=int, default=0)
     args = ap.parse_args()
-    torch.set_num_threads(1)
-    deepspeed.init_distributed(dist_backend="gloo")
-    rank = torch.distributed.get_rank()
+    rank = rank_start.init_rank()
     cfg = {
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 2,

@@ -32,7 +32,7 @@ from deepspeed.runtime.engine import DeepSpeedEngine  # noqa: E402
 from deepspeed.utils import safe_get_full_fp32_param  # noqa: E402
 
 import acco_ds  # noqa: E402,F401
-from tests.dist import toy  # noqa: E402
+from tests.dist import rank_start, toy  # noqa: E402
 
 GAS = 4
 
@@ -138,9 +138,7 @@ def main() -> None:
     ap.add_argument("--try_tags", nargs="*", default=[])
     ap.add_argument("--local_rank", type=int, default=0)
     args = ap.parse_args()
-    torch.set_num_threads(1)
-    deepspeed.init_distributed(dist_backend="gloo")
-    rank = torch.distributed.get_rank()
+    rank = rank_start.init_rank()
     for folder in args.dir:  # resume: one fresh engine per folder
         model = toy.build()
         engine, *_ = deepspeed.initialize(model=model, config=config(), model_parameters=model.parameters())

@@ -24,8 +24,6 @@ exactly the commits the equations give it across the save.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import sys
 import time
@@ -38,7 +36,7 @@ import deepspeed  # noqa: E402
 from deepspeed.utils import safe_get_full_fp32_param  # noqa: E402
 
 import acco_ds  # noqa: E402,F401
-from tests.dist import toy  # noqa: E402
+from tests.dist import rank_start, toy  # noqa: E402
 
 TAG = "mid"
 LINEAR_DIM = 37
@@ -149,7 +147,9 @@ def other_world(sc: dict, rank: int, ckpt: str) -> dict:
 
 def adaptive(sc: dict, rank: int, ckpt: str, phase: str, state_file: str) -> dict:
     model = Linear()
-    engine, opt, _, _ = deepspeed.initialize(model=model, config=sc["config"], model_parameters=model.parameters())
+    engine, opt, _, _ = deepspeed.initialize(
+        model=model, config=sc["config"], model_parameters=model.parameters()
+    )
     pipe = opt.pipeline
     jobs, micro = [], []
     original = pipe._finish_in_flight
@@ -188,19 +188,12 @@ def adaptive(sc: dict, rank: int, ckpt: str, phase: str, state_file: str) -> dic
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--scenarios", required=True)
-    ap.add_argument("--out", required=True)
+    ap = rank_start.scenario_parser()
     ap.add_argument("--phase", choices=["first", "resume", "other_world"], required=True)
-    ap.add_argument("--local_rank", type=int, default=0)
     args = ap.parse_args()
-    torch.set_num_threads(1)
-    deepspeed.init_distributed(dist_backend="gloo")
-    rank = torch.distributed.get_rank()
-    with open(args.scenarios) as f:
-        scenarios = json.load(f)
+    rank = rank_start.init_rank()
     results = {}
-    for sc in scenarios:
+    for sc in rank_start.load_scenarios(args.scenarios):
         ckpt = os.path.join(args.out, "ckpt", sc["name"])
         if sc.get("adaptive"):
             if args.phase == "other_world":

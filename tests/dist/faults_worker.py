@@ -19,8 +19,6 @@ end every rank's final model parameters and ACCO stats.
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
 import os
 import sys
@@ -33,7 +31,7 @@ import deepspeed  # noqa: E402
 from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state  # noqa: E402
 
 import acco_ds  # noqa: E402,F401
-from tests.dist import toy  # noqa: E402
+from tests.dist import rank_start, toy  # noqa: E402
 
 
 def _inf_hook(grad: torch.Tensor) -> torch.Tensor:
@@ -84,23 +82,13 @@ def run_scenario(sc: dict, rank: int) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--scenarios", required=True)
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--local_rank", type=int, default=0)
-    args = ap.parse_args()
-    torch.set_num_threads(1)
-    deepspeed.init_distributed(dist_backend="gloo")
-    rank = torch.distributed.get_rank()
-    with open(args.scenarios) as f:
-        scenarios = json.load(f)
-    results = {sc["name"]: run_scenario(sc, rank) for sc in scenarios}
-    per_rank = [None] * torch.distributed.get_world_size()
-    mine = {k: {"final_model": v["final_model"], "stats": v["stats"]} for k, v in results.items()}
-    torch.distributed.all_gather_object(per_rank, mine)
+    args = rank_start.scenario_parser().parse_args()
+    rank = rank_start.init_rank()
+    results = {sc["name"]: run_scenario(sc, rank) for sc in rank_start.load_scenarios(args.scenarios)}
+    rank_start.attach_per_rank(
+        results, "per_rank", lambda r: {"final_model": r["final_model"], "stats": r["stats"]}
+    )
     if rank == 0:
-        for name in results:
-            results[name]["per_rank"] = [r[name] for r in per_rank]
         torch.save(results, os.path.join(args.out, "results.pt"))
 
 

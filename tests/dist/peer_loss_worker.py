@@ -17,14 +17,12 @@ import signal
 import sys
 import time
 
-import torch
-
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import deepspeed  # noqa: E402
 
 import acco_ds  # noqa: E402,F401
-from tests.dist import toy  # noqa: E402
+from tests.dist import rank_start, toy  # noqa: E402
 
 
 def main() -> None:
@@ -39,9 +37,7 @@ def main() -> None:
     ap.add_argument("--tag", default="", help="marks the test's processes (psutil looks for leftovers)")
     ap.add_argument("--local_rank", type=int, default=0)
     args = ap.parse_args()
-    torch.set_num_threads(1)
-    deepspeed.init_distributed(dist_backend="gloo")
-    rank = torch.distributed.get_rank()
+    rank = rank_start.init_rank()
     gas = 4
     cfg = {
         "train_micro_batch_size_per_gpu": toy.MICRO_BATCH,

@@ -7,8 +7,6 @@ DeepSpeed's public ``safe_get_full_fp32_param`` (a collective), plus ACCO's stat
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import sys
 
@@ -20,7 +18,7 @@ import deepspeed  # noqa: E402
 from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state  # noqa: E402
 
 import acco_ds  # noqa: E402,F401
-from tests.dist import toy  # noqa: E402
+from tests.dist import rank_start, toy  # noqa: E402
 
 
 def run_scenario(sc: dict, rank: int) -> dict:
@@ -60,26 +58,16 @@ def run_scenario(sc: dict, rank: int) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--scenarios", required=True)
-    ap.add_argument("--out", required=True)
+    ap = rank_start.scenario_parser()
     ap.add_argument("--backend", default="gloo", choices=["gloo", "nccl"])
-    ap.add_argument("--local_rank", type=int, default=0)
     args = ap.parse_args()
-    torch.set_num_threads(1)
-    deepspeed.init_distributed(dist_backend=args.backend)
-    rank = torch.distributed.get_rank()
-    with open(args.scenarios) as f:
-        scenarios = json.load(f)
+    rank = rank_start.init_rank(args.backend)
     results = {}
-    for sc in scenarios:
+    for sc in rank_start.load_scenarios(args.scenarios):
         results[sc["name"]] = run_scenario(sc, rank)
         results[sc["name"]]["world_size"] = torch.distributed.get_world_size()
-    all_stats = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(all_stats, {k: v.get("stats") for k, v in results.items()})
+    rank_start.attach_per_rank(results, "stats_per_rank", lambda r: r.get("stats"))
     if rank == 0:
-        for name in results:
-            results[name]["stats_per_rank"] = [s[name] for s in all_stats]
         torch.save(results, os.path.join(args.out, "results.pt"))
 
 
