@@ -20,12 +20,12 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-import acco_ds  # noqa: E402,F401  (the only change a user makes)
 from accelerate import Accelerator  # noqa: E402
 from accelerate.utils import DummyOptim, DummyScheduler  # noqa: E402
 from deepspeed.utils import safe_get_full_fp32_param  # noqa: E402
 from transformers import GPT2Config, GPT2LMHeadModel  # noqa: E402
 
+import acco_ds  # noqa: E402,F401  (the only change a user makes)
 from tests.dist import cpu_accelerate_shim  # noqa: E402
 
 VOCAB, SEQ, SAMPLES, MICRO = 80, 12, 96, 2
@@ -92,7 +92,9 @@ def main() -> None:
         if not args.resume and step + 1 == args.save_at:
             accelerator.save_state(state_dir)
     engine = model  # accelerate returns the DeepSpeedEngine
-    committed = {n: safe_get_full_fp32_param(p).clone() for n, p in engine.module.named_parameters() if p.requires_grad}
+    committed = {
+        n: safe_get_full_fp32_param(p).clone() for n, p in engine.module.named_parameters() if p.requires_grad
+    }
     if accelerator.is_main_process:
         torch.save(
             {

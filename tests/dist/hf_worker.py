@@ -17,10 +17,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-import acco_ds  # noqa: E402,F401  (the only change a user makes)
 from deepspeed.utils import safe_get_full_fp32_param  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments  # noqa: E402
 
+import acco_ds  # noqa: E402,F401  (the only change a user makes)
 from tests.dist import cpu_accelerate_shim  # noqa: E402
 
 VOCAB, SEQ, SAMPLES = 96, 16, 64
@@ -87,7 +87,9 @@ def main() -> None:
     trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     engine = trainer.model_wrapped
     names = [n for n, p in engine.module.named_parameters() if p.requires_grad]
-    committed = {n: safe_get_full_fp32_param(p).clone() for n, p in engine.module.named_parameters() if n in names}
+    committed = {
+        n: safe_get_full_fp32_param(p).clone() for n, p in engine.module.named_parameters() if n in names
+    }
     trainer.save_model(os.path.join(args.output_dir, "final"))
     if torch.distributed.get_rank() == 0:
         torch.save(
