@@ -1,23 +1,26 @@
 """Kernel microbenchmarks (BENCHMARKS.md section 1): fused AdamW commit / peek and gradient accumulation.
 
-Per size: median time, GB/s from the bytes a kernel must move (commit 28 B/param, peek 16 B/param,
+Per size: median time, GB/s from the bytes a kernel must read + write (commit 28 B/param, peek 16 B/param,
 accumulate grad + buffer read + buffer write), the fraction of the streaming bandwidth measured in the same run
-(best of a large copy and a triad, same thread count), and the speed ratio to anchors measured in the same
-run: CPU: torch.optim.AdamW(fused=True), AdamW(foreach=True), DeepSpeedCPUAdam; GPU: torch AdamW fused (+ the
-bf16 copy it needs), DeepSpeed FusedAdam, and the clone/step/restore way of computing ACCO's estimate.
+(the best of four large-buffer probes on the same thread count, bytes counted the same way: in-place update,
+in-place axpy, copy, triad; see kernels_table.STREAM), and the speed ratio to anchors measured in the same run:
+CPU: torch.optim.AdamW(fused=True), AdamW(foreach=True), DeepSpeedCPUAdam; GPU: torch AdamW fused (+ the bf16
+copy it needs), DeepSpeed FusedAdam, and the clone/step/restore way of computing ACCO's estimate.
 
     python benchmarks/bench_kernels.py                      # CPU, 1 thread, 1M/10M/100M/10_000_019
     python benchmarks/bench_kernels.py --threads 2 --quick
     python benchmarks/bench_kernels.py --device cuda --out-dir "$OUT"
+    python benchmarks/bench_kernels.py --from-json benchmarks/results/kernels_cpu.json   # re-render only
 
 Prints the table last and writes it (machine, versions, date) to benchmarks/results/kernels_<device>.md
-(kernels_cpu_<N>threads.md for --threads N > 1).
+(kernels_cpu_<N>threads.md for --threads N > 1), and the raw results (every timed call) beside it as .json.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import platform
 import statistics
@@ -26,8 +29,13 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from kernels_table import LABEL, STREAM, render  # noqa: E402
+
 DEFAULT_SIZES = [1_000_000, 10_000_000, 100_000_000, 10_000_019]
 QUICK_SIZES = [1_000_000, 10_000_019]
+STREAM_ELEMS = 64 * 2**20
 HP = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
 
 
@@ -40,7 +48,12 @@ def parse_args(argv=None):
     ap.add_argument("--threads", type=int, default=1, help="CPU threads for every contender (default 1)")
     ap.add_argument("--reps", type=int, default=None, help="timed repetitions per measurement")
     ap.add_argument("--no-deepspeed", action="store_true", help="skip the DeepSpeed anchors")
+    ap.add_argument("--stream-elems", type=lambda s: int(float(s)), default=STREAM_ELEMS,
+                    help="fp32 elements per buffer of the bandwidth probes (default 64Mi = 256 MiB: larger "
+                    "than the caches)")  # fmt: skip
     ap.add_argument("--out-dir", default=str(ROOT / "benchmarks" / "results"))
+    ap.add_argument("--from-json", default=None,
+                    help="re-render the table of a raw JSON written by an earlier run into --out-dir")  # fmt: skip
     return ap.parse_args(argv)
 
 
@@ -71,9 +84,9 @@ def timed(fn, device: str) -> float:
 
 
 def measure(factories: dict, n: int, device: str, reps: int, interleave: bool) -> dict:
-    """Median seconds per contender. Interleaved: all contenders alive, one call each per round (in a
-    rotating order), so load from other processes on a shared machine falls on all of them alike. Otherwise
-    (large sizes, to bound memory) one contender at a time."""
+    """Seconds of every timed call per contender. Interleaved: all contenders alive, one call each per round
+    (in a rotating order), so load from other processes on a shared machine falls on all of them alike.
+    Otherwise (large sizes, to bound memory) one contender at a time."""
     import gc
 
     def build(name):
@@ -96,19 +109,33 @@ def measure(factories: dict, n: int, device: str, reps: int, interleave: bool) -
             times[name] = [timed(fn, device) for _ in range(reps)]
             del fn
             gc.collect()
-    return {name: statistics.median(t) for name, t in times.items()}
+    return times
 
 
-def stream_bandwidth(device: str, reps: int) -> dict:
-    """Copy (read + write) and triad (2 reads + write) on 64M fp32 elements: bytes moved / median time."""
+def stream_bandwidth(device: str, reps: int, n: int) -> dict:
+    """The probes of kernels_table.STREAM on fp32 buffers of ``n`` elements, interleaved, same threads and
+    clock as the kernels: {"elems", "reps", "probes": {name: {"bytes_per_elem", "times_s", "median_s",
+    "gbs"}}}, GB/s = bytes read + written / median time, the way the kernels' bytes are counted."""
     import torch
 
-    n = 64 * 2**20
     a, b, c = (torch.rand(n, device=device) for _ in range(3))
-    t = measure({"copy": lambda *_: lambda: a.copy_(b),
-                 "triad": lambda *_: lambda: torch.add(b, c, alpha=0.5, out=a)}, n, device, reps, True)  # fmt: skip
-    copy, triad = 8 * n / t["copy"] / 1e9, 12 * n / t["triad"] / 1e9
-    return {"copy": copy, "triad": triad, "best": max(copy, triad)}
+    calls = {
+        "update": lambda: a.add_(1.0),
+        "axpy": lambda: a.add_(b, alpha=0.5),
+        "copy": lambda: a.copy_(b),
+        "triad": lambda: torch.add(b, c, alpha=0.5, out=a),
+    }
+    times = measure({k: (lambda f: lambda *_: f)(fn) for k, fn in calls.items()}, n, device, reps, True)
+    probes = {}
+    for name, ts in times.items():
+        med, nbytes = statistics.median(ts), STREAM[name][1]
+        probes[name] = {
+            "bytes_per_elem": nbytes,
+            "times_s": ts,
+            "median_s": med,
+            "gbs": nbytes * n / med / 1e9,
+        }
+    return {"elems": n, "reps": reps, "probes": probes}
 
 
 # -- contenders: factory(n, device) -> a callable doing one step -------------------------------------------
@@ -261,30 +288,18 @@ def versions() -> str:
     return ", ".join(vs)
 
 
-BYTES = {
-    "commit": 28,
-    "peek": 16,
-    "acc_bf16_fp32": 2 + 4 + 4,
-    "acc_bf16_bf16": 2 + 2 + 2,
-    "read_floor": 14,
-    "anchor": 28,
-}
-LABEL = {
-    "commit": "acco commit (bf16 g in, bf16 p out)",
-    "peek": "acco peek (bf16 g in, bf16 p out)",
-    "acc_bf16_fp32": "acco accumulate bf16 -> fp32 buf",
-    "acc_bf16_bf16": "acco accumulate bf16 -> bf16 buf",
-    "read_floor": "limit: the reads of a peek alone (torch sums)",
-    "torch_fused": "torch AdamW fused (fp32)",
-    "torch_fused_cast": "torch AdamW fused + bf16 copy",
-    "torch_foreach": "torch AdamW foreach (fp32)",
-    "deepspeed": "DeepSpeedCPUAdam (fp32)",
-    "deepspeed_gpu": "DeepSpeed FusedAdam (fp32)",
-    "clone_step_restore": "peek by clone/step/restore",
-}
+def _l3_bytes() -> int:
+    """Size of the CPU's last-level (L3) cache in bytes (0 when unknown)."""
+    try:
+        text = Path("/sys/devices/system/cpu/cpu0/cache/index3/size").read_text().strip()
+    except OSError:
+        return 0
+    mult = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:], 1)
+    return int(text.rstrip("KMG")) * mult
 
 
-def run(args) -> str:
+def run(args) -> dict:
+    """Measure; returns the raw results (kernels_table.render's input, written as JSON)."""
     import torch
 
     from acco_ds.ops import _build
@@ -303,8 +318,11 @@ def run(args) -> str:
     LOAD["start"] = os.getloadavg()[0]
     sizes = args.sizes or (QUICK_SIZES if args.quick else DEFAULT_SIZES)
     reps = args.reps or (5 if args.quick else 21)
-    bw = stream_bandwidth(args.device, reps)
-    print(f"stream bandwidth: copy {bw['copy']:.1f} GB/s, triad {bw['triad']:.1f} GB/s", flush=True)
+    stream = stream_bandwidth(args.device, max(reps, 9), args.stream_elems)
+    print(
+        "stream bandwidth: " + ", ".join(f"{k} {p['gbs']:.1f} GB/s" for k, p in stream["probes"].items()),
+        flush=True,
+    )
     contenders = {"commit": acco_commit, "peek": acco_peek, "acc_bf16_fp32": acco_accumulate(torch.float32),
                   "acc_bf16_bf16": acco_accumulate(torch.bfloat16), "torch_fused": torch_fused,
                   "torch_fused_cast": torch_fused_cast, "read_floor": read_floor}  # fmt: skip
@@ -319,76 +337,52 @@ def run(args) -> str:
             contenders[key] = deepspeed_adam
         except Exception as e:  # noqa: BLE001 - an anchor that cannot run is reported, not fatal
             notes.append(f"{LABEL[key]} unavailable: {type(e).__name__}: {str(e)[:300]}")
-    rows = []
+    results = []
     for n in sizes:
         big = n >= 50_000_000 and args.device == "cpu"
-        t = measure(contenders, n, args.device, max(5, reps // 3) if big else reps, interleave=not big)
-        anchors = {k: v for k, v in t.items() if k not in BYTES or k == "anchor"}
-        for key in ("commit", "peek", "acc_bf16_fp32", "acc_bf16_bf16", "read_floor"):
-            sec, vs = t[key], {}
-            if key in ("commit", "peek"):
-                vs = {a: anchors[a] / sec for a in anchors if a != "clone_step_restore" or key == "peek"}
-                if key == "peek":
-                    vs["commit"] = t["commit"] / sec
-            rows.append((n, LABEL[key], sec, BYTES[key] * n / sec / 1e9, vs))
-        for key, sec in anchors.items():
-            rows.append((n, LABEL[key], sec, BYTES["anchor"] * n / sec / 1e9, {}))
-        print(f"n={n:,}: " + ", ".join(f"{k} {v * 1e3:.3f} ms" for k, v in t.items()), flush=True)
-    return render(args, bw, rows, notes, reps)
-
-
-def render(args, bw, rows, notes, reps) -> str:
-    head = (
-        "| params | kernel | median ms | GB/s | % of stream BW | speed vs anchors (anchor time / this time) |"
-    )
-    lines = [head, "|---:|---|---:|---:|---:|---|"]
-    for n, label, sec, gbs, vs in rows:
-        ratio = ", ".join(f"{LABEL.get(k, k).split(' (')[0]} {r:.2f}x" for k, r in vs.items())
-        lines.append(
-            f"| {n:,} | {label} | {sec * 1e3:.3f} | {gbs:.1f} | {100 * gbs / bw['best']:.0f}% | {ratio} |"
-        )
-    table = "\n".join(lines)
-    dev = args.device
-    threads = f"{args.threads} thread(s)" if dev == "cpu" else "GPU"
-    md = [
-        f"# Kernel microbenchmarks ({dev})",
-        "",
-        f"- Date: {datetime.datetime.now().isoformat(timespec='seconds')}",
-        f"- Machine: {machine(dev)}; load average (1 min) at start / end: {LOAD['start']:.1f} / "
-        f"{os.getloadavg()[0]:.1f} (a shared machine: other processes compete for the memory bandwidth)",
-        f"- Versions: {versions()}" + (f"; CPU kernel variant: {_cpu_isa()}" if dev == "cpu" else ""),
-        f"- Command: `python {' '.join([Path(sys.argv[0]).name, *sys.argv[1:]])}` ({threads} for every contender)",
-        f"- Streaming bandwidth in this run (64M fp32): copy {bw['copy']:.1f} GB/s, triad {bw['triad']:.1f} GB/s; "
-        f"the % column divides by the best, {bw['best']:.1f} GB/s.",
-        "- Bytes per parameter: commit 28 (read p, m, v fp32 + bf16 g; write p, m, v + bf16 out), peek 16 "
-        "(read the same, write bf16 out), accumulate grad + buffer read + buffer write; anchors are credited with the 28 B of an fp32 AdamW step "
-        "(what the work needs, not what they move: the bf16 copy and clone/restore traffic is not counted).",
-        f"- Clock: {CLOCK['name']}. Median of {reps} timed calls after 2 warm-up calls; below 50M parameters (and on the GPU) the "
-        "contenders are interleaved call by call (so load from other processes falls on all alike, and no "
-        "contender keeps its data in the caches from one call to the next); at 50M and above, one contender at a "
-        "time with a third of the calls (memory). The streaming bandwidth is measured on 64M fp32 elements.",
-        "",
-        table,
-    ]
-    if notes:
-        md += ["", "Notes:", *[f"- {x}" for x in notes]]
-    return "\n".join(md) + "\n"
+        times = measure(contenders, n, args.device, max(5, reps // 3) if big else reps, interleave=not big)
+        med = {k: statistics.median(v) for k, v in times.items()}
+        results.append({"params": n, "median_s": med, "times_s": times})
+        print(f"n={n:,}: " + ", ".join(f"{k} {v * 1e3:.3f} ms" for k, v in med.items()), flush=True)
+    return {
+        "device": args.device,
+        "threads": args.threads,
+        "clock": CLOCK["name"],
+        "reps": reps,
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "machine": machine(args.device),
+        "l3_bytes": _l3_bytes() if args.device == "cpu" else 0,
+        "load": [LOAD["start"], os.getloadavg()[0]],
+        "versions": versions(),
+        "cpu_isa": _cpu_isa() if args.device == "cpu" else "",
+        "command": f"python {' '.join([Path(sys.argv[0]).name, *sys.argv[1:]])}",
+        "stream": stream,
+        "results": results,
+        "notes": notes,
+    }
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    if args.device == "cpu":
-        # before torch (and DeepSpeed's OpenMP kernels) start their thread pools
-        os.environ["OMP_NUM_THREADS"] = str(args.threads)
-    sys.path.insert(0, str(ROOT))
-    md = run(args)
-    suffix = f"_{args.threads}threads" if args.device == "cpu" and args.threads != 1 else ""
-    out = Path(args.out_dir) / f"kernels_{args.device}{suffix}.md"
+    if args.from_json:
+        res = json.loads(Path(args.from_json).read_text())
+    else:
+        if args.device == "cpu":
+            # before torch (and DeepSpeed's OpenMP kernels) start their thread pools
+            os.environ["OMP_NUM_THREADS"] = str(args.threads)
+        sys.path.insert(0, str(ROOT))
+        res = run(args)
+    md = render(res)
+    suffix = f"_{res['threads']}threads" if res["device"] == "cpu" and res["threads"] != 1 else ""
+    out = Path(args.out_dir) / f"kernels_{res['device']}{suffix}.md"
     out.parent.mkdir(parents=True, exist_ok=True)
+    raw = out.with_suffix(".json")
+    if not args.from_json or raw.resolve() != Path(args.from_json).resolve():
+        raw.write_text(json.dumps(res, indent=1) + "\n")
     out.write_text(md)
     print()
     print(md)
-    print(f"written to {out}")
+    print(f"written to {out} and {raw}")
 
 
 if __name__ == "__main__":

@@ -27,8 +27,13 @@ Checks (the run fails, exit code 1, when one does not hold):
    the same at the end as after the first step;
 3. the loss went down (mean of the last 10% of steps below the mean of the first 10%).
 
-Writes ``soak.json`` (raw) to ``--out`` and the table to ``benchmarks/results/soak.md`` (``--small``:
-``soak_small.md``) with the machine, versions and date.
+Writes ``soak.json`` (raw: every rank's counters, losses and RSS samples, with the machine, versions,
+date, command and duration), ``soak.md`` (the table) and ``checks.json`` to ``--out``, and copies the
+JSON and the table to ``benchmarks/results/soak.{json,md}`` (``--small``: ``soak_small.*``) unless
+``--no-write``. ``--from-json F`` re-checks the raw results in F and re-renders the same table into
+F's folder (``<F's name>.md``), without running anything::
+
+    python benchmarks/soak.py --from-json benchmarks/results/soak.json
 """
 
 from __future__ import annotations
@@ -183,6 +188,9 @@ def worker(args) -> None:
     if rank == 0:
         out = {
             "args": vars(args),
+            "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, {platform.system()}",
+            "versions": f"python {platform.python_version()}, torch {torch.__version__}, "
+            f"deepspeed {deepspeed.__version__}",
             "model": gcfg.to_dict(),
             "params": sum(p.numel() for p in model.parameters()),
             "ranks": everyone,
@@ -269,24 +277,23 @@ def check(res: dict, args) -> list:
     return out
 
 
-def report(res: dict, checks: list, args, elapsed: float) -> str:
-    import torch
-
+def report(res: dict, checks: list, args) -> str:
+    """The Markdown table: a function of the raw results ``res`` alone (``--from-json`` re-renders it)."""
     ranks = res["ranks"]
     s0 = ranks[0]["stats"]
     lines = [
         f"# Soak: ACCO adaptive, {s0['committed_steps']} optimizer steps, {len(ranks)} ranks"
         f"{' (small model)' if args.small else ''}",
         "",
-        f"- Date: {res.get('date') or datetime.datetime.now().isoformat(timespec='seconds')}",
-        f"- Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, {platform.system()}",
-        f"- Versions: python {platform.python_version()}, torch {torch.__version__}, "
-        f"deepspeed {_version('deepspeed')}",
+        f"- Date: {res['date']}",
+        f"- Machine: {res['machine']}",
+        f"- Versions: {res['versions']}",
         f"- Model: TinyGPT {res['model']} ({res['params']:,} parameters), micro-batch {args.micro_batch}, "
         f"gradient_accumulation_steps 2, max_micro_batches_per_round {args.cap or 'null'}, fp32, gloo",
         f"- Speeds: every {args.phase} steps each rank draws a slowdown factor in [1, {args.max_slow:g}] "
         "(extra real compute per micro-batch)",
-        f"- Command: `{res.get('command') or 'python benchmarks/soak.py ' + ' '.join(sys.argv[1:])}` ({elapsed:.0f} s)",
+        f"- Command: `{res['command']}` ({res['elapsed_s']:.0f} s); raw results: the JSON beside this file "
+        "(`python benchmarks/soak.py --from-json <it>` re-renders this table)",
         "",
         "| rank | micro-batches computed | wall s | extra compute s | slowdown factors (first 8) | peak RSS MB "
         "per tenth after warm-up | threads | open files |",
@@ -312,31 +319,24 @@ def report(res: dict, checks: list, args, elapsed: float) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _version(pkg: str) -> str:
-    try:
-        from importlib.metadata import version
-
-        return version(pkg)
-    except Exception:
-        return "?"
-
-
-def render(args, res: dict, elapsed: float, out: Path) -> int:
+def render(args, res: dict, out: Path, name: str = "soak", checks_json: bool = True) -> int:
+    """Check ``res``, write ``<out>/<name>.md`` (and ``<out>/checks.json``); 0 when every check holds."""
     checks = check(res, args)
-    text = report(res, checks, args, elapsed)
+    text = report(res, checks, args)
     print(text)
-    if not args.no_write:
-        RESULTS.mkdir(parents=True, exist_ok=True)
-        (RESULTS / ("soak_small.md" if args.small else "soak.md")).write_text(text)
-    (out / "checks.json").write_text(json.dumps([{"check": n, "ok": ok, "detail": d} for n, ok, d in checks]))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.md").write_text(text)
+    if checks_json:
+        rows = [{"check": n, "ok": ok, "detail": d} for n, ok, d in checks]
+        (out / "checks.json").write_text(json.dumps(rows))
     return 0 if all(ok for _, ok, _ in checks) else 1
 
 
 def driver(args) -> int:
     if args.from_json:
-        res = json.loads(Path(args.from_json).read_text())
-        args = argparse.Namespace(**{**res["args"], "no_write": args.no_write, "from_json": args.from_json})
-        return render(args, res, args_elapsed(res, args), Path(args.from_json).parent)
+        src = Path(args.from_json)
+        res = json.loads(src.read_text())
+        return render(argparse.Namespace(**res["args"]), res, src.parent, src.stem, checks_json=False)
     sys.path.insert(0, str(REPO))
     from tests.launch import deepspeed_cmd, free_port
 
@@ -370,12 +370,14 @@ def driver(args) -> int:
     res["elapsed_s"] = elapsed
     res["date"] = datetime.datetime.now().isoformat(timespec="seconds")
     res["command"] = "python benchmarks/soak.py " + " ".join(sys.argv[1:])
-    (out / "soak.json").write_text(json.dumps(res))
-    return render(args, res, elapsed, out)
-
-
-def args_elapsed(res: dict, args) -> float:
-    return float(res.get("elapsed_s") or getattr(args, "elapsed", 0.0) or 0.0)
+    (out / "soak.json").write_text(json.dumps(res, indent=1) + "\n")
+    rc = render(argparse.Namespace(**res["args"]), res, out)  # as --from-json does: the same table
+    if not args.no_write:
+        name = "soak_small" if args.small else "soak"
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        for ext in ("json", "md"):
+            (RESULTS / f"{name}.{ext}").write_text((out / f"soak.{ext}").read_text())
+    return rc
 
 
 def parse(argv=None):
@@ -398,8 +400,9 @@ def parse(argv=None):
     ap.add_argument("--rss-tol-mb", type=float, default=16.0, help="allowed peak-RSS growth after warm-up")
     ap.add_argument("--out", default=str(REPO / "acco_out" / "soak"), help="folder for soak.json")
     ap.add_argument("--no-write", action="store_true", help="do not write benchmarks/results/")
-    ap.add_argument("--from-json", default=None, help="re-check and re-render a soak.json of an earlier run")
-    ap.add_argument("--elapsed", type=float, default=0.0, help="with --from-json: the run's duration (s)")
+    ap.add_argument(
+        "--from-json", default=None, help="re-check and re-render a soak.json of an earlier run beside it"
+    )
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--local_rank", type=int, default=0, help=argparse.SUPPRESS)
     return ap.parse_args(argv)

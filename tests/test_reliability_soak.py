@@ -1,11 +1,12 @@
 """The short version of benchmarks/soak.py (the full run's table is benchmarks/results/soak.md): ACCO in
 adaptive accumulation on 2 ranks whose speeds change during the run; every micro-batch computed is
 committed or discarded by the end-of-run rule, memory, threads and open files stay flat, the loss
-goes down."""
+goes down. The raw JSON it writes re-renders (``--from-json``) into the very table the run wrote."""
 
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -46,3 +47,19 @@ def test_soak_short(tmp_path):
     assert any(len(set(k)) > 1 for k in shapes), shapes
     names = {c["check"] for c in checks}
     assert {"computed = committed + discarded", "discarded only at the end", "loss went down"} <= names
+
+    # --from-json: the raw JSON alone (copied elsewhere) re-renders the table the run wrote, byte for byte
+    again = tmp_path / "again"
+    again.mkdir()
+    shutil.copy(tmp_path / "soak.json", again / "soak.json")
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "soak.py"), "--from-json", str(again / "soak.json")],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    written = (tmp_path / "soak.md").read_text()
+    assert (again / "soak.md").read_text() == written
+    assert "| computed = committed + discarded | pass |" in written and res["command"] in written
