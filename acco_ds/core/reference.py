@@ -1,8 +1,9 @@
 """Single-process reference of ACCO.md's equations: the test oracle (fixed accumulation).
 
 It executes the rounds of ``sync``, ``dpu`` or ``acco`` one after another with W simulated
-workers, each consuming its own micro-batches in order, and returns the committed parameters
-after every optimizer step. AdamW is ``torch.optim.AdamW`` on fp32 master weights (no sharding:
+workers, each consuming its own micro-batches in order, and returns, after every optimizer step,
+the committed parameters, the Adam moments and the global norm of the averaged (unclipped)
+gradient that step used (``reference_run``; ``reference_trajectory`` gives the parameters only). AdamW is ``torch.optim.AdamW`` on fp32 master weights (no sharding:
 sharding does not change the element-wise math); the peek is computed the way the ACCO authors'
 code does it: clone the state, step, read the parameters, restore.
 
@@ -14,7 +15,7 @@ returns the flat fp32 gradients of the MEAN loss of that micro-batch, one per gr
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, List, Sequence
 
 import torch
@@ -40,6 +41,7 @@ class _Adam:
 
     def _apply(self, avg: List[torch.Tensor], hyper: Sequence[RefHyper]) -> bool:
         norm = torch.sqrt(sum(g.double().square().sum() for g in avg)).float()
+        self.last_norm = float(norm)
         if not torch.isfinite(norm):
             return False
         coef = 1.0
@@ -70,8 +72,36 @@ class _Adam:
     def theta(self) -> List[torch.Tensor]:
         return [p.detach().clone() for p in self.params]
 
+    def moment(self, key: str) -> List[torch.Tensor]:
+        """``exp_avg`` or ``exp_avg_sq`` per group (zeros before the first applied step)."""
+        state = self.opt.state
+        return [state[p][key].detach().clone() if p in state else torch.zeros_like(p) for p in self.params]
 
-def reference_trajectory(
+
+@dataclass
+class RefRun:
+    """What the reference records after each committed step t (index t = step t + 1 done): one flat
+    fp32 tensor per group for ``params``, ``exp_avg``, ``exp_avg_sq``; ``norms[t]`` is the global
+    L2 norm of the averaged, unclipped gradient commit t used (what DeepSpeed reports)."""
+
+    params: List[List[torch.Tensor]] = field(default_factory=list)
+    exp_avg: List[List[torch.Tensor]] = field(default_factory=list)
+    exp_avg_sq: List[List[torch.Tensor]] = field(default_factory=list)
+    norms: List[float] = field(default_factory=list)
+
+    def record(self, adam: _Adam) -> None:
+        self.params.append(adam.theta())
+        self.exp_avg.append(adam.moment("exp_avg"))
+        self.exp_avg_sq.append(adam.moment("exp_avg_sq"))
+        self.norms.append(adam.last_norm)
+
+
+def reference_trajectory(mode: str, theta0: Sequence[torch.Tensor], grad_fn: GradFn, **kwargs):
+    """The committed parameters (fp32, one flat tensor per group) after each step: ``reference_run(...).params``."""
+    return reference_run(mode, theta0, grad_fn, **kwargs).params
+
+
+def reference_run(
     mode: str,
     theta0: Sequence[torch.Tensor],
     grad_fn: GradFn,
@@ -82,8 +112,8 @@ def reference_trajectory(
     hypers: Callable[[int], Sequence[RefHyper]],
     clip: float = 0.0,
     compute_dtype: torch.dtype = torch.float32,
-) -> List[List[torch.Tensor]]:
-    """The committed parameters (fp32, one flat tensor per group) after each of ``steps`` steps.
+) -> RefRun:
+    """The committed parameters, moments and gradient norms after each of ``steps`` steps (``RefRun``).
 
     ``hypers(t)`` gives the per-group AdamW settings of commit t (and of the peek predicting it).
     ``micro_batches_per_round`` is k: in acco one optimizer step takes 2k micro-batches per worker.
@@ -108,19 +138,19 @@ def reference_trajectory(
     def avg(sums, count):
         return [(s / count).float() for s in sums]
 
-    out: List[List[torch.Tensor]] = []
+    out = RefRun()
     if mode == "sync":
         for t in range(steps):
             g, n = accumulate(adam.theta())
             adam.commit(avg(g, n), hypers(t))
-            out.append(adam.theta())
+            out.record(adam)
     elif mode == "dpu":
         history = [adam.theta()]  # history[r] = theta^r
         for r in range(steps):
             g, n = accumulate(history[max(r - 1, 0)])
             adam.commit(avg(g, n), hypers(r))
             history.append(adam.theta())
-            out.append(history[-1])
+            out.record(adam)
     else:
         g_tilde, n_tilde = accumulate(adam.theta())  # prologue: g~^0 at theta^0
         for t in range(steps):
@@ -128,7 +158,74 @@ def reference_trajectory(
             estimate = adam.peek(avg(g_tilde, n_tilde), hypers(t))  # stage 1 comm: theta~^{t+1}
             total = [a + b for a, b in zip(g, g_tilde)]
             adam.commit(avg(total, n + n_tilde), hypers(t))  # stage 2 comm: theta^{t+1}
-            out.append(adam.theta())
+            out.record(adam)
             if t + 1 < steps:  # stage 2 compute: g~^{t+1} at theta~^{t+1} (the last one is unused)
                 g_tilde, n_tilde = accumulate(estimate)
+    return out
+
+
+@dataclass
+class RoundsRun:
+    """What :func:`reference_rounds` gives: ``at[r]``, the parameters (one flat fp32 tensor per group)
+    round r computed at; ``commits[t]``, a ``RefRun``-style record after commit t (params, moments,
+    norm); ``peek_norms[t]`` the norm of the g~ average peek t used (acco)."""
+
+    at: List[List[torch.Tensor]] = field(default_factory=list)
+    commits: RefRun = field(default_factory=RefRun)
+    peek_norms: List[float] = field(default_factory=list)
+
+
+def reference_rounds(
+    mode: str,
+    theta0: Sequence[torch.Tensor],
+    round_grads: Sequence[Sequence[Sequence[torch.Tensor]]],
+    *,
+    hyper: Sequence[RefHyper],
+    clip: float = 0.0,
+) -> RoundsRun:
+    """ACCO.md's equations for rounds of ANY membership (adaptive accumulation), when each
+    micro-batch's gradient is known beforehand (it does not depend on the parameters, e.g. a linear
+    loss): ``round_grads[r]`` lists the gradients (one flat tensor per group) of every micro-batch of
+    every rank that entered round r. avg = (sum of the members) / (number of members), so a rank
+    that contributed more micro-batches weighs more. Commits use ``hyper`` (a constant schedule).
+
+    acco: round 0 is the prologue; round 2t+2 computes at theta~^{t+1} = peek(state^t, avg(round 2t)),
+    round 2t+1 at theta^t, and commit t uses rounds 2t and 2t+1 together. dpu: commit r uses round r,
+    which computed at theta^{r-1} (theta^0 for r = 0). A commit with no member is a no-op."""
+    if mode not in ("acco", "dpu"):
+        raise ValueError(f"mode must be acco or dpu; got {mode!r}")
+    adam = _Adam(theta0, clip)
+    out = RoundsRun()
+
+    def avg(members):
+        total = [torch.zeros_like(t, dtype=torch.float64) for t in theta0]
+        for grads in members:
+            for s, g in zip(total, grads):
+                s += g.double()
+        return [(s / len(members)).float() for s in total]
+
+    def commit(members):
+        if members:
+            adam.commit(avg(members), hyper)
+        out.commits.record(adam)
+
+    if mode == "dpu":
+        theta0_ = adam.theta()
+        for r, members in enumerate(round_grads):
+            out.at.append(theta0_ if r < 2 else out.commits.params[r - 2])  # theta^{r-1}
+            commit(members)
+        return out
+    estimate = adam.theta()
+    for r, members in enumerate(round_grads):
+        if r % 2 == 1:  # stage 1 of step t: computes at theta^t; ends with commit t (rounds r-1, r)
+            out.at.append(adam.theta())
+            commit(list(round_grads[r - 1]) + list(members))
+        else:  # the prologue (r = 0, at theta^0) or stage 2 of step r/2 - 1 (at the estimate)
+            out.at.append(estimate)
+            if members:
+                estimate = adam.peek(avg(members), hyper)
+                out.peek_norms.append(adam.last_norm)
+            else:
+                estimate = adam.theta()
+                out.peek_norms.append(0.0)
     return out

@@ -1,8 +1,10 @@
 """Per-rank worker for the multi-rank tests, started by the ``deepspeed`` launcher.
 
 Runs each scenario of a JSON list (a DeepSpeed config + steps) on the toy model and, on rank 0,
-saves per step: the lr the step used and the committed fp32 parameters read back through
-DeepSpeed's public ``safe_get_full_fp32_param`` (a collective), plus ACCO's state sizes/stats.
+saves per step: the lr the step used, the committed fp32 parameters and Adam moments read back
+through DeepSpeed's public ``safe_get_full_fp32_param`` / ``safe_get_full_optimizer_state``
+(collectives) and ``engine.get_global_grad_norm()``, plus ACCO's state sizes/stats. ``final_norm``:
+the norm of the last commit, which acco/dpu report only once ``finish()`` has applied it.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ def run_scenario(sc: dict, rank: int) -> dict:
     engine, _, _, _ = deepspeed.initialize(model=model, config=cfg, model_parameters=model.parameters())
     params = toy.trainable(engine.module)
     lrs, traj, norms = [], [], []
+    moments = {"exp_avg": [], "exp_avg_sq": []}
     for step in range(sc["steps"]):
         lrs.append(float(engine.get_lr()[0]))
         for j in range(gas):
@@ -36,12 +39,13 @@ def run_scenario(sc: dict, rank: int) -> dict:
             engine.backward(loss)
             engine.step()
         traj.append(toy.flat(safe_get_full_fp32_param(p) for p in params).cpu())
-        norms.append(
-            float(engine.get_global_grad_norm()) if engine.get_global_grad_norm() is not None else None
-        )
-    out = {"lrs": lrs, "traj": traj, "norms": norms}
-    for key in ("exp_avg", "exp_avg_sq"):
-        out[key] = toy.flat(safe_get_full_optimizer_state(p, key) for p in params).cpu()
+        for key, per_step in moments.items():
+            per_step.append(toy.flat(safe_get_full_optimizer_state(p, key) for p in params).cpu())
+        norm = engine.get_global_grad_norm()
+        norms.append(None if norm is None else float(norm))
+    out = {"lrs": lrs, "traj": traj, "norms": norms, "moments": moments}
+    for key, per_step in moments.items():
+        out[key] = per_step[-1]
     opt = engine.optimizer
     if hasattr(opt, "pipeline"):
         out["state_numel"] = opt.state_numel_per_rank()
@@ -51,6 +55,7 @@ def run_scenario(sc: dict, rank: int) -> dict:
         ]
         out["model_holds_at_boundary"] = opt.pipeline.model_holds
         opt.finish()
+        out["final_norm"] = float(opt.pipeline.last_grad_norm)
         out["final_model"] = toy.flat(params).cpu()
         out["stats"] = opt.stats()
         opt.pipeline.close()
