@@ -12,12 +12,21 @@ Both are built with ninja when it is on PATH (otherwise the same commands run on
 - ``ACCO_DS_CUDA_ARCHS``: semicolon list of SM versions, default ``80;90``.
 - ``CXX``, ``NVCC`` (or ``CUDA_HOME``/bin/nvcc): the compilers.
 
-Works for ``pip install .``, ``pip install -e .`` and ``python setup.py build_ext --inplace``.
+Works for ``pip install .``, ``pip install -e .`` and ``python setup.py build_ext --inplace``. A module that is
+skipped (no compiler, no nvcc, ``ACCO_DS_BUILD_CUDA=0``) or whose build failed in auto mode is marked optional, so
+setuptools does not try to copy a file that was never built; a stale copy of it in the build folder is removed so
+that it cannot be installed in its place (a module already in the source tree from an earlier in-place build is
+left there: ``acco_ds.ops._build`` checks it at load).
+
+The CUDA module links cudart statically: it needs a driver that supports the CUDA major version of the nvcc that
+built it (nvcc 13 needs driver >= 580). The build warns when nvcc's major version differs from torch's CUDA major
+version (``torch.version.cuda``), and ``acco_ds.ops._build`` refuses a module whose runtime the driver cannot run.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -64,6 +73,47 @@ def _find_nvcc() -> str | None:
         if home and (Path(home) / "bin" / "nvcc").exists():
             return str(Path(home) / "bin" / "nvcc")
     return shutil.which("nvcc")
+
+
+def _cuda_major(version: str | None) -> int | None:
+    m = re.match(r"\s*(\d+)\.", version or "")
+    return int(m.group(1)) if m else None
+
+
+def nvcc_version(nvcc: str) -> str | None:
+    """nvcc's CUDA version ("13.0"), from ``nvcc --version`` ("... release 13.0, V13.0.88"); None if unreadable."""
+    try:
+        out = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    m = re.search(r"release (\d+\.\d+)", out)
+    return m.group(1) if m else None
+
+
+def cuda_major_mismatch(nvcc_cuda: str | None, torch_cuda: str | None) -> str:
+    """The warning for a CUDA module built by ``nvcc_cuda`` next to a torch built for ``torch_cuda`` ("" if none:
+    same major, or either unknown, e.g. a CPU-only torch whose ``torch.version.cuda`` is None)."""
+    a, b = _cuda_major(nvcc_cuda), _cuda_major(torch_cuda)
+    if a is None or b is None or a == b:
+        return ""
+    return (
+        f"WARNING: nvcc is CUDA {nvcc_cuda} but torch was built for CUDA {torch_cuda}. The module links the CUDA "
+        f"{a} runtime statically and needs a driver for CUDA {a} (CUDA 13: driver >= 580), which torch's CUDA {b} "
+        f"does not; where the driver is older acco_ds refuses the module and uses its torch fallback. Build with a "
+        f"CUDA {b} nvcc (NVCC=... or CUDA_HOME=...) to match torch."
+    )
+
+
+def _warn_cuda_major_mismatch(nvcc: str) -> None:
+    try:
+        import torch
+
+        torch_cuda = torch.version.cuda
+    except Exception:  # noqa: BLE001 - no torch in an isolated build environment: nothing to compare with
+        return
+    msg = cuda_major_mismatch(nvcc_version(nvcc), torch_cuda)
+    if msg:
+        _log(msg)
 
 
 def _includes() -> list[str]:
@@ -113,20 +163,35 @@ class AccoBuildExt(build_ext):
             _log("ACCO_DS_BUILD_EXT=0: pure-Python install, no compiled kernels.")
             return
         for ext in self.extensions:
+            built = False
             try:
-                self.build_extension(ext)
+                built = self.build_extension(ext)
             except Exception as e:  # noqa: BLE001 - reported, then re-raised in forced mode
                 if mode == "1" or (ext.name.endswith("cuda") and _mode("ACCO_DS_BUILD_CUDA") == "1"):
                     raise
                 _log(f"building {ext.name} failed ({type(e).__name__}: {e}); installing without it.")
+            if not built:
+                self._drop_stale_output(ext)
 
-    def build_extension(self, ext: Extension) -> None:
+    def build_extension(self, ext: Extension) -> bool:
+        """Build ``ext``; False when it was skipped (its module is then not installed)."""
         target = Path(self.get_ext_fullpath(ext.name)).resolve()
         build_dir = Path(self.build_temp).resolve() / ext.name
         if ext.name.endswith("_cpu"):
-            self._build_cpu(target, build_dir)
-        else:
-            self._build_cuda(target, build_dir)
+            return self._build_cpu(target, build_dir)
+        return self._build_cuda(target, build_dir)
+
+    def _drop_stale_output(self, ext: Extension) -> None:
+        """A module not built in this run must not be installed from an older build left in the build folder;
+        the extension is optional, so setuptools then copies nothing for it (instead of failing)."""
+        stale = Path(self.get_ext_fullpath(ext.name))
+        if stale.exists():
+            stale.unlink()
+            _log(f"removed {stale} (an earlier build; {ext.name} was not built now)")
+        in_tree = ROOT / "acco_ds" / stale.name
+        if in_tree.exists():
+            _log(f"{ext.name} was not built; {in_tree} from an earlier in-place build stays in the source tree "
+                 "(acco_ds checks it when it loads; delete it to use the torch fallback there).")  # fmt: skip
 
     def _cxx(self) -> str:
         cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
@@ -134,7 +199,7 @@ class AccoBuildExt(build_ext):
             raise RuntimeError(f"no C++ compiler found (CXX={os.environ.get('CXX')!r}, no g++/c++ on PATH)")
         return cxx
 
-    def _build_cpu(self, target: Path, build_dir: Path) -> None:
+    def _build_cpu(self, target: Path, build_dir: Path) -> bool:
         cxx = self._cxx()
         nb = NinjaBuild(build_dir)
         flags = CXX_FLAGS + ["-fopenmp"] + _includes()
@@ -151,18 +216,20 @@ class AccoBuildExt(build_ext):
         nb.add(target, objs, [cxx, "-shared", "-fopenmp", *map(str, objs), "-o", str(target)])
         nb.run()
         _log(f"built {target}")
+        return True
 
-    def _build_cuda(self, target: Path, build_dir: Path) -> None:
+    def _build_cuda(self, target: Path, build_dir: Path) -> bool:
         cuda_mode = _mode("ACCO_DS_BUILD_CUDA")
         if cuda_mode == "0":
             _log("ACCO_DS_BUILD_CUDA=0: skipping the CUDA module.")
-            return
+            return False
         nvcc = _find_nvcc()
         if nvcc is None:
             if cuda_mode == "1":
                 raise RuntimeError("ACCO_DS_BUILD_CUDA=1 but nvcc was not found (set NVCC or CUDA_HOME)")
             _log("nvcc not found: skipping the CUDA module (CPU kernels and the torch fallback still work).")
-            return
+            return False
+        _warn_cuda_major_mismatch(nvcc)
         cxx = self._cxx()
         archs = [a.strip() for a in os.environ.get("ACCO_DS_CUDA_ARCHS", "80;90").split(";") if a.strip()]
         gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
@@ -187,6 +254,7 @@ class AccoBuildExt(build_ext):
                 "-o", str(target)])  # fmt: skip
         nb.run()
         _log(f"built {target}")
+        return True
 
 
 def _extensions() -> list[Extension]:
@@ -197,7 +265,13 @@ def _extensions() -> list[Extension]:
         return []
     # Sources are compiled by AccoBuildExt, not by distutils; listing them keeps sdists complete.
     srcs = [str(p.relative_to(ROOT)) for p in sorted(CSRC.glob("*")) if p.suffix in (".cpp", ".cu", ".h")]
-    return [Extension("acco_ds._adamw_cpu", sources=srcs), Extension("acco_ds._adamw_cuda", sources=srcs)]
+    # optional: a module skipped or failed in auto mode is not copied (setuptools would fail on the missing file);
+    # the forced modes raise in AccoBuildExt before that.
+    return [
+        Extension("acco_ds._adamw_cpu", sources=srcs, optional=True),
+        Extension("acco_ds._adamw_cuda", sources=srcs, optional=True),
+    ]
 
 
-setup(ext_modules=_extensions(), cmdclass={"build_ext": AccoBuildExt})
+if __name__ == "__main__":  # pip's build backend and `python setup.py ...` run this file as __main__
+    setup(ext_modules=_extensions(), cmdclass={"build_ext": AccoBuildExt})

@@ -7,6 +7,11 @@ Two pybind11 modules, built by ``setup.py`` (in place, editable or regular insta
 
 Neither links libtorch, so one build serves any torch version. Loading never raises: a missing module yields
 ``None`` and :func:`why_missing` returns the text of the ImportError (or the reason it was not attempted).
+
+The CUDA module carries its CUDA runtime (static cudart), which needs a driver of at least the same CUDA major
+version: loading asks the module for both versions (``cuda_versions()``, no GPU work) and treats a driver that is
+missing or older than the runtime's major version as "missing", with the reason (instead of a first launch that
+fails inside the communication job).
 """
 
 from __future__ import annotations
@@ -54,7 +59,40 @@ def _try_import(kind: str) -> Tuple[object | None, str]:
             None,
             f"{mod.__file__} is a stale build (ABI_VERSION {found}, expected {ABI_VERSION}). {rebuild}",
         )
+    if kind == "cuda":
+        why = driver_mismatch(mod)
+        if why:
+            return None, why
     return mod, ""
+
+
+def _version(v: int) -> str:
+    return f"{v // 1000}.{v % 1000 // 10}"
+
+
+def driver_mismatch(mod) -> str:
+    """Why the CUDA module ``mod`` cannot run with this machine's driver ("" when it can).
+
+    The module links the CUDA runtime statically (cudart of the nvcc that built it); a runtime of CUDA major
+    version R needs a driver that supports CUDA R (CUDA 13: driver >= 580). Minor versions are compatible.
+    """
+    probe = getattr(mod, "cuda_versions", None)
+    rebuild = "Rebuild it (`python setup.py build_ext --inplace`) with this acco_ds."
+    if probe is None:
+        return f"{mod.__file__} predates the driver check (no cuda_versions()). {rebuild}"
+    driver, runtime, err, text = probe()
+    if err:
+        return f"{mod.__file__}: the CUDA runtime linked into it cannot query the driver ({text})."
+    if driver == 0:
+        return f"{mod.__file__}: no CUDA driver is loaded on this machine (cudaDriverGetVersion returned 0)."
+    if driver // 1000 < runtime // 1000:
+        return (
+            f"{mod.__file__} links the CUDA {_version(runtime)} runtime statically, but the driver supports CUDA "
+            f"{_version(driver)} only, so every launch would fail. Rebuild it with the nvcc of CUDA "
+            f"{driver // 1000} (the CUDA of your torch: NVCC=... or CUDA_HOME=... `python setup.py build_ext "
+            f"--inplace`) or update the driver (CUDA 13 needs >= 580)."
+        )
+    return ""
 
 
 def why_missing(kind: str) -> str:

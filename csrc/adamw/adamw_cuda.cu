@@ -47,6 +47,16 @@ int adamw_cuda(const AdamWKernelArgs& a, int g_dtype, int out_dtype, bool commit
   return static_cast<int>(cudaGetLastError());
 }
 
+int cuda_versions(int* driver, int* runtime) {
+  *driver = 0;
+  *runtime = 0;
+  // cudaRuntimeGetVersion reports the statically linked runtime (the nvcc that built this module);
+  // cudaDriverGetVersion the CUDA version the installed driver supports (0 when no driver is loaded).
+  const cudaError_t r = cudaRuntimeGetVersion(runtime);
+  if (r != cudaSuccess) return static_cast<int>(r);
+  return static_cast<int>(cudaDriverGetVersion(driver));
+}
+
 std::string cuda_error_string(int code) {
   return std::string(cudaGetErrorName(static_cast<cudaError_t>(code))) + ": " +
          cudaGetErrorString(static_cast<cudaError_t>(code));

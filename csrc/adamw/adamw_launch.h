@@ -61,4 +61,9 @@ void adamw_cuda_body_on_cpu(const AdamWKernelArgs& a, int g_dtype, int out_dtype
 int adamw_cuda(const AdamWKernelArgs& a, int g_dtype, int out_dtype, bool commit, void* stream);
 std::string cuda_error_string(int code);
 
+// CUDA: the CUDA version the driver supports and the version of the runtime linked into this module (both as
+// 1000 * major + 10 * minor; driver 0 when no driver is present). Returns the cudaError_t of the queries. Loading
+// code compares the two before any launch: a static runtime newer than the driver fails every call.
+int cuda_versions(int* driver, int* runtime);
+
 }  // namespace acco

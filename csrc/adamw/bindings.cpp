@@ -110,6 +110,15 @@ PYBIND11_MODULE(_adamw_cuda, mod) {
         if (err != 0) throw std::runtime_error("acco_ds adamw_cuda launch failed: " + acco::cuda_error_string(err));
       },
       kAdamWDoc, py::call_guard<py::gil_scoped_release>());
+  mod.def(
+      "cuda_versions",
+      []() {
+        int driver = 0, runtime = 0;
+        const int err = acco::cuda_versions(&driver, &runtime);
+        return py::make_tuple(driver, runtime, err, err == 0 ? std::string() : acco::cuda_error_string(err));
+      },
+      "(driver CUDA version, linked runtime CUDA version, cudaError_t, error text): 1000*major + 10*minor; "
+      "driver 0 when no driver is present. acco_ds.ops._build refuses the module when driver < runtime's major.");
 }
 #else
 #error "define ACCO_BIND_CPU or ACCO_BIND_CUDA"
