@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from acco_ds.ops import _build
+from acco_ds.ops import _build, accumulate
 from acco_ds.ops.accumulate import (
     accumulate_flat,
     accumulate_flat_ref,
@@ -179,6 +179,47 @@ def test_bad_inputs(call, exc, msg):
         call(torch.zeros(100))
 
 
+def mixed_alignment_case(g):
+    """A 16-byte aligned buffer and gradients of both dtypes: aligned (offset multiple of 8, aligned address),
+    an odd-sized one that pushes the next offset off the multiple of 8, and a misaligned address at an aligned
+    offset. Returns (buffer, grads, offsets, the indices that must take the vector path)."""
+    buffer = (torch.rand(200_000, generator=g) * 0.2 - 0.1).to(torch.bfloat16)
+    assert buffer.data_ptr() % 16 == 0
+    misaligned = big_grad((5001,), torch.bfloat16, g)
+    misaligned = torch.cat([torch.zeros(1, dtype=torch.bfloat16), misaligned])[1:]  # address 2 mod 16
+    grads = [
+        big_grad((40_000,), torch.bfloat16, g),  # offset 0: vector
+        big_grad((16_391,), torch.float32, g),  # offset 40_000: vector (fp32 launch), odd size
+        big_grad((1029,), torch.bfloat16, g),  # offset 56_391: scalar (offset not a multiple of 8)
+        big_grad((17_000,), torch.bfloat16, g),  # offset 57_424: vector
+        misaligned,  # offset 74_424: scalar (address)
+        big_grad((33,), torch.float32, g),  # offset 79_429: scalar (fp32 launch)
+        big_grad((16_384,), torch.float32, g),  # offset 80_000: vector (fp32 launch)
+    ]
+    offsets = [0, 40_000, 56_391, 57_424, 74_424, 79_429, 80_000]
+    return buffer, grads, offsets, {0, 1, 3, 6}
+
+
+def test_launch_plan_splits_aligned_from_unaligned():
+    buffer, grads, offsets, vector = mixed_alignment_case(gen("plan"))
+    assert grads[4].data_ptr() % 16 != 0
+    plan = accumulate.launch_plan(buffer, grads, offsets)
+    assert [(d, a) for d, a, _ in plan] == [
+        (torch.float32, True),
+        (torch.float32, False),
+        (torch.bfloat16, True),
+        (torch.bfloat16, False),
+    ]
+    by_class = {(d, a): ids for d, a, ids in plan}
+    assert by_class[(torch.float32, True)] == [1, 6] and by_class[(torch.bfloat16, True)] == [0, 3]
+    assert {i for _, a, ids in plan if a for i in ids} == vector
+    assert sorted(i for _, _, ids in plan for i in ids) == list(range(len(grads)))
+    # a misaligned buffer puts everything on the scalar path; empty gradients are left out
+    odd_buffer = torch.zeros(200_001, dtype=torch.bfloat16)[1:]
+    assert all(not a for _, a, _ in accumulate.launch_plan(odd_buffer, grads, offsets))
+    assert accumulate.launch_plan(buffer, [torch.zeros(0)], [0]) == []
+
+
 def test_import_needs_no_triton():
     code = (
         "import sys; sys.modules['triton'] = None\n"  # makes `import triton` raise ImportError
@@ -201,6 +242,40 @@ def test_triton_kernel_under_interpreter():
                        text=True, timeout=600)  # fmt: skip
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "triton interpret checks: 24 passed" in r.stdout, r.stdout[-2000:]
+    assert "mixed alignment: 4 launches, vector path for [0, 1, 3, 6]" in r.stdout, r.stdout[-2000:]
+
+
+class _LaunchSpy:
+    """Wraps the Triton kernel; records ALIGNED and the table rows of every launch."""
+
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, []
+
+    def __getitem__(self, grid):
+        def launch(table, *args, **kw):
+            self.launches.append((kw["ALIGNED"], table[:, 0].tolist()))
+            return self.kernel[grid](table, *args, **kw)
+
+        return launch
+
+
+def _mixed_alignment_interpret_check() -> None:
+    buffer, grads, offsets, vector = mixed_alignment_case(gen("mixed-alignment"))
+    ref, ours = buffer.clone(), buffer.clone()
+    accumulate_grads_ref(ref, grads, offsets, 0.37)
+    spy = _LaunchSpy(accumulate._triton_kernel())
+    accumulate._kernel_cache["k"] = spy
+    try:
+        accumulate_grads(ours, grads, offsets, 0.37, backend="triton")
+    finally:
+        accumulate._kernel_cache["k"] = spy.kernel
+    assert torch.equal(ours, ref)
+    vec_ptrs = {grads[i].data_ptr() for i in vector}
+    for aligned, rows in spy.launches:
+        assert set(rows) <= vec_ptrs if aligned else not set(rows) & vec_ptrs, (aligned, rows)
+    covered = {p for _, rows in spy.launches for p in rows}
+    assert covered == {g.data_ptr() for g in grads}
+    print(f"mixed alignment: {len(spy.launches)} launches, vector path for {sorted(vector)}")
 
 
 def _triton_interpret_checks() -> int:
@@ -223,6 +298,7 @@ def _triton_interpret_checks() -> int:
     accumulate_grads(ours, grads, [3, 40], 0.5, backend="triton")
     assert torch.equal(ref, ours)
     print(f"triton interpret checks: {count} passed")
+    _mixed_alignment_interpret_check()
     return 0
 
 

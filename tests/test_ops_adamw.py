@@ -418,3 +418,81 @@ def test_every_cpu_isa_variant_gives_the_same_bits(tmp_path):
                 continue
             for a, b in zip(tensors, res[key]):
                 assert torch.equal(a, b), f"{res['isa']} differs from {ref['isa']} for {key}"
+
+
+# -- the torch fallback decides the noop flag on the device ------------------------------------------------
+_HOST_READS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__")
+
+
+def _forbid_host_reads(monkeypatch):
+    """Any host read of a tensor value (the syncs on CUDA) raises while the fallback runs."""
+
+    def refuse(name):
+        def read(self, *a, **k):
+            raise AssertionError(f"the fallback read a tensor on the host (Tensor.{name})")
+
+        return read
+
+    for name in _HOST_READS:
+        monkeypatch.setattr(torch.Tensor, name, refuse(name))
+
+
+@pytest.mark.parametrize("grad_nan", [False, True])
+@pytest.mark.parametrize("flag", [0, 1])
+@pytest.mark.parametrize("commit", [True, False])
+@pytest.mark.parametrize("odtype", [None, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("gdtype", DTYPES)
+def test_fallback_noop_on_device_is_bit_identical_to_ref(monkeypatch, gdtype, odtype, commit, flag, grad_nan):
+    from acco_ds.ops import adamw as adamw_mod
+
+    if odtype is None and not commit:
+        pytest.skip("a peek needs out")
+    n = 1031
+    g = gen("fallback-device", gdtype, odtype, commit, flag, grad_nan)
+    state = rand_state(n, g)
+    grad = torch.randn(n, generator=g).to(gdtype)
+    if grad_nan:
+        grad[5] = float("nan")
+    kw = dict(step=7, weight_decay=0.1, grad_scale=0.5, commit=commit, **HP)
+    kw["scale_tensor"] = torch.tensor([0.75])
+    kw["noop_flag"] = torch.tensor([flag], dtype=torch.int32)
+    ref = [t.clone() for t in state]
+    out_ref = None if odtype is None else poisoned(n, odtype)
+    adamw_step_ref(*ref, grad, out_ref, **kw)
+    ours = [t.clone() for t in state]
+    out = None if odtype is None else poisoned(n, odtype)
+    a = adamw_mod._Step(*ours, grad, out, kw["lr"], kw["beta1"], kw["beta2"], kw["eps"], kw["weight_decay"],
+                        kw["step"], kw["grad_scale"], kw["scale_tensor"], kw["noop_flag"], commit)  # fmt: skip
+    with monkeypatch.context() as m:
+        _forbid_host_reads(m)
+        adamw_mod._adamw_torch(a)
+    for x, y in zip(ours, ref):
+        assert torch.equal(x.view(torch.int32), y.view(torch.int32))  # bits, NaN payloads included
+    if out is not None:
+        assert torch.equal(out.view(torch.int16 if odtype == torch.bfloat16 else torch.int32),
+                           out_ref.view(torch.int16 if odtype == torch.bfloat16 else torch.int32))  # fmt: skip
+    if flag:
+        assert all(torch.equal(x, s) for x, s in zip(ours, state)), "a noop step changed the state"
+
+
+def test_ref_reads_the_flag_on_the_host(monkeypatch):
+    """The guard of the test above is real: the host-reading oracle trips it."""
+    n = 8
+    state = rand_state(n, gen("guard"))
+    with monkeypatch.context() as m:
+        _forbid_host_reads(m)
+        with pytest.raises(AssertionError, match="read a tensor on the host"):
+            adamw_step_ref(*state, torch.randn(n), step=1, weight_decay=0.0,
+                           noop_flag=torch.zeros(1, dtype=torch.int32), **HP)  # fmt: skip
+
+
+def test_cuda_fallback_warns_loudly_once(monkeypatch, caplog):
+    from acco_ds.ops import adamw as adamw_mod
+
+    monkeypatch.setattr(adamw_mod, "_logged_backends", set())
+    with caplog.at_level(logging.WARNING, logger="acco_ds.ops.adamw"):
+        with pytest.warns(RuntimeWarning, match="CUDA extension is missing"):
+            adamw_mod._log_backend_once("cuda", "the torch reference", "no module")
+        adamw_mod._log_backend_once("cuda", "the torch reference", "no module")
+    msgs = [r.getMessage() for r in caplog.records if "CUDA tensors take" in r.getMessage()]
+    assert len(msgs) == 1 and "build_ext" in msgs[0]

@@ -202,3 +202,94 @@ def test_triton_accumulate_on_gpu(bdtype, gdtype, scale, aligned):
     copy_flat(dst, grads[2], scale)
     copy_flat_ref(dst_ref, grads[2], scale)
     assert torch.equal(dst, dst_ref)
+
+
+def _to_cuda_keep_alignment(t: torch.Tensor) -> torch.Tensor:
+    """``t`` on the GPU at the same address residue mod 16 (a misaligned CPU slice stays misaligned)."""
+    shift = (t.data_ptr() % 16) // t.element_size()
+    base = torch.empty(t.numel() + shift, dtype=t.dtype, device="cuda")
+    base[shift:] = t.cuda()
+    return base[shift:]
+
+
+def test_triton_mixed_alignment_no_host_sync():
+    """Aligned and unaligned gradients in one call: the same bits as the reference; the first call (chunk tables
+    built and uploaded) does not synchronise the host, and the tables' host copies are pinned."""
+    pytest.importorskip("triton")
+    from acco_ds.ops import accumulate
+    from tests.test_ops_accumulate import mixed_alignment_case
+
+    def case(seed):
+        buffer, grads, offsets, vector = mixed_alignment_case(gen("gpu-mixed", seed))
+        return buffer.cuda(), [_to_cuda_keep_alignment(g) for g in grads], offsets, vector
+
+    buffer, grads, offsets, vector = case(0)
+    assert {i for _, a, ids in accumulate.launch_plan(buffer, grads, offsets) if a for i in ids} == vector
+    warm = case(1)
+    accumulate_grads(warm[0], warm[1], warm[2], 0.37)  # compiles the kernel variants
+    ref, ours = buffer.clone(), buffer.clone()
+    accumulate_grads_ref(ref, grads, offsets, 0.37)
+    accumulate._table_cache.clear()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        accumulate_grads(ours, grads, offsets, 0.37)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert torch.equal(ours, ref)
+    entries = list(accumulate._table_cache.values())
+    assert len(entries) == 4 and all(host.is_pinned() and dev.is_cuda for host, dev in entries)
+
+
+def test_triton_table_cache_is_per_stream():
+    pytest.importorskip("triton")
+    from acco_ds.ops import accumulate
+
+    g = gen("gpu-stream-table")
+    buffer = torch.zeros(4096, device="cuda")
+    grad = torch.randn(4096, generator=g).cuda()
+    accumulate._table_cache.clear()
+    accumulate_grads(buffer, [grad], [0], 1.0)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        accumulate_grads(buffer, [grad], [0], 1.0)
+    torch.cuda.current_stream().wait_stream(side)
+    assert len(accumulate._table_cache) == 2
+    torch.testing.assert_close(buffer, 2 * grad, rtol=0, atol=0)
+
+
+def test_cuda_fallback_decides_noop_on_device(monkeypatch):
+    """Without the CUDA extension: a loud warning once, the reference's bits, and no host sync (noop flag set
+    on the device, decided there)."""
+    from acco_ds.ops import adamw as adamw_mod
+
+    monkeypatch.setenv(_build.DISABLE_ENV, "1")
+    monkeypatch.setattr(adamw_mod, "_logged_backends", set())
+    _build.reset_cache()
+    try:
+        n = 40_001
+        g = gen("gpu-fallback")
+        state = rand_state(n, g)
+        grad = torch.randn(n, generator=g).to(torch.bfloat16).cuda()
+        with pytest.warns(RuntimeWarning, match="CUDA extension is missing"):
+            adamw_step(*[t.clone() for t in state], grad, step=1, weight_decay=0.1, **HP)
+        for flag_value in (0, 1):
+            flag = torch.zeros(1, dtype=torch.int32, device="cuda")
+            flag.fill_(flag_value)
+            ours, ref = [t.clone() for t in state], [t.clone() for t in state]
+            out, out_ref = poisoned(n, torch.bfloat16), poisoned(n, torch.bfloat16)
+            kw = dict(
+                step=5, weight_decay=0.1, noop_flag=flag, scale_tensor=torch.full((1,), 0.5, device="cuda")
+            )
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                adamw_step(*ours, grad, out, **kw, **HP)
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+            adamw_step_ref(*ref, grad, out_ref, **kw, **HP)
+            assert torch.equal(out, out_ref) and all(torch.equal(x, y) for x, y in zip(ours, ref))
+    finally:
+        monkeypatch.delenv(_build.DISABLE_ENV)
+        _build.reset_cache()

@@ -10,14 +10,19 @@ contiguous fp32 or bf16 tensor on the buffer's device; ``None`` gradients are ze
 
 Backends (``backend=``):
 
-- ``"triton"``: one Triton launch per gradient dtype for all tensors (a chunk table: tensor, offset, chunk);
-  the default for CUDA tensors. On CPU tensors it runs only under ``TRITON_INTERPRET=1`` (the tests use it).
+- ``"triton"``: one Triton launch per gradient dtype and alignment class for all tensors (a chunk table:
+  tensor, offset, chunk): the tensors whose address is 16-byte aligned and whose buffer offset is a multiple of
+  8 take the vectorised launch, the others a scalar one, so one odd-sized parameter does not slow every other
+  (:func:`launch_plan`); the default for CUDA tensors. On CPU tensors it runs only under ``TRITON_INTERPRET=1``
+  (the tests use it).
 - ``"cpp"``: the CPU extension (OpenMP over chunks of all tensors, ``torch.get_num_threads()`` threads); the
   default for CPU tensors.
 - ``"ref"``: pure torch (the fallback when the chosen backend is missing; the choice is logged once).
 
-Streams: Triton kernels are enqueued on the current CUDA stream; the chunk table is copied host-to-device on
-that stream, so the caller must keep ``grads`` alive until the stream has run (as for any CUDA op).
+Streams: Triton kernels are enqueued on the current CUDA stream; the chunk table is built in pinned host memory
+and copied host-to-device without blocking the host, on that stream, once per (stream, addresses, offsets, sizes):
+the cache keeps the pinned copy and the device copy together. The caller must keep ``grads`` alive until the
+stream has run (as for any CUDA op).
 Triton is imported lazily; importing this module never imports triton nor touches ``torch.cuda``.
 """
 
@@ -331,40 +336,74 @@ _table_cache: OrderedDict = OrderedDict()
 _table_lock = threading.Lock()
 
 
+def _table_key(grads: List[torch.Tensor], offsets: List[int], device: torch.device) -> tuple:
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
+    return (
+        device,
+        stream,
+        tuple(g.data_ptr() for g in grads),
+        tuple(offsets),
+        tuple(g.numel() for g in grads),
+    )
+
+
 def _device_table(grads: List[torch.Tensor], offsets: List[int], device: torch.device) -> torch.Tensor:
-    """The chunk table on ``device``, cached by (addresses, offsets, sizes): the caching allocator hands the
-    same gradient addresses back micro-batch after micro-batch, so most calls skip the build and the copy."""
-    key = (device, tuple(g.data_ptr() for g in grads), tuple(offsets), tuple(g.numel() for g in grads))
+    """The chunk table on ``device``, cached by (current stream, addresses, offsets, sizes): the caching allocator
+    hands the same gradient addresses back micro-batch after micro-batch, so most calls skip the build and the
+    copy. On CUDA the table is built in pinned memory and copied with ``non_blocking=True`` on the current stream
+    (the host does not wait for the stream); the pinned copy is kept with the device copy in the cache entry, so
+    it outlives the copy that reads it. The stream is part of the key: a table uploaded on one stream is not
+    handed to a launch on another before its copy has run there."""
+    key = _table_key(grads, offsets, device)
     with _table_lock:
-        table = _table_cache.get(key)
-        if table is not None:
+        entry = _table_cache.get(key)
+        if entry is not None:
             _table_cache.move_to_end(key)
-            return table
-    table = _chunk_table(grads, offsets).to(device)
+            return entry[1]
+    host = _chunk_table(grads, offsets)
+    if device.type == "cuda":
+        host = host.pin_memory()
+        table = host.to(device, non_blocking=True)
+    else:
+        table = host.to(device)
     with _table_lock:
-        _table_cache[key] = table
+        _table_cache[key] = (host, table)
         if len(_table_cache) > _TABLE_CACHE_SIZE:
             _table_cache.popitem(last=False)
     return table
 
 
+def _aligned(buffer: torch.Tensor, grad: torch.Tensor, offset: int) -> bool:
+    """The vectorised kernel's precondition for one tensor: 16-byte aligned addresses (buffer and gradient) and
+    a buffer offset that is a multiple of 8 elements (16 bytes for bf16, 32 for fp32)."""
+    return buffer.data_ptr() % 16 == 0 and grad.data_ptr() % 16 == 0 and offset % 8 == 0
+
+
+def launch_plan(buffer, grads: List[torch.Tensor], offsets: List[int]) -> List[tuple]:
+    """The Triton launches of one call: ``[(grad dtype, aligned, [indices into grads]), ...]``, at most one per
+    (dtype, alignment class), skipping empty gradients. The aligned class takes the vectorised kernel; the rest
+    the scalar one."""
+    plan = []
+    for dtype in _FLOATS:
+        idx = [i for i, g in enumerate(grads) if g.numel() and g.dtype == dtype]
+        vec = [i for i in idx if _aligned(buffer, grads[i], offsets[i])]
+        rest = [i for i in idx if not _aligned(buffer, grads[i], offsets[i])]
+        plan += [(dtype, aligned, ids) for aligned, ids in ((True, vec), (False, rest)) if ids]
+    return plan
+
+
 def _triton_launch(
     buffer, grads: List[torch.Tensor], offsets: List[int], scale: float, accumulate: bool
 ) -> None:
-    """One launch per gradient dtype: ``buffer[off:] (+)= grad * scale`` for every grad (validated before).
+    """One launch per entry of :func:`launch_plan`: ``buffer[off:] (+)= grad * scale`` for every grad (validated
+    before). The launches write disjoint regions of ``buffer``.
 
     On CPU tensors this works only under ``TRITON_INTERPRET=1`` (set before triton is first imported).
     """
     kernel = _triton_kernel()
-    for dtype in _FLOATS:
-        idx = [i for i, g in enumerate(grads) if g.numel() and g.dtype == dtype]
-        if not idx:
-            continue
+    for dtype, aligned, idx in launch_plan(buffer, grads, offsets):
         gs, offs = [grads[i] for i in idx], [offsets[i] for i in idx]
         table = _device_table(gs, offs, buffer.device)
-        aligned = buffer.data_ptr() % 16 == 0 and all(
-            g.data_ptr() % 16 == 0 and o % 8 == 0 for g, o in zip(gs, offs)
-        )
         kernel[(table.shape[0],)](
             table,
             buffer,

@@ -13,7 +13,8 @@ Contract (both :func:`adamw_step` and :func:`adamw_step_ref`):
   ``commit=False`` (peek) writes only ``out`` (required) = what the commit would produce; the state is not
   written at all (bit-identical afterwards).
 - ``noop_flag``: 1-element int32 tensor on the device; nonzero means: state untouched, ``out`` = master cast
-  (the all-gather buffer stays valid). Decided on the device by the CUDA kernel (no host sync).
+  (the all-gather buffer stays valid). Decided on the device (no host sync) by the CUDA kernel and by the torch
+  fallback of :func:`adamw_step`; only the test oracle :func:`adamw_step_ref` reads it on the host.
 
 Per element, in fp32, in torch.optim.AdamW's order::
 
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import math
+import warnings
 from typing import NamedTuple
 
 import torch
@@ -157,15 +159,8 @@ def hyper_scalars(lr: float, beta1: float, beta2: float, eps: float, weight_deca
     return (1.0 - lr * weight_decay, beta1, 1.0 - beta1, beta2, 1.0 - beta2, math.sqrt(bc2), eps, lr / bc1)
 
 
-def _adamw_torch(a: _Step) -> None:
-    if a.noop_flag is not None and int(a.noop_flag.item()) != 0:
-        if a.out is not None:
-            a.out.view(-1).copy_(a.master)
-        return
-    if a.commit:
-        p, m, v = a.master, a.exp_avg, a.exp_avg_sq
-    else:
-        p, m, v = a.master.clone(), a.exp_avg.clone(), a.exp_avg_sq.clone()
+def _adamw_math(a: _Step, p: torch.Tensor, m: torch.Tensor, v: torch.Tensor) -> None:
+    """The AdamW update of the contract, in place on ``p``, ``m``, ``v`` (torch.optim.AdamW's operations)."""
     g = a.grad.reshape(-1).to(_FP32)
     if a.scale_tensor is not None:
         g = g * (a.scale_tensor.reshape(1).to(_FP32) * a.grad_scale)
@@ -178,6 +173,39 @@ def _adamw_torch(a: _Step) -> None:
     v.mul_(a.beta2).addcmul_(g, g, value=1.0 - a.beta2)
     denom = (v.sqrt() / math.sqrt(bc2)).add_(a.eps)
     p.addcdiv_(m, denom, value=-(a.lr / bc1))
+
+
+def _adamw_torch_host_flag(a: _Step) -> None:
+    """The reference: reads ``noop_flag`` on the host (``.item()``, a device sync on CUDA)."""
+    if a.noop_flag is not None and int(a.noop_flag.item()) != 0:
+        if a.out is not None:
+            a.out.view(-1).copy_(a.master)
+        return
+    if a.commit:
+        p, m, v = a.master, a.exp_avg, a.exp_avg_sq
+    else:
+        p, m, v = a.master.clone(), a.exp_avg.clone(), a.exp_avg_sq.clone()
+    _adamw_math(a, p, m, v)
+    if a.out is not None:
+        a.out.view(-1).copy_(p)
+
+
+def _adamw_torch(a: _Step) -> None:
+    """The fallback of :func:`adamw_step`: the reference's results bit for bit, with ``noop_flag`` decided on the
+    device (the update is computed on copies and selected with ``torch.where``): no host sync on CUDA."""
+    if a.noop_flag is None:
+        _adamw_torch_host_flag(a)
+        return
+    p, m, v = a.master.clone(), a.exp_avg.clone(), a.exp_avg_sq.clone()
+    _adamw_math(a, p, m, v)
+    skip = a.noop_flag.reshape(1) != 0
+    torch.where(skip, a.master, p, out=p)
+    if a.commit:
+        torch.where(skip, a.exp_avg, m, out=m)
+        torch.where(skip, a.exp_avg_sq, v, out=v)
+        a.master.copy_(p)
+        a.exp_avg.copy_(m)
+        a.exp_avg_sq.copy_(v)
     if a.out is not None:
         a.out.view(-1).copy_(p)
 
@@ -210,7 +238,16 @@ def _log_backend_once(device_type: str, backend: str, why: str = "") -> None:
     if key in _logged_backends:
         return
     _logged_backends.add(key)
-    if why:
+    if why and device_type == "cuda":
+        msg = (
+            f"acco_ds adamw_step on cuda: the CUDA extension is missing ({why}), so CUDA tensors take {backend}: "
+            "correct, but several passes over the shard and a copy of the state per call where the kernel makes "
+            "one pass, on the communication stream of every round. Build the extension: "
+            "`ACCO_DS_BUILD_CUDA=1 python setup.py build_ext --inplace` (or pip install with nvcc present)."
+        )
+        logger.warning(msg)
+        warnings.warn(msg, RuntimeWarning, stacklevel=3)
+    elif why:
         logger.warning("acco_ds adamw_step on %s: using %s (%s)", device_type, backend, why)
     else:
         logger.info("acco_ds adamw_step on %s: using %s", device_type, backend)
@@ -219,14 +256,15 @@ def _log_backend_once(device_type: str, backend: str, why: str = "") -> None:
 def adamw_step_ref(master, exp_avg, exp_avg_sq, grad, out=None, *, lr: float, beta1: float, beta2: float,
                    eps: float, weight_decay: float, step: int, grad_scale: float = 1.0, scale_tensor=None,
                    noop_flag=None, commit: bool = True) -> None:  # fmt: skip
-    """Pure-torch AdamW step with this module's contract: the test oracle and the fallback.
+    """Pure-torch AdamW step with this module's contract: the test oracle.
 
-    Reads ``noop_flag`` on the host (``.item()``: a device sync on CUDA), which the extensions avoid.
+    Reads ``noop_flag`` on the host (``.item()``: a device sync on CUDA). :func:`adamw_step`'s own fallback gives
+    the same bits and decides the flag on the device.
     """
     a = _Step(master, exp_avg, exp_avg_sq, grad, out, lr, beta1, beta2, eps, weight_decay, step, grad_scale,
               scale_tensor, noop_flag, commit)  # fmt: skip
     _validate(a)
-    _adamw_torch(a)
+    _adamw_torch_host_flag(a)
 
 
 def adamw_step(master, exp_avg, exp_avg_sq, grad, out=None, *, lr: float, beta1: float, beta2: float,
