@@ -76,6 +76,9 @@ def build_config(contender: str, k: Knobs) -> dict:
         "gradient_clipping": k.grad_clip,
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
+        # DeepSpeed's throughput timer would synchronise the device in every forward/step (no overlap on GPUs);
+        # every contender gets the same (host-clock) timer
+        "timers": {"throughput": {"synchronized": False}},
         "scheduler": _scheduler(k),
     }
     if k.bf16:

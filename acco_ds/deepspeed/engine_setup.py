@@ -1,8 +1,10 @@
-"""Build the ACCO optimizer inside ``DeepSpeedEngine._configure_optimizer`` (see register.py)."""
+"""Build the ACCO optimizer inside ``DeepSpeedEngine._configure_optimizer`` (see register.py), and turn off
+what in the engine would synchronise the device every micro-batch (the throughput timer's syncs)."""
 
 from __future__ import annotations
 
 import logging
+import threading
 
 import deepspeed
 
@@ -33,6 +35,7 @@ def configure_acco(engine, client_optimizer, model_parameters) -> None:
     engine.basic_optimizer = optimizer.optimizer
     engine.optimizer = optimizer
     engine.enable_backward_allreduce = False
+    unsync_throughput_timer(engine)
     if engine.global_rank == 0:
         logger.info(
             "acco_ds: ACCO optimizer (mode=%s, accumulation=%s, comm_dtype=%s, %d parameters in %d groups)",
@@ -42,3 +45,48 @@ def configure_acco(engine, client_optimizer, model_parameters) -> None:
             sum(b.layout.numel for b in optimizer.pipeline.groups),
             len(optimizer.pipeline.groups),
         )
+
+
+_said: set = set()
+_said_lock = threading.Lock()
+
+
+def _once(key: str) -> bool:
+    with _said_lock:
+        if key in _said:
+            return False
+        _said.add(key)
+        return True
+
+
+def unsync_throughput_timer(engine) -> bool:
+    """Turn off the synchronisation of DeepSpeed's throughput timer; True when it was turned off here.
+
+    DeepSpeed 0.19.8's throughput timer (``engine.tput_timer``, config ``timers.throughput``) is on by default
+    with ``synchronized: true``: when ``deepspeed.initialize`` got no ``training_data`` it calls the accelerator's
+    ``synchronize()`` (``torch.cuda.synchronize()``, device-wide) in ``engine.forward`` and ``engine.step`` of
+    every micro-batch. A device-wide sync also waits for ACCO's communication stream, so nothing overlaps. With
+    ``synchronized: false`` the timer reads the host clock only (what it reports is then the host's time).
+    A config that sets ``synchronized: true`` explicitly keeps it, with a warning. Both are said once per
+    process, on global rank 0.
+    """
+    cfg = getattr(getattr(engine, "tput_timer", None), "config", None)
+    if cfg is None or not getattr(cfg, "enabled", False) or not getattr(cfg, "synchronized", False):
+        return False
+    rank0 = getattr(engine, "global_rank", 0) == 0
+    if "synchronized" in cfg.model_fields_set:
+        if rank0 and _once("user-sync"):
+            logger.warning(
+                "acco_ds: the DeepSpeed config sets timers.throughput.synchronized=true: DeepSpeed's throughput "
+                "timer then synchronises the whole device in every engine.forward() and engine.step(), which "
+                "waits for ACCO's communication stream too, so communication no longer overlaps computation on "
+                'GPUs. Remove it or set "timers": {"throughput": {"synchronized": false}}.'
+            )
+        return False
+    cfg.synchronized = False
+    if rank0 and _once("unsync"):
+        logger.info(
+            "acco_ds: DeepSpeed's throughput timer set to synchronized=false (its device-wide syncs in "
+            "engine.forward()/engine.step() would wait for ACCO's communication stream)."
+        )
+    return True
