@@ -1,4 +1,7 @@
-"""Start ranks the way users do: the ``deepspeed`` launcher on 127.0.0.1 with gloo (CPU)."""
+"""Start ranks the way users do: the ``deepspeed`` launcher on 127.0.0.1 with gloo (CPU).
+
+The ranks of the CPU tests run on the CPU also on a machine with GPUs (``rank_env()``): the same suite passes
+unchanged there. ``accelerator="cuda"`` (the GPU tests, NCCL) leaves the GPUs visible."""
 
 from __future__ import annotations
 
@@ -24,9 +27,29 @@ def deepspeed_cmd() -> list:
     return [exe] if exe else [sys.executable, "-m", "deepspeed.launcher.runner"]
 
 
-def rank_env(**extra) -> dict:
+CPU_RANKS_HOOK = REPO / "tests" / "cpu_ranks"  # sitecustomize.py: hides CUDA in the ranks at start-up
+HIDE_CUDA_ENV = "ACCO_DS_TEST_HIDE_CUDA"
+
+
+def rank_env(accelerator: str = "cpu", **extra) -> dict:
+    """The environment of launched ranks (and of the launcher), plus ``extra`` variables.
+
+    ``accelerator="cpu"``: ``DS_ACCELERATOR=cpu`` (DeepSpeed's CPU accelerator, gloo) and CUDA hidden:
+    ``CUDA_VISIBLE_DEVICES=""`` for the launcher and, since the ``deepspeed`` launcher sets
+    ``CUDA_VISIBLE_DEVICES=0..W-1`` in every rank even for the CPU accelerator, a start-up hook
+    (``tests/cpu_ranks/sitecustomize.py``, first on PYTHONPATH) that empties it again in each rank before torch
+    loads. ``accelerator="cuda"``: ``DS_ACCELERATOR=cuda``, GPUs as the environment has them."""
+    if accelerator not in ("cpu", "cuda"):
+        raise ValueError(f"rank_env: accelerator must be 'cpu' or 'cuda', got {accelerator!r}")
     env = dict(os.environ)
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""))
+    paths = [str(REPO)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    paths = [p for p in paths if p != str(CPU_RANKS_HOOK)]
+    env.pop(HIDE_CUDA_ENV, None)
+    env["DS_ACCELERATOR"] = accelerator
+    if accelerator == "cpu":
+        paths.insert(0, str(CPU_RANKS_HOOK))
+        env.update({HIDE_CUDA_ENV: "1", "CUDA_VISIBLE_DEVICES": ""})
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(paths))
     env.update({k: str(v) for k, v in extra.items()})
     return env
 
@@ -60,5 +83,6 @@ def run_scenarios(world: int, scenarios: list, tmp: Path, backend: str = "gloo")
     spec = tmp / "scenarios.json"
     spec.write_text(json.dumps(scenarios))
     args = ["--scenarios", spec, "--out", tmp, "--backend", backend]
-    run_deepspeed(REPO / "tests" / "dist" / "worker.py", world, args)
+    env = rank_env(accelerator="cuda" if backend == "nccl" else "cpu")
+    run_deepspeed(REPO / "tests" / "dist" / "worker.py", world, args, env=env)
     return torch.load(tmp / "results.pt", weights_only=False)

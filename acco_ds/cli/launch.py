@@ -7,6 +7,10 @@ CPU, NCCL on GPUs). ``run_ranks`` runs it (optionally wrapped, e.g. in a throttl
 namespace by the benchmark), with ``OMP_NUM_THREADS`` set to the threads per rank and the
 package importable by the ranks, removes the shared-memory buffers DeepSpeed leaves behind on
 CPU (``cleanup_shm``), and raises ``LaunchError`` with the tail of the output when a rank fails.
+
+Where the ranks run (``rank_env``): on GPUs with NCCL when there is one GPU per rank; otherwise on the CPU
+with gloo (``DS_ACCELERATOR=cpu``), also on a machine with fewer GPUs than ranks (NCCL refuses two ranks on
+one GPU). A ``DS_ACCELERATOR`` already in the environment is kept.
 """
 
 from __future__ import annotations
@@ -34,12 +38,16 @@ def free_port() -> int:
 
 
 def _cuda_available() -> bool:
+    return _cuda_device_count() > 0
+
+
+def _cuda_device_count() -> int:
     try:
         import torch
 
-        return torch.cuda.is_available() and torch.cuda.device_count() > 0
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
     except Exception:  # pragma: no cover - a broken CUDA setup falls back to CPU ranks
-        return False
+        return 0
 
 
 def default_world_size() -> int:
@@ -68,7 +76,10 @@ def launch_command(
     return cmd + list(extra or [])
 
 
-def rank_env(threads: int) -> dict:
+def rank_env(threads: int, world: int | None = None) -> dict:
+    """The ranks' environment: ``threads`` OpenMP/MKL threads each, the package importable, and the CPU
+    accelerator (``DS_ACCELERATOR=cpu``, ``CUDA_VISIBLE_DEVICES=""`` for the launcher) unless every one of the
+    ``world`` ranks (None: any number) gets its own GPU or the environment names an accelerator."""
     env = dict(os.environ)
     env["OMP_NUM_THREADS"] = str(threads)
     env["MKL_NUM_THREADS"] = str(threads)
@@ -77,8 +88,18 @@ def rank_env(threads: int) -> dict:
     env.setdefault("PYTHONUNBUFFERED", "1")
     warn = "ignore::FutureWarning,ignore::DeprecationWarning"
     env["PYTHONWARNINGS"] = ",".join(w for w in (env.get("PYTHONWARNINGS"), warn) if w)
-    if "DS_ACCELERATOR" not in env and not _cuda_available():
+    gpus = _cuda_device_count()
+    if "DS_ACCELERATOR" not in env and gpus == 0:
         env["DS_ACCELERATOR"] = "cpu"  # skips DeepSpeed's probing and its warning on CPU-only hosts
+    elif "DS_ACCELERATOR" not in env and world is not None and world > gpus:
+        env["DS_ACCELERATOR"] = "cpu"
+        env["CUDA_VISIBLE_DEVICES"] = ""
+        print(
+            f"acco_ds: {world} ranks but {gpus} GPU(s): the ranks run on the CPU with gloo (NCCL cannot put two "
+            f"ranks on one GPU; use --world-size {gpus} for GPU ranks).",
+            file=sys.stderr,
+            flush=True,
+        )
     return env
 
 
@@ -118,7 +139,8 @@ def run_ranks(
     to ``log_path`` and stderr too, unless ``show_stderr`` keeps it on the terminal (the progress
     bar and any traceback). Raises LaunchError, quoting the end of the log, on a non-zero exit."""
     full = wrap(shlex.join(cmd)) if wrap else cmd
-    env = rank_env(threads)
+    world = _flag(cmd, "--num_gpus")
+    env = rank_env(threads, int(world) if world else None)
     env.update(env_extra or {})
     tail = ""
     try:
