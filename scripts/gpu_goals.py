@@ -1,0 +1,150 @@
+"""The results of scripts/gpu_checks.sh against issue 10's goals, and its JUnit files merged into one.
+
+    python scripts/gpu_goals.py merge-junit OUT.xml IN.xml ...   # one <testsuites> file (missing inputs skipped)
+    python scripts/gpu_goals.py goals RESULTS_DIR                # Markdown on stdout
+
+``goals`` reads what the checks wrote into RESULTS_DIR (pytest_gpu.xml, kernels_cuda.json from
+benchmarks/bench_kernels.py, gpu_overlap.json from benchmarks/bench_gpu_overlap.py) and states, per goal, the
+measured figure and whether it meets the goal; a result that is missing is reported as missing, never as met:
+
+- every GPU test passes (none failed, errored or skipped);
+- commit and peek move >= 85% of the device-to-device copy bandwidth (bytes read + written, the copy probe of
+  the same run), at every size >= 10M parameters;
+- peek >= 3x faster than clone/step/restore, at every size >= 10M;
+- acco's overlap efficiency >= 90% at every stand-in duration;
+- no host sync inside acco's timed steps beyond those of the model's own forward/backward (measured alone in
+  the same benchmark); the share of steps the host started ahead of the device is reported beside it.
+No torch import: runs anywhere.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+BYTES = {"commit": 28, "peek": 16}  # as benchmarks/kernels_table.BYTES
+BIG = 10_000_000
+
+
+def merge_junit(out: Path, inputs) -> int:
+    """Merge JUnit files (each a <testsuite> or <testsuites>) into ``out``; returns the number of suites."""
+    root = ET.Element("testsuites")
+    for path in map(Path, inputs):
+        if not path.is_file() or path.stat().st_size == 0:
+            continue
+        try:
+            top = ET.parse(path).getroot()
+        except ET.ParseError:
+            continue
+        for suite in [top] if top.tag == "testsuite" else top.findall("testsuite"):
+            root.append(suite)
+    totals = {k: 0 for k in ("tests", "failures", "errors", "skipped")}
+    for suite in root:
+        for k in totals:
+            totals[k] += int(suite.get(k, 0))
+    for k, v in totals.items():
+        root.set(k, str(v))
+    ET.ElementTree(root).write(out, encoding="utf-8", xml_declaration=True)
+    return len(root)
+
+
+def _row(goal: str, figure: str, met) -> str:
+    verdict = {True: "met", False: "NOT met", None: "no result"}[met]
+    return f"| {goal} | {figure} | {verdict} |"
+
+
+def tests_goal(results: Path) -> str:
+    path = results / "pytest_gpu.xml"
+    if not path.is_file():
+        return _row("every GPU test passes", "pytest_gpu.xml missing", None)
+    root = ET.parse(path).getroot()
+    n = {k: int(root.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
+    suites = ", ".join(s.get("name", "?") for s in root.findall("testsuite"))
+    figure = (
+        f"{n['tests']} tests: {n['failures']} failed, {n['errors']} errors, {n['skipped']} skipped ({suites})"
+    )
+    return _row(
+        "every GPU test passes", figure, n["tests"] > 0 and n["failures"] + n["errors"] + n["skipped"] == 0
+    )
+
+
+def kernel_goals(results: Path) -> list:
+    path = results / "kernels_cuda.json"
+    if not path.is_file():
+        return [
+            _row("commit/peek >= 85% of the copy bandwidth", "kernels_cuda.json missing", None),
+            _row("peek >= 3x clone/step/restore", "kernels_cuda.json missing", None),
+        ]
+    res = json.loads(path.read_text())
+    copy = res["stream"]["probes"]["copy"]["gbs"]
+    fractions, speedups = [], []
+    for entry in res["results"]:
+        n, t = entry["params"], entry["median_s"]
+        if n < BIG:
+            continue
+        for key in ("commit", "peek"):
+            fractions.append((n, key, BYTES[key] * n / t[key] / 1e9 / copy))
+        if "clone_step_restore" in t:
+            speedups.append((n, t["clone_step_restore"] / t["peek"]))
+    frac = ", ".join(f"{k} {n / 1e6:g}M {100 * f:.0f}%" for n, k, f in fractions)
+    spd = ", ".join(f"{n / 1e6:g}M {s:.1f}x" for n, s in speedups)
+    return [
+        _row(
+            "commit/peek >= 85% of the copy bandwidth",
+            f"copy {copy:.0f} GB/s (read + write); {frac or 'no size >= 10M'}",
+            bool(fractions) and all(f >= 0.85 for *_, f in fractions),
+        ),
+        _row("peek >= 3x clone/step/restore", spd or "no clone/step/restore timing", bool(speedups) and all(
+            s >= 3 for _, s in speedups)),
+    ]  # fmt: skip
+
+
+def overlap_goals(results: Path) -> list:
+    path = results / "gpu_overlap.json"
+    if not path.is_file():
+        return [
+            _row("acco overlap efficiency >= 90% at every stand-in", "gpu_overlap.json missing", None),
+            _row("the host never waits inside a round (acco)", "gpu_overlap.json missing", None),
+        ]
+    data = json.loads(path.read_text())
+    settings = [s for s in data["settings"] if s["mode"] == "acco"]
+    base = data["meta"].get("compute_syncs_per_step", 0.0)
+    eff = ", ".join(f"x{s['factor']:g} {100 * s['efficiency']:.0f}%" for s in settings)
+    syncs = ", ".join(f"x{s['factor']:g} {s['host_syncs_per_step']:g}" for s in settings)
+    ahead = ", ".join(f"x{s['factor']:g} {100 * s['host_ahead']:.0f}%" for s in settings)
+    return [
+        _row(
+            "acco overlap efficiency >= 90% at every stand-in",
+            eff or "no acco setting",
+            bool(settings) and all(s["efficiency"] >= 0.9 for s in settings),
+        ),
+        _row(
+            "the host never waits inside a round (acco)",
+            f"host syncs per step: {syncs} (the model alone: {base:g}); steps started with the device still "
+            f"busy: {ahead}",
+            bool(settings) and all(s["host_syncs_per_step"] <= base for s in settings),
+        ),
+    ]
+
+
+def goals(results: Path) -> str:
+    lines = ["| goal (issue 10) | measured | verdict |", "|---|---|---|", tests_goal(results)]
+    lines += kernel_goals(results) + overlap_goals(results)
+    return "\n".join(lines) + "\n"
+
+
+def main(argv) -> int:
+    if len(argv) >= 2 and argv[0] == "merge-junit":
+        merge_junit(Path(argv[1]), argv[2:])
+        return 0
+    if len(argv) == 2 and argv[0] == "goals":
+        sys.stdout.write(goals(Path(argv[1])))
+        return 0
+    sys.stderr.write(__doc__)
+    return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
