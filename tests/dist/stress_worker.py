@@ -9,8 +9,8 @@ lets a stream read a buffer the other has not finished writing, and the trajecto
 Unlike tests/dist/worker.py nothing is read between steps (a read drains the pipeline and would close the
 windows the sleeps open): all steps run back to back, then ``finish()`` and one read of the final parameters
 and moments. Per scenario it records the lrs, the final parameters/moments, the device-wide syncs
-(``torch.cuda.synchronize``) made during the steps, the throughput timer's ``synchronized`` flag, and how many
-round jobs were padded. ``--break-waits`` (the control) turns every stream/event wait into a no-op.
+(``torch.cuda.synchronize``) and the other host waits (Event/Stream ``synchronize``, CUDA ``.item()``) made
+during the steps, the throughput timer's ``synchronized`` flag, and how many round jobs were padded. ``--break-waits`` (the control) turns every stream/event wait into a no-op.
 """
 
 from __future__ import annotations
@@ -63,6 +63,28 @@ def break_waits() -> None:
     torch.cuda.Event.wait = lambda self, stream=None: None
 
 
+def count_host_waits(calls: list):
+    """Count the host's waits on the device other than a device-wide sync (Event/Stream.synchronize, .item()
+    of a CUDA tensor) into ``calls``; returns the function that undoes it."""
+    saved = []
+
+    def wrap(owner, name, only_cuda=False):
+        original = getattr(owner, name)
+
+        def counted(*a, **k):
+            if not only_cuda or (a and getattr(a[0], "is_cuda", False)):
+                calls.append(name)
+            return original(*a, **k)
+
+        saved.append((owner, name, original))
+        setattr(owner, name, counted)
+
+    wrap(torch.cuda.Event, "synchronize")
+    wrap(torch.cuda.Stream, "synchronize")
+    wrap(torch.Tensor, "item", only_cuda=True)
+    return lambda: [setattr(owner, name, original) for owner, name, original in reversed(saved)]
+
+
 def run_scenario(sc: dict, rank: int, compute_cycles: int) -> dict:
     cfg = sc["config"]
     gas = cfg["gradient_accumulation_steps"]
@@ -74,9 +96,10 @@ def run_scenario(sc: dict, rank: int, compute_cycles: int) -> dict:
         [tuple(t.to(engine.device) for t in toy.micro_batch(rank, step * gas + j)) for j in range(gas)]
         for step in range(sc["steps"])
     ]  # on the device before the steps: no host-to-device copy inside the timed loop
-    syncs = []
+    syncs, waits = [], []
     original_sync = torch.cuda.synchronize
     torch.cuda.synchronize = lambda *a, **k: (syncs.append(1), original_sync(*a, **k))[1]
+    restore = count_host_waits(waits)
     padded_before = PADDED["side_jobs"]
     lrs = []
     try:
@@ -88,6 +111,7 @@ def run_scenario(sc: dict, rank: int, compute_cycles: int) -> dict:
                 engine.step()
     finally:
         torch.cuda.synchronize = original_sync
+        restore()
     opt = engine.optimizer
     opt.finish()
     out = {
@@ -95,6 +119,7 @@ def run_scenario(sc: dict, rank: int, compute_cycles: int) -> dict:
         "final_model": toy.flat(safe_get_full_fp32_param(p) for p in params).cpu(),
         "exp_avg": toy.flat(safe_get_full_optimizer_state(p, "exp_avg") for p in params).cpu(),
         "device_syncs": len(syncs),
+        "host_waits": len(waits),
         "timer_synchronized": bool(engine.tput_timer.config.synchronized),
         "padded_side_jobs": PADDED["side_jobs"] - padded_before,
         "stats": opt.stats(),
