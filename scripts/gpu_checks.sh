@@ -81,8 +81,10 @@ write_summary() {
 
 versions() {
   "$PY" - <<'PYEOF'
-import importlib, platform, sys
+import importlib, os, platform, sys, sysconfig
 print("python", sys.version.split()[0], sys.executable, "|", platform.platform())
+inc = sysconfig.get_paths()["include"]
+print("Python.h (the extensions' build needs it):", inc, "present" if os.path.exists(os.path.join(inc, "Python.h")) else "MISSING")
 try:
     import torch
     print("torch", torch.__version__, "| torch CUDA", torch.version.cuda, "| cuda available", torch.cuda.is_available())
