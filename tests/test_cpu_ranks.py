@@ -55,3 +55,18 @@ def test_acco_train_ranks_go_to_the_cpu_when_gpus_are_fewer(monkeypatch, capsys)
     monkeypatch.setenv("DS_ACCELERATOR", "cuda")
     monkeypatch.setattr(launch, "_cuda_device_count", lambda: 1)
     assert launch.rank_env(1, world=2)["DS_ACCELERATOR"] == "cuda"  # the user's choice is kept
+
+
+def test_ds_accelerator_cpu_makes_a_cpu_run_on_a_gpu_machine(monkeypatch):
+    """The tests' processes carry DS_ACCELERATOR=cpu (tests/conftest.py): acco-train started from a test then
+    plans 2 CPU ranks in fp32, as on a machine without a GPU, whatever torch sees."""
+    from acco_ds.cli import args, launch
+
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    monkeypatch.setattr("torch.cuda.device_count", lambda: 1)
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    assert launch._cuda_device_count() == 0 and launch.default_world_size() == 2
+    a = args.parse(["--out", "x"])
+    assert a.world_size == 2 and a.dtype == "fp32"
+    monkeypatch.delenv("DS_ACCELERATOR")
+    assert launch._cuda_device_count() == 1 and launch.default_world_size() == 1

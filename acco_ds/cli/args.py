@@ -93,12 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _cuda() -> bool:
-    try:
-        import torch
+    from acco_ds.cli.launch import _cuda_available  # DS_ACCELERATOR=cpu: a CPU run on a GPU machine too
 
-        return torch.cuda.is_available()
-    except Exception:  # pragma: no cover
-        return False
+    return _cuda_available()
 
 
 def parse(argv=None) -> argparse.Namespace:

@@ -10,7 +10,8 @@ CPU (``cleanup_shm``), and raises ``LaunchError`` with the tail of the output wh
 
 Where the ranks run (``rank_env``): on GPUs with NCCL when there is one GPU per rank; otherwise on the CPU
 with gloo (``DS_ACCELERATOR=cpu``), also on a machine with fewer GPUs than ranks (NCCL refuses two ranks on
-one GPU). A ``DS_ACCELERATOR`` already in the environment is kept.
+one GPU). A ``DS_ACCELERATOR`` already in the environment is kept; ``DS_ACCELERATOR=cpu`` makes the run a CPU
+run (default world size 2) on a machine with GPUs too.
 """
 
 from __future__ import annotations
@@ -42,6 +43,10 @@ def _cuda_available() -> bool:
 
 
 def _cuda_device_count() -> int:
+    """GPUs the ranks may use: 0 when ``DS_ACCELERATOR=cpu`` names the CPU accelerator (then the run is a CPU
+    run whatever the machine has), else torch's count."""
+    if os.environ.get("DS_ACCELERATOR", "").strip().lower() == "cpu":
+        return 0
     try:
         import torch
 
