@@ -159,6 +159,7 @@ fi
 START=$(date +%s)
 mkdir -p "$RESULTS"
 WORK=$(mktemp -d /tmp/acco_gpu_checks.XXXXXX)
+trap 'rm -rf "$WORK"' EXIT
 export ACCO_GPU_CHECKS_WORK=$WORK
 exec > >(tee "$RESULTS/gpu_checks.log") 2>&1
 export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 PIP_DISABLE_PIP_VERSION_CHECK=1
