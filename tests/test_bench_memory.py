@@ -1,0 +1,117 @@
+"""benchmarks/bench_memory.py: its --quick run writes the table, the raw JSON (re-rendered alike by
+--from-json) and the plot from real launched ranks, and the analytic bytes of the ACCO modes are
+exactly what the code holds (``GroupBuffers.held_bytes()`` of a real pipeline: launched ranks for
+acco at W=2, an in-process one-rank pipeline for every mode and dtype pair)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import memory_model  # noqa: E402
+import memory_table  # noqa: E402
+
+from acco_ds.config import ACCOConfig  # noqa: E402
+from acco_ds.core.pipeline import ACCOPipeline  # noqa: E402
+from acco_ds.core.round_job import Hyper  # noqa: E402
+from tests.dist.inproc import ensure_single_rank_group  # noqa: E402
+
+SIZE = {torch.bfloat16: 2, torch.float32: 4}
+
+
+@pytest.mark.parametrize("mode", ["sync", "dpu", "acco"])
+@pytest.mark.parametrize(
+    "param_dtype,comm",
+    [(torch.bfloat16, "bf16"), (torch.float32, "fp32"), (torch.bfloat16, "fp32")],
+)
+def test_analytic_bytes_are_what_a_pipeline_holds(mode, param_dtype, comm):
+    ensure_single_rank_group()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(37, 53), torch.nn.LayerNorm(53), torch.nn.Linear(53, 11))
+    model.to(param_dtype)
+    groups = [list(model[0].parameters()) + list(model[1].parameters()), list(model[2].parameters())]
+    cfg = ACCOConfig(mode=mode, comm_dtype=comm)
+    pipe = ACCOPipeline(groups, lambda: [Hyper(1e-3, 0.9, 0.999, 1e-8, 0.0)] * 2, cfg, 2, 0.0)
+    try:
+        for g in pipe.groups:
+            want = memory_model.acco_held_bytes(
+                mode, SIZE[param_dtype], SIZE[g.comm_dtype], 1, g.layout.padded_numel
+            )
+            assert g.held_bytes() == want, (mode, param_dtype, comm, g.held_bytes(), want)
+    finally:
+        pipe.close()
+
+
+def test_goal_bound_and_buffers():
+    assert memory_model.goal_bound(2, 2) == pytest.approx(3.3)
+    assert memory_model.goal_bound(4, 4) == pytest.approx(5.5)
+    acco = memory_model.buffers("acco", 2, 2, 0.0)
+    assert memory_model.held(acco) == 3 * 2 + 12 / 2 + 2 / 2
+    assert memory_model.held(memory_model.buffers("sync", 4, 4)) == 2 * 4 + 12 / 4
+    z1 = memory_model.buffers("zero1", 2, 2)
+    assert memory_model.peak(z1, cpu=False) == 3 * 2 + 12 / 2
+    with pytest.raises(ValueError, match="unknown contender"):
+        memory_model.buffers("zero3", 2, 2)
+
+
+def test_quick_run_writes_table_json_plot(tmp_path):
+    """The real --quick run (2 launched ranks, zero1 and acco, a 3M-parameter GPT-2 in bf16)."""
+    out, work = tmp_path / "out", tmp_path / "work"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_memory.py"), "--quick", "--out", str(out)]
+    proc = subprocess.run(cmd + ["--work", str(work)], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    md = (out / "memory_quick.md").read_text()
+    results = json.loads((out / "memory_quick.json").read_text())["results"]
+    assert (out / "memory_quick.png").stat().st_size > 5000
+    (case,) = results["cases"]
+    assert case["arch"] == "gpt2" and case["dtype"] == "bf16" and case["world"] == 2
+    runs = case["runs"]
+    assert set(runs) == {"zero1", "acco"}
+    for run in runs.values():
+        assert 0 < run["baseline"] < run["peak"] and len(run["rank_peaks"]) == 2
+        assert run["params"] == case["params"]
+    held = runs["acco"]["held"]
+    assert held["numel"] == case["params"]
+    # the analytic formula is exactly what the launched pipeline held ...
+    want = memory_model.acco_held_bytes("acco", 2, 2, 2, held["padded_numel"])
+    assert want == {"full": held["full"], "shards": held["shards"]}
+    # ... and the table's analytic column is that, per parameter (padding < 32 elements)
+    rows = {r["contender"]: r for r in memory_table.analyse(results)["rows"]}
+    assert rows["acco"]["code_matches_formula"]
+    assert rows["acco"]["analytic_held"] == pytest.approx(rows["acco"]["code_held"], rel=1e-4)
+    assert rows["zero1"]["extra"] == 0.0
+    assert rows["acco"]["extra"] == pytest.approx(
+        (runs["acco"]["peak"] - runs["zero1"]["peak"]) / case["params"]
+    )
+    for text in ("| gpt2 3m | bf16 | 2 | acco |", "Goals (issue 11)", "Analytic bytes per parameter"):
+        assert text in md
+    # --from-json re-renders the same document
+    again = tmp_path / "again"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "bench_memory.py"),
+            "--from-json",
+            str(out / "memory_quick.json"),
+            "--out",
+            str(again),
+            "--prefix",
+            "memory_quick",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (again / "memory_quick.md").read_text() == md
