@@ -23,6 +23,10 @@ from tests.launch import run_scenarios
 STEPS, GAS, LR, WD = 10, 4, 0.02, 0.1
 MODES = ("sync", "dpu", "acco")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# Parameter and communication dtypes that differ: the buffers then keep parameters and gradients apart
+# and fold each .grad into the gradient buffer with a hook (core.buffers). name -> (model dtype,
+# optimizer.params.comm_dtype, the tolerances of); run with clipping acting.
+MIXED = {"bf16p_fp32c": ("bf16", "fp32"), "fp32p_bf16c": ("fp32", "bf16")}
 # "clip" acts at every step (the toy's averaged gradient norms are 1.3 to 3); "noclip" sets
 # gradient_clipping 0 explicitly (DeepSpeed's default is 1.0, which would clip).
 CLIPS = {"noclip": 0.0, "clip": 0.5}
@@ -40,6 +44,15 @@ def name_of(mode: str, dtype: str, clip: str) -> str:
     return f"{mode}_{dtype}_{clip}"
 
 
+def model_dtype(precision: str) -> str:
+    return MIXED[precision][0] if precision in MIXED else precision
+
+
+def tol_class(precision: str) -> str:
+    """Tolerances: fp32 only when parameters and gradients are both fp32."""
+    return "bf16" if precision in MIXED else precision
+
+
 def ds_config(optimizer: dict, dtype: str, clip: str) -> dict:
     return {
         "train_micro_batch_size_per_gpu": toy.MICRO_BATCH,
@@ -51,13 +64,13 @@ def ds_config(optimizer: dict, dtype: str, clip: str) -> dict:
         },
         "zero_optimization": {"stage": 1},
         "gradient_clipping": CLIPS[clip],
-        "bf16": {"enabled": dtype == "bf16"},
+        "bf16": {"enabled": model_dtype(dtype) == "bf16"},
         "steps_per_print": 10**9,
     }
 
 
-def acco_opt(mode: str) -> dict:
-    return {"type": "ACCO", "params": {"lr": LR, "weight_decay": WD, "mode": mode}}
+def acco_opt(mode: str, comm_dtype: str = "auto") -> dict:
+    return {"type": "ACCO", "params": {"lr": LR, "weight_decay": WD, "mode": mode, "comm_dtype": comm_dtype}}
 
 
 def scenarios(world: int) -> list:
@@ -66,6 +79,15 @@ def scenarios(world: int) -> list:
         for m in MODES
         for d in DTYPES
         for c in CLIPS
+    ]
+    out += [
+        {
+            "name": name_of(m, p, "clip"),
+            "steps": STEPS,
+            "config": ds_config(acco_opt(m, MIXED[p][1]), p, "clip"),
+        }
+        for m in MODES
+        for p in MIXED
     ]
     if world == 2:
         zero1 = {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD}}
@@ -85,17 +107,18 @@ def run(request, tmp_path_factory):
 
 @cache
 def reference(mode: str, dtype: str, world: int, clip: str, lrs: tuple) -> RefRun:
-    theta0 = toy.flat(toy.trainable(toy.build().to(DTYPES[dtype])))
+    compute = DTYPES[model_dtype(dtype)]
+    theta0 = toy.flat(toy.trainable(toy.build().to(compute)))
     return reference_run(
         mode,
         [theta0],
-        toy.make_grad_fn(DTYPES[dtype]),
+        toy.make_grad_fn(compute),
         world_size=world,
         micro_batches_per_round=GAS // 2 if mode == "acco" else GAS,
         steps=STEPS,
         hypers=lambda t: [RefHyper(lrs[t], (0.9, 0.999), 1e-8, WD)],
         clip=CLIPS[clip],
-        compute_dtype=DTYPES[dtype],
+        compute_dtype=compute,
     )
 
 
@@ -162,15 +185,18 @@ def assert_matches_reference(
         assert got == pytest.approx(want, rel=norm_tol), f"{where} commit {t + 1}: grad norm {got} vs {want}"
 
 
-@pytest.mark.parametrize("clip", CLIPS)
+PRECISION_CLIPS = [(d, c) for d in DTYPES for c in CLIPS] + [(p, "clip") for p in MIXED]
+
+
+@pytest.mark.parametrize(("dtype", "clip"), PRECISION_CLIPS, ids=[f"{d}-{c}" for d, c in PRECISION_CLIPS])
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("dtype", DTYPES)
 def test_matches_reference(run, mode, dtype, clip):
     world, results = run
     res = results[name_of(mode, dtype, clip)]
-    assert_matches_reference(res, mode, dtype, world, clip, TOL[dtype], MOMENT_TOL[dtype], NORM_TOL[dtype])
+    t = tol_class(dtype)
+    assert_matches_reference(res, mode, dtype, world, clip, TOL[t], MOMENT_TOL[t], NORM_TOL[t])
     # the run moved: a comparison of two frozen trajectories would prove nothing
-    assert (res["traj"][-1] - res["traj"][0]).abs().max() > 10 * TOL[dtype]
+    assert (res["traj"][-1] - res["traj"][0]).abs().max() > 10 * TOL[t]
 
 
 @pytest.mark.parametrize("clip", CLIPS)

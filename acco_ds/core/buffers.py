@@ -6,14 +6,39 @@ every rank's shard has the same size and starts on a 64-byte boundary (ALIGN fp3
 Rank ``r`` owns ``[r * shard_numel, (r + 1) * shard_numel)``. This is DeepSpeed ZeRO-1's layout
 (contiguous slices of one flat vector, rank order), which is what ``zero_to_fp32`` reassembles.
 
-Buffer ownership (who may read/write a buffer during a round):
-- ``params[i]`` (param dtype, padded_numel): two full copies of the parameters. The model's
-  ``Parameter.data`` are views into ``params[model_slot]``; the compute side owns it for the
-  round. The comm side writes (all-gathers) the other one. At a round end the roles swap.
-- ``grads[i]`` (comm dtype, padded_numel): two gradient buffers. The compute side accumulates the
-  round's micro-batch gradients into ``grads[acc_slot]``; the comm side reduce-scatters the other.
-- shard buffers (fp32 master, exp_avg, exp_avg_sq, the kept g~ sum, scratch): comm side only,
-  except while the pipeline is drained (checkpoints, accessors).
+Full-size buffers and their roles. At any time each full buffer has one role:
+
+- MODEL (param dtype): the model's ``Parameter.data`` are views into it; the compute side reads it.
+- ACC (comm dtype): the compute side accumulates the round's micro-batch gradients into it.
+- JOB: handed to the communication side at a round end with the round's gradients. The job
+  reduce-scatters them IN PLACE (this rank's reduced shard ends in its own slice), the fused AdamW
+  reads that slice and writes the new parameters into the slice of the job's parameter target,
+  which is then all-gathered IN PLACE. When the job is swapped in, its parameter target becomes
+  MODEL.
+- free: none of the above (only between a swap-in and the next ACC).
+
+Storage, by dtypes and mode (N = padded_numel, S = shard_numel, D = dtype size):
+
+- param dtype == comm dtype (the default: bf16/bf16, fp32/fp32): ONE pool of interchangeable
+  buffers. A job's parameter target is its own gradient buffer (the reduce-scatter leaves only this
+  rank's slice live, and the new parameters overwrite exactly that slice before the all-gather), so a
+  buffer goes ACC -> JOB -> MODEL -> ACC: no copy at a round end. acco/dpu hold 3 buffers (the model
+  computes on one, accumulates into another, while the third is on the wire); sync holds 2 (nothing
+  overlaps). The parameters' ``.grad`` are views into the ACC buffer, so autograd accumulates each
+  micro-batch's gradient in place (``point_grads``); no ``.grad`` tensor exists beside the buffer.
+- param dtype != comm dtype (bf16 parameters, fp32 communication): a gradient buffer cannot hold the
+  parameters, so parameters and gradients have pools of their own: 2 param + 2 grad buffers in
+  acco/dpu (the new parameters are gathered into the param buffer the model does not use), 1 + 1 in
+  sync (gathered into the model's own buffer while the compute waits). ``.grad`` cannot be a view of
+  another dtype: a post-accumulate-grad hook folds each parameter's gradient into ACC as backward
+  produces it and frees it (``install_fold_hooks``).
+
+Shards (this rank's S elements, comm side only except while drained): the fp32 master weights,
+``exp_avg``, ``exp_avg_sq``; in acco the reduced g~ sum the last peek kept (``tilde``), in the comm
+dtype it was reduced in. Nothing else is held: no fp32 gradient shard, no reduce or output shard.
+
+Per rank: same dtype, acco/dpu: 3 N D + 12 S (+ S D in acco); sync: 2 N D + 12 S. Mixed (bf16
+parameters, fp32 communication), acco/dpu: 2 N 2 + 2 N 4 + 12 S (+ 4 S); sync: N 2 + N 4 + 12 S.
 """
 
 from __future__ import annotations
@@ -22,6 +47,8 @@ from dataclasses import dataclass
 from typing import List, Sequence
 
 import torch
+
+from acco_ds.ops.accumulate import accumulate_grads
 
 ALIGN = 16  # elements; 64 B of fp32, 32 B of bf16: keeps every shard start vector-aligned
 
@@ -64,8 +91,17 @@ class GroupLayout:
         return range(r.start, max(r.start, min(r.stop, self.numel)))
 
 
+class GradReplacedError(RuntimeError):
+    """A parameter's ``.grad`` is no longer ACCO's view into the accumulation buffer."""
+
+
 class GroupBuffers:
-    """The flat buffers of one parameter group on one rank (see the module docstring for ownership)."""
+    """The buffers of one parameter group on one rank (see the module docstring for roles/ownership).
+
+    ``param_bufs`` / ``grad_bufs`` are the full buffers (the same list when the dtypes match);
+    ``model`` indexes ``param_bufs``, ``acc`` indexes ``grad_bufs``, ``job`` is the ``(grad, param)``
+    pair of indices handed to the communication side, or None. Role changes happen on the compute
+    side only: :meth:`start_job`, :meth:`finish_job`, :meth:`new_acc`."""
 
     def __init__(
         self,
@@ -74,6 +110,7 @@ class GroupBuffers:
         rank: int,
         comm_dtype: torch.dtype,
         keep_tilde: bool,
+        overlapped: bool,
     ):
         self.params = params
         self.layout = layout
@@ -89,35 +126,167 @@ class GroupBuffers:
         n, s = layout.padded_numel, layout.shard_numel
         self.param_dtype = pdtype
         self.comm_dtype = comm_dtype
-        self.params_flat = [torch.zeros(n, dtype=pdtype, device=dev) for _ in range(2)]
-        self.grads_flat = [torch.zeros(n, dtype=comm_dtype, device=dev) for _ in range(2)]
-        for p, off, numel in zip(params, layout.offsets, layout.numels):
-            self.params_flat[0][off : off + numel].copy_(p.detach().reshape(-1))
-        self.params_flat[1].copy_(self.params_flat[0])
-        shard = self.params_flat[0][layout.shard_range(rank).start : layout.shard_range(rank).stop]
-        self.master = shard.float().clone()
+        self.shared = pdtype == comm_dtype
+        self.overlapped = overlapped
+        if self.shared:
+            self.param_bufs = [
+                torch.zeros(n, dtype=pdtype, device=dev) for _ in range(3 if overlapped else 2)
+            ]
+            self.grad_bufs = self.param_bufs
+        else:
+            count = 2 if overlapped else 1
+            self.param_bufs = [torch.zeros(n, dtype=pdtype, device=dev) for _ in range(count)]
+            self.grad_bufs = [torch.zeros(n, dtype=comm_dtype, device=dev) for _ in range(count)]
+        self.model = 0
+        self.acc = 1 if self.shared else 0
+        self.job: tuple | None = None
+        with torch.no_grad():
+            model_flat = self.param_bufs[0]
+            for p, off, numel in zip(params, layout.offsets, layout.numels):
+                model_flat[off : off + numel].copy_(p.detach().reshape(-1))
+                p.data = model_flat[off : off + numel].view(p.shape)  # the original storage is freed here
+        self.master = self.shard_of(self.param_bufs[self.model]).float().clone()
         self.exp_avg = torch.zeros(s, dtype=torch.float32, device=dev)
         self.exp_avg_sq = torch.zeros(s, dtype=torch.float32, device=dev)
-        self.grad_shard = torch.zeros(s, dtype=torch.float32, device=dev)
-        self.reduce_out = (
-            self.grad_shard if comm_dtype == torch.float32 else torch.zeros(s, dtype=comm_dtype, device=dev)
-        )
-        self.tilde_shard = torch.zeros(s, dtype=torch.float32, device=dev) if keep_tilde else None
-        self.out_shard = torch.zeros(s, dtype=pdtype, device=dev)
-        self.point_params_at(0)
+        self.tilde = torch.zeros(s, dtype=comm_dtype, device=dev) if keep_tilde else None
+        self._fold_handles: list = []
+        self.point_params()
+        self.point_grads()
 
-    def point_params_at(self, slot: int) -> None:
-        """Make every model parameter a view into ``params_flat[slot]`` (no copy)."""
-        flat = self.params_flat[slot]
-        for p, off, numel, shape in zip(
-            self.params, self.layout.offsets, self.layout.numels, self.layout.shapes
-        ):
-            p.data = flat[off : off + numel].view(shape)
-
+    # -- views ----------------------------------------------------------------------------------
     def shard_of(self, flat: torch.Tensor) -> torch.Tensor:
         r = self.layout.shard_range(self.rank)
         return flat[r.start : r.stop]
 
+    def _views(self, flat: torch.Tensor):
+        for p, off, numel, shape in zip(
+            self.params, self.layout.offsets, self.layout.numels, self.layout.shapes
+        ):
+            yield p, flat[off : off + numel].view(shape)
+
+    @property
+    def model_flat(self) -> torch.Tensor:
+        return self.param_bufs[self.model]
+
+    @property
+    def acc_flat(self) -> torch.Tensor:
+        return self.grad_bufs[self.acc]
+
+    def point_params(self, flat: torch.Tensor | None = None) -> None:
+        """Make every model parameter a view into ``flat`` (default: the MODEL buffer); no copy."""
+        for p, view in self._views(self.model_flat if flat is None else flat):
+            p.data = view
+
+    def point_grads(self) -> None:
+        """Same dtypes: make every parameter's ``.grad`` a view into the ACC buffer (autograd then
+        accumulates into it in place). Mixed dtypes: ``.grad`` stays None between backwards."""
+        if not self.shared:
+            return
+        for p, view in self._views(self.acc_flat):
+            if p.grad is None or p.grad.data_ptr() != view.data_ptr():
+                p.grad = view
+
+    def check_grads(self) -> None:
+        """After a backward (same dtypes): every ``.grad`` must still be ACCO's view (or None, when
+        the parameter got no gradient and user code reset it). Raises GradReplacedError otherwise."""
+        if not self.shared:
+            return
+        for p, view in self._views(self.acc_flat):
+            g = p.grad
+            if g is not None and g.data_ptr() != view.data_ptr():
+                raise GradReplacedError(
+                    f"acco_ds: the .grad of a parameter of shape {tuple(p.shape)} was replaced by another tensor "
+                    "during this micro-batch. ACCO accumulates gradients in place in its communication buffer "
+                    "through .grad views; do not assign .grad, call backward with create_graph=True, or clip or "
+                    "rescale .grad yourself (set DeepSpeed's gradient_clipping instead). Use engine.backward(loss)."
+                )
+
+    def install_fold_hooks(self) -> None:
+        """Mixed dtypes: fold each parameter's gradient into the ACC buffer as soon as autograd has
+        accumulated it, then free it, so no full set of ``.grad`` tensors ever exists."""
+        if self.shared or self._fold_handles:
+            return
+        for p, off in zip(self.params, self.layout.offsets):
+            self._fold_handles.append(p.register_post_accumulate_grad_hook(self._make_fold(off)))
+
+    def _make_fold(self, off: int):
+        def fold(p: torch.Tensor) -> None:
+            if p.grad is not None:
+                accumulate_grads(self.acc_flat, [p.grad], [off], 1.0)
+                p.grad = None
+
+        return fold
+
+    def remove_fold_hooks(self) -> None:
+        for h in self._fold_handles:
+            h.remove()
+        self._fold_handles = []
+
+    # -- roles (compute side) -------------------------------------------------------------------
+    def start_job(self, in_place: bool) -> tuple:
+        """Hand the ACC buffer to a job; return ``(grad_index, param_index)``: the buffer the job
+        reduces and the one it gathers the new parameters into. ``in_place`` (sync, the compute waits):
+        mixed dtypes gather into the MODEL buffer itself."""
+        if self.job is not None:
+            raise RuntimeError("acco_ds: a job is already in flight for this group")
+        g = self.acc
+        if self.shared:
+            target = g
+        elif in_place or len(self.param_bufs) == 1:
+            target = self.model
+        else:
+            target = 1 - self.model
+        self.job = (g, target)
+        self.acc = None
+        return self.job
+
+    def finish_job(self) -> None:
+        """The job in flight has been waited for: its parameter target becomes MODEL."""
+        g, target = self.job
+        self.model = target
+        self.job = None
+
+    def new_acc(self) -> None:
+        """Give ACC a buffer no other role holds and zero it (on the compute side)."""
+        busy = set()
+        if self.job is not None:
+            busy.add(self.job[0])
+            if self.shared:
+                busy.add(self.job[1])
+        if self.shared:
+            busy.add(self.model)
+        free = [i for i in range(len(self.grad_bufs)) if i not in busy]
+        if not free:
+            raise RuntimeError(f"acco_ds: no free gradient buffer (model {self.model}, job {self.job})")
+        self.acc = free[0]
+        self.grad_bufs[self.acc].zero_()
+
+    def restore_roles(self, job_in_flight: bool) -> None:
+        """A canonical role assignment for a restored state (the caller fills the buffers): MODEL in
+        buffer 0, a finished job's parameters (and, same dtypes, its gradients) in buffer 1, ACC in the
+        next free buffer."""
+        self.model = 0
+        self.job = (1, 1) if job_in_flight else None
+        if self.shared:
+            self.acc = 2 if job_in_flight else 1
+        else:
+            self.acc = 0
+
+    def job_param_flat(self) -> torch.Tensor | None:
+        return None if self.job is None else self.param_bufs[self.job[1]]
+
+    # -- sizes ----------------------------------------------------------------------------------
     def state_numel(self) -> int:
         """Elements of sharded optimizer state held by this rank (master + exp_avg + exp_avg_sq)."""
         return self.master.numel() + self.exp_avg.numel() + self.exp_avg_sq.numel()
+
+    def held_bytes(self) -> dict:
+        """Bytes this group holds, per buffer kind (what bench_memory's analytic columns predict)."""
+        full = {id(t): t for t in self.param_bufs + self.grad_bufs}.values()
+        shards = [self.master, self.exp_avg, self.exp_avg_sq] + (
+            [self.tilde] if self.tilde is not None else []
+        )
+        return {
+            "full": sum(t.numel() * t.element_size() for t in full),
+            "shards": sum(t.numel() * t.element_size() for t in shards),
+        }

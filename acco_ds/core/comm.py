@@ -7,7 +7,8 @@ One interface, two implementations:
   collectives on the default group (gloo's reduce-scatter blocks its caller for tens of ms).
   ``done`` polls the future; ``wait`` blocks the compute thread until the job has finished
   (or raises after ``timeout_s`` naming the job).
-- ``StreamExecutor`` (CUDA, NCCL): the job is *enqueued* from the host on a side CUDA stream,
+- ``StreamExecutor`` (CUDA, NCCL): the job is *enqueued* from the host on a side CUDA stream of the
+  highest priority,
   after the side stream waited on an event recorded on the compute stream at launch (the job
   reads the gradient buffer the compute stream wrote and overwrites the parameter buffer the
   compute stream read). A ``done`` event is recorded on the side stream after the job.
@@ -34,6 +35,9 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+
+SIDE_STREAM_PRIORITY = -100
+"""Priority of the CUDA side stream (lower is higher; torch clamps it to the device's highest)."""
 
 
 class CommTimeoutError(RuntimeError):
@@ -149,7 +153,9 @@ class StreamExecutor:
         self.timeout_s = timeout_s
         self.device = device
         self.monitor = monitor
-        self.stream = torch.cuda.Stream(device=device)
+        # torch maps a priority beyond the device's range to its highest: the round's NCCL kernels then
+        # start as soon as their inputs are ready instead of queueing behind the compute stream's kernels
+        self.stream = torch.cuda.Stream(device=device, priority=SIDE_STREAM_PRIORITY)
 
     def launch(self, name: str, job: Callable[[], Any]) -> Ticket:
         ticket = Ticket(name)

@@ -2,22 +2,31 @@
 
 The caller (the DeepSpeed optimizer, or a test) drives it with:
 
-- ``on_micro_batch_end()`` after each micro-batch backward: the parameters' ``.grad`` are
-  accumulated into the round's gradient buffer and released (set to None); the round ends when
-  the schedule says so (fixed: its share of micro-batches; adaptive: its share and the previous
-  round's communication done).
+- ``on_backward_start()`` before each micro-batch backward: the parameters' ``.grad`` are (again)
+  views into the round's gradient buffer, so autograd accumulates into it in place (mixed dtypes:
+  hooks fold each gradient into it as backward produces it; ``core.buffers``).
+- ``on_micro_batch_end()`` after each micro-batch backward; the round ends when the schedule says so
+  (fixed: its share of micro-batches; adaptive: its share and the previous round's communication
+  done).
 - ``on_engine_step()`` each time the engine's optimizer step is called (LR bookkeeping).
 - ``sync_in_flight()`` before reading the committed state (accessors, checkpoints): waits for the
   job in flight without changing what the next round computes at.
 - ``finish()`` at the end of training: ends the work in flight and loads the committed
   parameters theta into the model. Collective.
 
-Stream contract: the compute side (the caller's thread / current CUDA stream) owns the model
-parameters' buffer and the accumulating gradient buffer of the current round. A round end hands
-the accumulated gradient buffer and the *other* parameter buffer to the communication side
-(``core.comm`` executor), which reduce-scatters the gradients, steps the sharded AdamW and
-all-gathers the new parameters into that other buffer. The next round end waits for the job
-(an event on CUDA) and re-points the model's parameters at the gathered buffer (no copy).
+Stream contract: the compute side (the caller's thread / current CUDA stream) owns the MODEL and
+ACC buffers of the current round (``core.buffers``). A round end hands the ACC buffer (and, with
+bf16 parameters and fp32 communication, a parameter buffer the model does not use) to the
+communication side (``core.comm`` executor), which reduce-scatters the gradients in place, steps
+the sharded AdamW and all-gathers the new parameters in place. The next round end waits for the job
+(an event on CUDA: the compute stream waits, the host does not) and re-points the model's
+parameters at the gathered buffer; the buffer the model computed at becomes the next ACC (zeroed on
+the compute stream, after the kernels that read it). No copy of a full buffer at a round end.
+
+Host reads: the job's few figures (skip, empty, counts) are read from its host summary after the
+job's own event (``RoundResult``): the host waits, at a round end, for the side stream's job whose
+parameters the next round needs anyway, never for the compute stream to drain. That wait is what
+``stats.comm_wait_s`` measures on CUDA (on CPU: the time the compute thread blocks in ``wait``).
 """
 
 from __future__ import annotations
@@ -34,9 +43,8 @@ from acco_ds.config import ACCOConfig, ACCOConfigError
 from acco_ds.core import schedule
 from acco_ds.core.buffers import GroupBuffers, GroupLayout
 from acco_ds.core.comm import check_reducible, make_control_group, make_executor
-from acco_ds.core.round_job import Hyper, RoundResult, all_gather, run_round_job
+from acco_ds.core.round_job import Hyper, RoundResult, all_gather_inplace, run_round_job
 from acco_ds.core.schedule import Job, RoundCounter
-from acco_ds.ops.accumulate import accumulate_grads
 
 
 @dataclass
@@ -114,9 +122,12 @@ class ACCOPipeline:
                 self.rank,
                 comm_dtype,
                 keep_tilde=self.mode == "acco",
+                overlapped=self.mode != "sync",
             )
             for ps in groups_params
         ]
+        for b in self.groups:
+            b.install_fold_hooks()
         self.executor = make_executor(self.device, cfg.comm_timeout_s, dp_group)
         self.control_group = make_control_group(dp_group, cfg.comm_timeout_s)
         try:
@@ -127,8 +138,6 @@ class ACCOPipeline:
         self.round_index = 0  # rounds launched since the start (global, for names and stats)
         self.phase_round = 0  # rounds since the pipeline (re)started: what schedule.plan sees
         self.commits_launched = 0  # index of the next commit (a peek predicts this one)
-        self.acc_slot = 0
-        self.model_slot = 0
         self.in_flight = None  # (Ticket, RoundEnd)
         self.model_holds = "theta"  # "theta" (committed) or "estimate" (theta~, acco)
         self.committed_steps = 0  # commits swapped in (applied or skipped)
@@ -140,13 +149,16 @@ class ACCOPipeline:
         self.stats = PipelineStats()
 
     # -- compute side -------------------------------------------------------------------------
+    def on_backward_start(self) -> None:
+        """Before a micro-batch's backward: ``.grad`` views into the ACC buffer (user code or
+        ``engine.zero_grad()`` may have set them to None; the accumulated sum lives in the buffer)."""
+        for b in self.groups:
+            b.point_grads()
+
     def on_micro_batch_end(self) -> None:
         self._record_hypers()
         for b in self.groups:
-            grads = [p.grad for p in b.params]
-            accumulate_grads(b.grads_flat[self.acc_slot], grads, b.layout.offsets, 1.0)
-            for p in b.params:
-                p.grad = None
+            b.check_grads()
         self.counter.add()
         self.stats.micro_batches_local += 1
         if self.counter.may_end(self._in_flight_done()):
@@ -180,15 +192,13 @@ class ACCOPipeline:
         return hyp
 
     def end_round(self) -> None:
-        """End the current round: swap in the job in flight, launch this round's job."""
+        """End the current round: swap in the job in flight, launch this round's job, give the next
+        round a zeroed gradient buffer."""
         plan = schedule.plan(self.mode, self.phase_round)
         if plan.wait_previous:
             self._finish_in_flight()
         commit_index = self.commits_launched
-        grad_slot = self.acc_slot
-        self.acc_slot ^= 1
-        for b in self.groups:
-            b.grads_flat[self.acc_slot].zero_()
+        roles = [b.start_job(in_place=plan.wait_now) for b in self.groups]
         step = self.state_step + 1
         job = partial(
             run_round_job,
@@ -196,10 +206,9 @@ class ACCOPipeline:
             commit_index=commit_index,
             step=step,
             groups=self.groups,
+            roles=roles,
             hypers=self._hypers_for(self.state_step),
-            grad_slot=grad_slot,
-            target_slot=self.model_slot ^ 1,
-            local_count=torch.tensor([float(self.counter.count)], dtype=torch.float64),
+            local_count=self.counter.count,
             fixed_count=None if self.adaptive else self.counter.count,
             gas=self.gas,
             clip=self.clip,
@@ -216,39 +225,45 @@ class ACCOPipeline:
         self.counter.reset()
         if plan.wait_now:
             self._finish_in_flight()
+        for b in self.groups:
+            b.new_acc()
+            b.point_grads()
 
     def _finish_in_flight(self) -> RoundResult | None:
+        """Wait for the job in flight (CUDA: the compute stream waits on its event), make its
+        gathered parameters the model's, and do its bookkeeping from its host summary."""
         if self.in_flight is None:
             return None
         ticket, _ = self.in_flight
         t0 = time.perf_counter()
         result: RoundResult = self.executor.wait(ticket)
-        self.stats.comm_wait_s += time.perf_counter() - t0
         self.in_flight = None
-        self.model_slot = result.target_slot
         for b in self.groups:
-            b.point_params_at(self.model_slot)
-        counts = result.rank_counts.tolist()
-        self.stats.last_round_counts = [int(c) for c in counts]
-        empty = result.empty is not None and bool(int(result.empty.item()))
+            b.finish_job()
+            b.point_params()
+        result.wait_summary()
+        self.stats.comm_wait_s += time.perf_counter() - t0
+        skipped, empty, count, round_count, *rank_counts = result.summary.tolist()
+        count, round_count = int(count), int(round_count)
+        self.stats.last_round_counts = [int(c) for c in rank_counts]
         if result.job is Job.COMMIT:
             self.committed_steps += 1
             if empty:  # nothing to commit: state and parameters unchanged
                 self.stats.empty_commits += 1
-            elif int(result.skipped.item()):
+            elif skipped:
                 self.last_grad_norm = result.grad_norm
                 self.stats.skipped_steps += 1
-                self.stats.micro_batches_discarded += int(result.count.item())
+                self.stats.micro_batches_discarded += count
             else:
                 self.last_grad_norm = result.grad_norm
                 self.state_step += 1
-                self.stats.micro_batches_committed += int(result.count.item())
+                self.stats.micro_batches_committed += count
             self.model_holds = "theta"
         else:
-            if int(result.skipped.item()) and not empty:  # non-finite g~: estimate = theta, commit skips
+            if skipped and not empty:  # non-finite g~: estimate = theta, commit skips
                 self.stats.skipped_peeks += 1
             elif not empty:
-                self.stats.micro_batches_peeked += int(result.round_count.item())
+                self.stats.micro_batches_peeked += round_count
             self.model_holds = "estimate"
         return result
 
@@ -276,7 +291,7 @@ class ACCOPipeline:
         self.stats.micro_batches_discarded += self._global_pending_count()
         self.counter.reset()
         for b in self.groups:
-            b.grads_flat[self.acc_slot].zero_()
+            b.acc_flat.zero_()
         self.phase_round = 0  # training may go on: it restarts with a prologue at theta
 
     def _control_all_reduce(self, t: torch.Tensor, op, what: str) -> None:
@@ -327,9 +342,44 @@ class ACCOPipeline:
     def _gather_committed(self) -> None:
         """Put theta (the fp32 master, cast) into the model's parameters. Collective."""
         for b in self.groups:
-            b.out_shard.copy_(b.master)
-            all_gather(b.params_flat[self.model_slot], b.out_shard, self.executor.group)
+            b.shard_of(b.model_flat).copy_(b.master)
+            all_gather_inplace(b.model_flat, self.executor.group)
         self.model_holds = "theta"
+
+    @torch.no_grad()
+    def restart(self, masters: Sequence[torch.Tensor] | None = None) -> None:
+        """Start over from a committed state: nothing in flight, no pending gradients, a new prologue,
+        the model at theta. ``masters``: new fp32 master shards, one per group (a loaded checkpoint);
+        None takes theta from the weights the model's parameters hold now (a module-only load wrote
+        them there). Adam moments and step counts are kept. Collective."""
+        from acco_ds.core.snapshot import drain
+
+        drain(self)
+        self.in_flight = None
+        for i, b in enumerate(self.groups):
+            viewed = b.params[0].data.data_ptr()
+            flat = b.model_flat
+            if not flat.data_ptr() <= viewed < flat.data_ptr() + flat.numel() * flat.element_size():
+                raise RuntimeError("acco_ds: the model's parameters no longer view ACCO's parameter buffer.")
+            b.job = None
+            if masters is None:
+                b.master.copy_(b.shard_of(flat).float())
+            else:
+                b.master.copy_(masters[i])
+            for buf in {id(t): t for t in b.param_bufs + b.grad_bufs}.values():
+                if buf is not flat:
+                    buf.zero_()
+            b.shard_of(flat).copy_(b.master)
+            all_gather_inplace(flat, self.executor.group)
+            if b.tilde is not None:
+                b.tilde.zero_()
+            b.new_acc()
+            b.point_params()
+            b.point_grads()
+        self.model_holds = "theta"
+        self.phase_round = 0
+        self.counter.reset()
+        self.tilde_count[0] = torch.zeros(1, dtype=torch.float64, device=self.device)
 
     def close(self) -> None:
         self.executor.close()

@@ -1,9 +1,17 @@
 """The communication job of one round: reduce-scatter, sharded AdamW (commit or peek), all-gather.
 
 Runs on the communication side (worker thread or side CUDA stream, see ``comm.py``); reads only
-buffers the compute side handed over at launch and the comm-side shard state. No host reads of
-device values: the global count, clipping coefficient and skip flag stay tensors, so the same
-code enqueues without a host sync on CUDA.
+buffers the compute side handed over at launch (``GroupBuffers.start_job``) and the comm-side
+shard state. Everything happens IN PLACE in the job's buffers (``core.buffers``): the gradients are
+reduce-scattered into this rank's slice of the gradient buffer, the fused AdamW reads that slice and
+writes the new parameters into this rank's slice of the parameter target (the same slice of the
+same buffer when parameter and communication dtypes match), which is then all-gathered in place.
+
+No host reads of device values inside the job: the global count, clipping coefficient and skip
+flag stay tensors, so the same code enqueues without a host sync on CUDA. The few figures the
+compute side needs afterwards (skip, empty, counts) are copied into a small host tensor, pinned and
+written asynchronously on CUDA with an event (``RoundResult.summary``), so reading them waits only
+for this job on the side stream, never for the compute stream to drain.
 
 Gradient scaling: the compute side accumulates micro-batch gradients that DeepSpeed's
 ``engine.backward`` already divided by ``gradient_accumulation_steps`` (GAS). The buffers so hold
@@ -14,7 +22,7 @@ Gradient scaling: the compute side accumulates micro-batch gradients that DeepSp
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Sequence
+from typing import Any, List, Sequence
 
 import torch
 import torch.distributed as dist
@@ -22,6 +30,8 @@ import torch.distributed as dist
 from acco_ds.core.buffers import GroupBuffers
 from acco_ds.core.schedule import Job
 from acco_ds.ops.adamw import adamw_step
+
+_SUMMARY_FIXED = 4  # skipped, empty, count, round_count; then one count per rank
 
 
 @dataclass(frozen=True)
@@ -37,49 +47,108 @@ class Hyper:
 
 @dataclass
 class RoundResult:
-    """What a finished job hands back to the compute side."""
+    """What a finished job hands back to the compute side.
+
+    ``summary`` (float64, on the host; pinned on CUDA) holds ``[skipped, empty, count, round_count,
+    count of rank 0, ..., count of rank W-1]``: skipped is 1 when the gradient was non-finite and
+    the step was skipped, empty 1 when no rank had a micro-batch (nothing to step), count the global
+    micro-batch count the step divided by (a commit in acco includes the kept g~), round_count this
+    round's global micro-batches. On CUDA the job writes it asynchronously and records
+    ``summary_ready``; the properties wait for that event (the side stream only)."""
 
     job: Job
     commit_index: int
-    grad_norm: torch.Tensor  # global norm of the (averaged, unclipped) gradient the step used
-    skipped: torch.Tensor  # int32 [1]: 1 when the gradient was non-finite and the step was skipped
-    count: torch.Tensor  # float64 [1]: global micro-batch count the step divided by
-    rank_counts: torch.Tensor  # float64 [W]: this round's micro-batches per rank
-    round_count: torch.Tensor  # float64 [1]: this round's global micro-batches (without the kept g~)
-    target_slot: int  # params_flat slot the parameters were gathered into
-    empty: torch.Tensor | None = None  # int32 [1]: 1 when no rank had a micro-batch (nothing to step)
+    grad_norm: torch.Tensor  # fp32 [1] on the device: global norm of the averaged, unclipped gradient
+    summary: torch.Tensor
+    summary_ready: Any = None
+
+    def wait_summary(self) -> None:
+        if self.summary_ready is not None:
+            self.summary_ready.synchronize()
+
+    def _at(self, i: int) -> float:
+        self.wait_summary()
+        return float(self.summary[i])
+
+    @property
+    def skipped(self) -> bool:
+        return self._at(0) != 0.0
+
+    @property
+    def empty(self) -> bool:
+        return self._at(1) != 0.0
+
+    @property
+    def count(self) -> float:
+        return self._at(2)
+
+    @property
+    def round_count(self) -> float:
+        return self._at(3)
+
+    @property
+    def rank_counts(self) -> List[int]:
+        self.wait_summary()
+        return [int(c) for c in self.summary[_SUMMARY_FIXED:].tolist()]
 
 
-def reduce_scatter_sum(b: GroupBuffers, full: torch.Tensor, group) -> None:
-    """``b.grad_shard`` (fp32) = the sum over ranks of this rank's shard of ``full`` (comm dtype).
+def reduce_scatter_inplace(full: torch.Tensor, group) -> None:
+    """Sum ``full`` (this rank's flat gradient buffer) over the ranks into this rank's own slice of it,
+    in place; the other slices are left with meaningless values.
 
-    NCCL: ``reduce_scatter_tensor`` into ``b.reduce_out`` (comm dtype), then cast. gloo: direct
-    point-to-point exchange of the shards (each rank sends (W-1)/W of the buffer, the minimum),
-    summed in fp32 in rank order (deterministic); gloo's own reduce_scatter_tensor moves twice
-    those bytes (measured: 10 MB fp32 between 2 ranks on a 400 Mbit/s link, 409 ms vs 205 ms)."""
-    if dist.get_backend(group) != "gloo":
-        dist.reduce_scatter_tensor(b.reduce_out, full, op=dist.ReduceOp.SUM, group=group)
-        if b.reduce_out is not b.grad_shard:
-            b.grad_shard.copy_(b.reduce_out)
-        return
+    NCCL: ``reduce_scatter_tensor`` with the output aliasing this rank's slice of the input (NCCL's
+    in-place form). gloo: direct point-to-point exchange of the slices (each rank sends (W-1)/W of the
+    buffer, the minimum), one peer at a time through one shard-sized receive buffer, each added into
+    this rank's slice (in its dtype; fp32 arithmetic per addition); gloo's own reduce_scatter_tensor
+    moves twice those bytes (measured: 10 MB fp32 between 2 ranks on a 400 Mbit/s link, 409 ms vs
+    205 ms)."""
     world, me = dist.get_world_size(group), dist.get_rank(group)
     chunks = full.view(world, -1)
-    received = {}
-    requests = []
+    if world == 1:
+        return
+    if dist.get_backend(group) != "gloo":
+        dist.reduce_scatter_tensor(chunks[me], full, op=dist.ReduceOp.SUM, group=group)
+        return
+    received = torch.empty_like(chunks[me])
     for k in range(1, world):
         dst, src = (me + k) % world, (me - k) % world
-        requests.append(dist.isend(chunks[dst], group=group, group_dst=dst))
-        received[src] = torch.empty_like(chunks[src])
-        requests.append(dist.irecv(received[src], group=group, group_src=src))
-    for req in requests:
+        reqs = [
+            dist.isend(chunks[dst], group=group, group_dst=dst),
+            dist.irecv(received, group=group, group_src=src),
+        ]
+        for req in reqs:
+            req.wait()
+        chunks[me].add_(received)
+
+
+def all_gather_inplace(full: torch.Tensor, group) -> None:
+    """Every rank's slice of ``full`` to every rank, in place (NCCL's in-place all-gather; on gloo each
+    slice is sent point-to-point straight into the peers' buffers, no staging copy)."""
+    world, me = dist.get_world_size(group), dist.get_rank(group)
+    chunks = full.view(world, -1)
+    if world == 1:
+        return
+    if dist.get_backend(group) != "gloo":
+        dist.all_gather_into_tensor(full, chunks[me], group=group)
+        return
+    reqs = []
+    for k in range(1, world):
+        dst, src = (me + k) % world, (me - k) % world
+        reqs.append(dist.isend(chunks[me], group=group, group_dst=dst))
+        reqs.append(dist.irecv(chunks[src], group=group, group_src=src))
+    for req in reqs:
         req.wait()
-    b.grad_shard.zero_()
-    for src in range(world):
-        b.grad_shard.add_(chunks[me] if src == me else received[src])
 
 
-def all_gather(full: torch.Tensor, shard: torch.Tensor, group) -> None:
-    dist.all_gather_into_tensor(full, shard, group=group)
+def sum_of_squares(x: torch.Tensor) -> torch.Tensor:
+    """fp32 [1]: the sum of squares of ``x`` (fp32 or bf16) without a temporary of x's size (CUDA
+    reduces bf16 in fp32 inside the kernel; on CPU a bf16 shard is taken in 1M-element chunks)."""
+    if x.dtype == torch.float32 or x.device.type == "cuda":
+        return torch.linalg.vector_norm(x, dtype=torch.float32).square().reshape(1)
+    out = torch.zeros(1, dtype=torch.float32, device=x.device)
+    for chunk in x.split(1 << 20):
+        out += torch.linalg.vector_norm(chunk, dtype=torch.float32).square()
+    return out
 
 
 def run_round_job(
@@ -88,41 +157,43 @@ def run_round_job(
     commit_index: int,
     step: int,
     groups: Sequence[GroupBuffers],
+    roles: Sequence[tuple],
     hypers: Sequence[Hyper],
-    grad_slot: int,
-    target_slot: int,
-    local_count: torch.Tensor,
+    local_count: int,
     fixed_count: int | None,
     gas: int,
     clip: float,
     group,
     tilde_count: List[torch.Tensor],
 ) -> RoundResult:
-    """One round's communication. ``step`` is the 1-based AdamW step count of the commit this job is
-    or predicts (applied commits so far + 1). ``tilde_count`` is a one-element list holding the global count of
-    the g~ kept by the last peek (acco); a PEEK stores into it, a COMMIT consumes it.
-    ``fixed_count``: the micro-batches every rank accumulated (fixed accumulation), or None to
-    all-gather each rank's ``local_count`` (adaptive)."""
+    """One round's communication. ``roles[i]`` is group i's ``(grad buffer, param target)`` index pair
+    from ``GroupBuffers.start_job``. ``step`` is the 1-based AdamW step count of the commit this job is
+    or predicts (applied commits so far + 1). ``tilde_count`` is a one-element list holding the global
+    count of the g~ kept by the last peek (acco, a device tensor); a PEEK stores into it, a COMMIT
+    consumes it. ``fixed_count``: the micro-batches every rank accumulated (fixed accumulation), or None
+    to all-gather each rank's ``local_count`` (adaptive; a number, put on the device by a fill)."""
     dev = groups[0].master.device
-    for b in groups:
-        reduce_scatter_sum(b, b.grads_flat[grad_slot], group)
+    for b, (g, _) in zip(groups, roles):
+        reduce_scatter_inplace(b.grad_bufs[g], group)
+    grads = [b.shard_of(b.grad_bufs[g]) for b, (g, _) in zip(groups, roles)]
 
     world = dist.get_world_size(group)
     if fixed_count is not None:
         rank_counts = torch.full((world,), float(fixed_count), dtype=torch.float64, device=dev)
     else:
         rank_counts = torch.empty(world, dtype=torch.float64, device=dev)
-        all_gather(rank_counts, local_count.to(device=dev, dtype=torch.float64).reshape(1), group)
+        mine = torch.full((1,), float(local_count), dtype=torch.float64, device=dev)
+        dist.all_gather_into_tensor(rank_counts, mine, group=group)
     count = rank_counts.sum().reshape(1)
     round_count = count
 
-    if job is Job.PEEK and groups[0].tilde_shard is not None:
-        for b in groups:
-            b.tilde_shard.copy_(b.grad_shard)
+    if job is Job.PEEK and groups[0].tilde is not None:
+        for b, grad in zip(groups, grads):
+            b.tilde.copy_(grad)
         tilde_count[0] = count.clone()
-    elif job is Job.COMMIT and groups[0].tilde_shard is not None:
-        for b in groups:
-            b.grad_shard.add_(b.tilde_shard)
+    elif job is Job.COMMIT and groups[0].tilde is not None:
+        for b, grad in zip(groups, grads):
+            grad.add_(b.tilde)
         count = count + tilde_count[0]
 
     # a round no rank put a micro-batch in (a drain can end one, see ACCOPipeline._agree_on_round_count)
@@ -130,12 +201,12 @@ def run_round_job(
     empty = count <= 0
     avg_scale = torch.where(empty, torch.zeros_like(count), gas / count.clamp(min=1.0)).to(torch.float32)
     sumsq = torch.zeros(1, dtype=torch.float32, device=dev)
-    for b in groups:
-        sumsq += b.grad_shard.square().sum()
+    for grad in grads:
+        sumsq += sum_of_squares(grad)
     dist.all_reduce(sumsq, op=dist.ReduceOp.SUM, group=group)
     grad_norm = sumsq.sqrt() * avg_scale
-    skipped = (~torch.isfinite(grad_norm)).to(torch.int32)
-    noop = (skipped.bool() | empty).to(torch.int32)
+    skipped = ~torch.isfinite(grad_norm)
+    noop = (skipped | empty).to(torch.int32)
     scale = avg_scale
     if clip > 0.0:
         # DeepSpeed's rule: divide by (norm + 1e-6) / clip when that exceeds 1.
@@ -143,13 +214,14 @@ def run_round_job(
         scale = torch.where(ratio > 1.0, avg_scale / ratio, avg_scale)
     scale = torch.nan_to_num(scale, nan=0.0, posinf=0.0, neginf=0.0)
 
-    for b, h in zip(groups, hypers):
+    for b, h, grad, (_, p) in zip(groups, hypers, grads, roles):
+        target = b.param_bufs[p]
         adamw_step(
             b.master,
             b.exp_avg,
             b.exp_avg_sq,
-            b.grad_shard,
-            b.out_shard,
+            grad,
+            b.shard_of(target),
             lr=h.lr,
             beta1=h.beta1,
             beta2=h.beta2,
@@ -160,15 +232,15 @@ def run_round_job(
             noop_flag=noop,
             commit=job is Job.COMMIT,
         )
-        all_gather(b.params_flat[target_slot], b.out_shard, group)
-    return RoundResult(
-        job,
-        commit_index,
-        grad_norm,
-        skipped,
-        count,
-        rank_counts,
-        round_count,
-        target_slot,
-        empty.to(torch.int32),
-    )
+        all_gather_inplace(target, group)
+
+    summary = torch.cat([skipped.double(), empty.double(), count, round_count, rank_counts])
+    ready = None
+    if dev.type == "cuda":
+        host = torch.empty(summary.shape, dtype=torch.float64, pin_memory=True)
+        host.copy_(summary, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(dev))
+    else:
+        host = summary.clone()
+    return RoundResult(job, commit_index, grad_norm, host, ready)

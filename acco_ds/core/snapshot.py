@@ -13,17 +13,18 @@ Contract of :func:`capture` (per rank, collective over the data-parallel group):
    no gradient is lost or counted twice). Then every rank waits for its job in flight
    (``sync_in_flight``), which does NOT swap the job's result in: the schedule is unchanged.
 2. The job in flight, finished, is recorded as its ``RoundResult`` (job kind, commit index,
-   grad norm, skip flag, counts, target slot). :func:`restore` rebuilds it as an already finished
+   grad norm, host summary: skip flag, counts). :func:`restore` rebuilds it as an already finished
    ticket, so the resumed run swaps the gathered parameters in at the same round end as the run
    that was never interrupted, and applies its bookkeeping (committed steps, stats) once.
-3. Parameter buffers: each ``params_flat[slot]`` is, on every rank, the all-gather of the ranks'
-   shards (or the same initial copy), so only this rank's shard of each of the two buffers is
-   saved; :func:`restore` all-gathers them back, bit for bit.
-4. The gradients of the round being accumulated (``grads_flat[acc_slot]``, rank-local, full
-   size) are saved only when that round holds micro-batches (``counter.count > 0``): at an
-   engine boundary in fixed accumulation it is empty.
-5. The g~ kept by the last peek (``tilde_shard``, acco) and its global count, the LR/AdamW
-   settings recorded per engine step (``_hyper_history``), every counter and ``PipelineStats``.
+3. Parameter buffers: the MODEL buffer and the parameter target of the finished job in flight are,
+   on every rank, the all-gather of the ranks' shards, so only this rank's shard of each is saved;
+   :func:`restore` all-gathers them back, bit for bit, into buffers in a canonical role assignment
+   (``GroupBuffers.restore_roles``: which physical buffer holds which role does not change any value).
+4. The gradients of the round being accumulated (the ACC buffer, rank-local, full size) are saved
+   only when that round holds micro-batches (``counter.count > 0``): at an engine boundary in fixed
+   accumulation it is empty.
+5. The g~ kept by the last peek (``tilde``, acco) and its global count, the LR/AdamW settings
+   recorded per engine step (``_hyper_history``), every counter and ``PipelineStats``.
 
 RNG state, the data order and the engine's own counters are the caller's business.
 """
@@ -37,17 +38,15 @@ import torch
 import torch.distributed as dist
 
 from acco_ds.core.comm import Ticket
-from acco_ds.core.round_job import Hyper, RoundResult, all_gather
+from acco_ds.core.round_job import Hyper, RoundResult, all_gather_inplace
 from acco_ds.core.schedule import Job, RoundEnd
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: role-based buffers (acco_ds 0.2); 1 held two slots per buffer kind
 
 _SCALARS = (
     "round_index",
     "phase_round",
     "commits_launched",
-    "acc_slot",
-    "model_slot",
     "model_holds",
     "committed_steps",
     "state_step",
@@ -72,15 +71,15 @@ def drain(pipeline) -> None:
     pipeline.sync_in_flight()
 
 
-def committed_slot(pipeline) -> int:
-    """The ``params_flat`` slot that holds the committed parameters theta after :func:`drain`: the
-    target of a COMMIT in flight (finished, not yet swapped in), else the model's slot (in acco the
-    model holds theta while a peek is in flight; in sync nothing is in flight)."""
+def committed_flats(pipeline) -> List[torch.Tensor]:
+    """Per group, the full parameter buffer that holds the committed parameters theta after
+    :func:`drain`: the target of a COMMIT in flight (finished, not yet swapped in), else the MODEL
+    buffer (in acco the model holds theta while a peek is in flight; in sync nothing is in flight)."""
     if pipeline.in_flight is not None:
         result = pipeline.in_flight[0].result
         if result is not None and result.job is Job.COMMIT:
-            return result.target_slot
-    return pipeline.model_slot
+            return [b.job_param_flat() for b in pipeline.groups]
+    return [b.model_flat for b in pipeline.groups]
 
 
 def pending_applied_commits(pipeline) -> int:
@@ -91,7 +90,7 @@ def pending_applied_commits(pipeline) -> int:
     result = pipeline.in_flight[0].result
     if result is None or result.job is not Job.COMMIT:
         return 0
-    return 0 if int(result.skipped.item()) else 1
+    return 0 if (result.skipped or result.empty) else 1
 
 
 def _layout_of(pipeline) -> List[Dict[str, int]]:
@@ -140,14 +139,16 @@ def capture(pipeline) -> Dict[str, Any]:
         }
     groups = []
     for b in pipeline.groups:
+        job_flat = b.job_param_flat()
         groups.append(
             {
                 "master": _cpu(b.master),
                 "exp_avg": _cpu(b.exp_avg),
                 "exp_avg_sq": _cpu(b.exp_avg_sq),
-                "params_shard": [_cpu(b.shard_of(flat)) for flat in b.params_flat],
-                "tilde_shard": None if b.tilde_shard is None else _cpu(b.tilde_shard),
-                "acc_grads": _cpu(b.grads_flat[pipeline.acc_slot]) if pipeline.counter.count > 0 else None,
+                "model_shard": _cpu(b.shard_of(b.model_flat)),
+                "job_shard": None if job_flat is None else _cpu(b.shard_of(job_flat)),
+                "tilde": None if b.tilde is None else _cpu(b.tilde),
+                "acc_grads": _cpu(b.acc_flat) if pipeline.counter.count > 0 else None,
             }
         )
     snap["groups"] = groups
@@ -202,19 +203,24 @@ def restore(pipeline, snap: Dict[str, Any]) -> None:
     drain(pipeline)
     pipeline.in_flight = None
     dev = pipeline.device
+    in_flight = snap["in_flight"] is not None
     for b, g in zip(pipeline.groups, snap["groups"]):
+        b.restore_roles(in_flight)
         b.master.copy_(g["master"])
         b.exp_avg.copy_(g["exp_avg"])
         b.exp_avg_sq.copy_(g["exp_avg_sq"])
-        for flat, shard in zip(b.params_flat, g["params_shard"]):
-            b.out_shard.copy_(shard)
-            all_gather(flat, b.out_shard, pipeline.executor.group)
-        if b.tilde_shard is not None:
-            b.tilde_shard.copy_(g["tilde_shard"])
-        for flat in b.grads_flat:
+        for flat in {id(t): t for t in b.param_bufs + b.grad_bufs}.values():
             flat.zero_()
+        gathered = [(b.model_flat, g["model_shard"])]
+        if in_flight:
+            gathered.append((b.job_param_flat(), g["job_shard"]))
+        for flat, shard in gathered:
+            b.shard_of(flat).copy_(shard)
+            all_gather_inplace(flat, pipeline.executor.group)
+        if b.tilde is not None:
+            b.tilde.copy_(g["tilde"])
         if g["acc_grads"] is not None:
-            b.grads_flat[snap["acc_slot"]].copy_(g["acc_grads"])
+            b.acc_flat.copy_(g["acc_grads"])
     for name in _SCALARS:
         setattr(pipeline, name, snap[name])
     pipeline.counter.count = int(snap["counter_count"])
@@ -224,10 +230,11 @@ def restore(pipeline, snap: Dict[str, Any]) -> None:
     stats_type = type(pipeline.stats)
     known = {f.name for f in fields(stats_type)}
     pipeline.stats = stats_type(**{k: v for k, v in snap["stats"].items() if k in known})
-    if snap["in_flight"] is not None:
+    if in_flight:
         pipeline.in_flight = _finished_ticket(pipeline, snap["in_flight"])
     for b in pipeline.groups:
-        b.point_params_at(pipeline.model_slot)
+        b.point_params()
+        b.point_grads()
 
 
 def adopt_step_schedule_of_rank0(pipeline) -> None:
@@ -244,24 +251,26 @@ def adopt_step_schedule_of_rank0(pipeline) -> None:
 
 
 def _result_to_plain(res: RoundResult) -> Dict[str, Any]:
-    """Every field of the RoundResult: tensors as CPU copies, the job kind as its value."""
-    out = {}
-    for f in fields(RoundResult):
-        v = getattr(res, f.name)
-        out[f.name] = _cpu(v) if isinstance(v, torch.Tensor) else (v.value if isinstance(v, Job) else v)
-    return out
+    """The RoundResult as plain values: tensors as CPU copies, the job kind as its value."""
+    res.wait_summary()
+    return {
+        "job": res.job.value,
+        "commit_index": res.commit_index,
+        "grad_norm": _cpu(res.grad_norm),
+        "summary": _cpu(res.summary),
+    }
 
 
 def _result_from_plain(saved: Dict[str, Any], dev: torch.device) -> RoundResult:
-    names = {f.name for f in fields(RoundResult)}
-    if set(saved) != names:
+    expected = {"job", "commit_index", "grad_norm", "summary"}
+    if set(saved) != expected:
         raise SnapshotMismatchError(
-            f"the checkpoint's job in flight has fields {sorted(saved)}, this acco_ds's RoundResult has "
-            f"{sorted(names)}: the checkpoint was saved by another acco_ds version."
+            f"the checkpoint's job in flight has fields {sorted(saved)}, this acco_ds expects {sorted(expected)}: "
+            "the checkpoint was saved by another acco_ds version."
         )
-    kw = {k: (v.to(dev) if isinstance(v, torch.Tensor) else v) for k, v in saved.items()}
-    kw["job"] = Job(kw["job"])
-    return RoundResult(**kw)
+    return RoundResult(
+        Job(saved["job"]), int(saved["commit_index"]), saved["grad_norm"].to(dev), saved["summary"]
+    )
 
 
 def _finished_ticket(pipeline, saved: Dict[str, Any]):

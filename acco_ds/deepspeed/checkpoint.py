@@ -118,13 +118,13 @@ def install_state_dict_hook(opt, module: torch.nn.Module):
                     "weights."
                 )
             return
-        slot = snapshot.committed_slot(pipeline)
-        if slot == pipeline.model_slot:
+        flats = snapshot.committed_flats(pipeline)
+        if all(flat is b.model_flat for flat, b in zip(flats, pipeline.groups)):
             return
         for name, (gi, off, numel, shape) in names.items():
             key = prefix + name
             if key in state:
-                state[key] = pipeline.groups[gi].params_flat[slot][off : off + numel].view(shape).detach()
+                state[key] = flats[gi][off : off + numel].view(shape).detach()
 
     return module.register_state_dict_post_hook(hook)
 
@@ -268,43 +268,13 @@ def load_state_dict(
 
 
 # -- weights only ------------------------------------------------------------------------------
-def _viewed_slot(b) -> int:
-    """The params_flat slot the model's parameters currently view."""
-    ptr = b.params[0].data.data_ptr()
-    for slot, flat in enumerate(b.params_flat):
-        if flat.data_ptr() <= ptr < flat.data_ptr() + flat.numel() * flat.element_size():
-            return slot
-    raise RuntimeError("acco_ds: the model's parameters no longer view ACCO's parameter buffers.")
-
-
-@torch.no_grad()
 def restart_at_master(opt, masters=None) -> None:
     """Restart the pipeline (a new prologue, nothing in flight, no pending gradients) at the given fp32
     master shards, or, with ``masters=None``, at the weights the model's parameters hold now (DeepSpeed's
     ``_restore_from_bit16_weights``: a module-only load wrote them there). Adam moments and step counts
     are kept. Collective."""
     pipeline = opt.pipeline
-    snapshot.drain(pipeline)
     if pipeline.in_flight is not None:
         logger.info("acco_ds: restarting the pipeline at new weights; the round in flight is dropped")
-    pipeline.in_flight = None
-    for i, b in enumerate(pipeline.groups):
-        slot = _viewed_slot(b)
-        if masters is None:
-            b.master.copy_(b.shard_of(b.params_flat[slot]).float())
-        else:
-            b.master.copy_(masters[i])
-        b.out_shard.copy_(b.master)
-        dist.all_gather_into_tensor(b.params_flat[0], b.out_shard, group=pipeline.executor.group)
-        b.params_flat[1].copy_(b.params_flat[0])
-        for flat in b.grads_flat:
-            flat.zero_()
-        if b.tilde_shard is not None:
-            b.tilde_shard.zero_()
-        b.point_params_at(0)
-    pipeline.model_slot = 0
-    pipeline.model_holds = "theta"
-    pipeline.phase_round = 0
-    pipeline.counter.reset()
-    pipeline.tilde_count[0] = torch.zeros(1, dtype=torch.float64, device=pipeline.device)
+    pipeline.restart(masters)
     opt._micro_batches_since_step = 0

@@ -1,12 +1,16 @@
 """ACCOZeroOptimizer: the object a DeepSpeedEngine drives when its config says "type": "ACCO".
 
 What the engine calls and what happens:
-- ``backward_epilogue()`` after every micro-batch backward: the gradients are accumulated into
-  the round's communication buffer; a round may end here (see ``core.pipeline``).
+- ``backward_prologue()`` before every micro-batch backward: the parameters' ``.grad`` are views
+  into the round's communication buffer, so autograd accumulates into it in place (bf16 parameters
+  with fp32 communication: hooks fold each gradient into it as backward produces it).
+- ``backward_epilogue()`` after every micro-batch backward; a round may end here (see
+  ``core.pipeline``).
 - ``step()`` at each accumulation boundary: bookkeeping only. In fixed accumulation the boundary
   round has already ended (and its job launched) in the last micro-batch's epilogue; the engine
   steps its LR scheduler right after, which the next round picks up.
-- ``zero_grad()``: the parameters' .grad are already released after each micro-batch.
+- ``zero_grad()``: nothing to do: the round's gradients live in ACCO's buffer, zeroed at each
+  round end; the ``.grad`` views into it stay (or are put back by the next ``backward_prologue``).
 - ``param_groups`` / ``optimizer``: those of a real ``torch.optim.AdamW`` over the fp32 master
   shards (never stepped itself), so DeepSpeed, HF and torch LR schedulers drive lr/betas/wd.
 
@@ -134,7 +138,7 @@ class ACCOZeroOptimizer(ZeROOptimizer):
 
     # -- what the engine calls ----------------------------------------------------------------
     def backward_prologue(self):
-        pass
+        self.pipeline.on_backward_start()
 
     def backward_epilogue(self, **kwargs):
         self._micro_batches_since_step += 1
@@ -180,9 +184,8 @@ class ACCOZeroOptimizer(ZeROOptimizer):
         return True
 
     def zero_grad(self, set_to_none: bool = True):
-        for group in self.bit16_groups:
-            for p in group:
-                p.grad = None
+        """Nothing to zero: see the module docstring (clearing the buffer mid-round would lose the
+        micro-batches already in it, which DeepSpeed's ZeRO-1 does not do either)."""
 
     def scale_if_loss(self, value):
         """No loss scaling (bf16/fp32); the loss is recorded for the monitor when it is enabled."""

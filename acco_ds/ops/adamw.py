@@ -5,7 +5,9 @@ Contract (both :func:`adamw_step` and :func:`adamw_step_ref`):
 - ``master``, ``exp_avg``, ``exp_avg_sq``: fp32, contiguous, 1-D, the same numel ``n``, one device.
 - ``grad``: fp32 or bf16, contiguous, numel ``n`` (any shape), same device. Read only.
 - ``out``: ``None`` or a contiguous bf16/fp32 tensor of numel ``n`` (typically a slice of the all-gather
-  buffer); receives the updated parameter cast to its dtype (round-to-nearest-even for bf16).
+  buffer); receives the updated parameter cast to its dtype (round-to-nearest-even for bf16). ``out`` may be
+  ``grad`` itself (the same memory, dtype and numel: every element's gradient is read before its output is
+  written, which is how ACCO's job updates its buffer in place); any other overlap is rejected.
 - ``g = grad.float() * (grad_scale * scale_tensor[0])``; ``scale_tensor`` is a 1-element fp32 tensor on the
   device (a value computed on the device, e.g. 1/count times the clip coefficient, read without a host sync).
 - ``step``: the 1-based index of the step being computed; bias corrections ``1 - beta**step``.
@@ -113,7 +115,7 @@ def _validate(a: _Step) -> None:
     named += [("out", a.out)] if a.out is not None else []
     for i, (name_i, t_i) in enumerate(named):
         for name_j, t_j in named[i + 1 :]:
-            if n and _overlaps(t_i, t_j):
+            if n and _overlaps(t_i, t_j) and not (name_i == "grad" and name_j == "out" and _same(t_i, t_j)):
                 raise ValueError(
                     f"adamw_step: {name_i} and {name_j} overlap in memory; the kernels read and write them "
                     "element by element as distinct buffers (pass separate tensors)."
@@ -140,6 +142,11 @@ def _validate(a: _Step) -> None:
     ):
         if not (math.isfinite(float(x)) and float(x) >= 0.0):
             raise ValueError(f"adamw_step: {arg} must be finite and >= 0, got {x!r}.")
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """The same elements: in-place use, which an element-wise kernel supports."""
+    return a.data_ptr() == b.data_ptr() and a.dtype == b.dtype and a.numel() == b.numel()
 
 
 def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
