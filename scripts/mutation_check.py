@@ -1,0 +1,328 @@
+#!/usr/bin/env python3
+"""Plant known bugs in a scratch copy of the project and check that its own tests catch each one.
+
+    python scripts/mutation_check.py                 # every mutant (about 25 min on 2 CPU cores)
+    python scripts/mutation_check.py --only M06,M08  # a subset
+    python scripts/mutation_check.py --list          # the mutants, without running anything
+
+What it does: copies the working tree (as it is on disk, uncommitted changes included; no .git) to a
+scratch folder, checks that the copy imports its own ``acco_ds`` and that the tests each mutant names
+pass there unmutated (the baseline), then, for each mutant, replaces one exact piece of source text
+(it must occur exactly once, else the mutant is reported "stale": the code moved and the mutant must
+be updated), rebuilds the CPU extension when a C++ source changed, runs the mutant's tests with
+``pytest -x``, and restores the file. A mutant is "caught" when its tests fail, "SURVIVED" when they
+pass. Writes the table (Markdown) to stdout and, with ``--out``, to a file.
+
+Exit status: 0 when every mutant was caught; 1 when one survived or is stale; 2 when the baseline
+fails (the report would mean nothing).
+
+The mutants are the gradient-scale bugs of issue 9 (which survived the tests before) and others of
+the same family: each is a wrong equation that a plausible edit could introduce.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TRAJ = ["tests/test_trajectories.py"]
+OPS = ["tests/test_ops_adamw.py"]
+
+
+@dataclass(frozen=True)
+class Mutant:
+    id: str
+    what: str
+    path: str
+    old: str
+    new: str
+    tests: tuple
+
+    @property
+    def native(self) -> bool:
+        return self.path.startswith("csrc/")
+
+
+MUTANTS = [
+    Mutant(
+        "M01",
+        "weight decay dropped (Python AdamW)",
+        "acco_ds/ops/adamw.py",
+        "p.mul_(1.0 - a.lr * a.weight_decay)",
+        "p.mul_(1.0)",
+        tuple(OPS),
+    ),
+    Mutant(
+        "M02",
+        "weight decay dropped (C++/CUDA AdamW math)",
+        "csrc/adamw/adamw_math.h",
+        "p = p * h.decay;",
+        "p = p * 1.0f;",
+        tuple(OPS),
+    ),
+    Mutant(
+        "M03",
+        "bias corrections swapped",
+        "acco_ds/ops/adamw.py",
+        "    bc1 = 1.0 - beta1**step\n    bc2 = 1.0 - beta2**step",
+        "    bc1 = 1.0 - beta2**step\n    bc2 = 1.0 - beta1**step",
+        tuple(OPS + TRAJ),
+    ),
+    Mutant(
+        "M04",
+        "commit uses only g (the kept g~ is not added)",
+        "acco_ds/core/round_job.py",
+        "grad.add_(b.tilde)",
+        "grad.add_(b.tilde, alpha=0.0)",
+        tuple(TRAJ),
+    ),
+    Mutant(
+        "M05",
+        "the peek writes the optimizer state",
+        "acco_ds/core/round_job.py",
+        "commit=job is Job.COMMIT,",
+        "commit=True,",
+        tuple(TRAJ),
+    ),
+    Mutant(
+        "M06",
+        "commit divides g + g~ by n instead of n + n~",
+        "acco_ds/core/round_job.py",
+        "count = count + tilde_count[0]",
+        "count = count + 0 * tilde_count[0]",
+        tuple(TRAJ),
+    ),
+    Mutant(
+        "M07",
+        "fixed accumulation: the update multiplied by W (the count is one rank's)",
+        "acco_ds/core/round_job.py",
+        "rank_counts = torch.full((world,), float(fixed_count), dtype=torch.float64, device=dev)",
+        "rank_counts = torch.full((world,), float(fixed_count) / world, dtype=torch.float64, device=dev)",
+        tuple(TRAJ),
+    ),
+    Mutant(
+        "M08",
+        "adaptive: the optimizer's scale divided by the local count (norm and stats global)",
+        "acco_ds/core/round_job.py",
+        "    scale = avg_scale\n",
+        "    scale = avg_scale if fixed_count is not None else torch.full_like(avg_scale, gas / max(local_count, 1))\n",
+        ("tests/test_adaptive.py",),
+    ),
+    Mutant(
+        "M09",
+        "the peek's bias correction uses the current step count instead of the predicted step's",
+        "acco_ds/core/round_job.py",
+        "            step=step,\n",
+        "            step=step if job is Job.COMMIT else max(1, step - 1),\n",
+        tuple(TRAJ),
+    ),
+    Mutant(
+        "M10",
+        "the clipping coefficient is not applied",
+        "acco_ds/core/round_job.py",
+        "scale = torch.where(ratio > 1.0, avg_scale / ratio, avg_scale)",
+        "scale = torch.where(ratio > 1.0, avg_scale, avg_scale)",
+        tuple(TRAJ),
+    ),
+    Mutant(
+        "M11",
+        "the global norm is taken before averaging (reported and clipped on the sum)",
+        "acco_ds/core/round_job.py",
+        "grad_norm = sumsq.sqrt() * avg_scale",
+        "grad_norm = sumsq.sqrt() * avg_scale * count.to(torch.float32) / gas",
+        tuple(TRAJ),
+    ),
+    Mutant(
+        "M12",
+        "dpu without the delay (each round waits for its own commit)",
+        "acco_ds/core/schedule.py",
+        "return RoundEnd(Job.COMMIT, wait_previous=r > 0, wait_now=False, commit_index=r)",
+        "return RoundEnd(Job.COMMIT, wait_previous=r > 0, wait_now=True, commit_index=r)",
+        tuple(TRAJ),
+    ),
+    Mutant(
+        "M13",
+        "the peek's estimate is not all-gathered (stage 2 computes at stale parameters)",
+        "acco_ds/core/round_job.py",
+        "        all_gather_inplace(target, group)\n",
+        "        if job is Job.COMMIT:\n            all_gather_inplace(target, group)\n",
+        tuple(TRAJ),
+    ),
+    Mutant(
+        "M14",
+        "the LR schedule is read one step ahead",
+        "acco_ds/core/pipeline.py",
+        "hypers=self._hypers_for(self.state_step),",
+        "hypers=self._hypers_for(self.state_step + 1),",
+        tuple(TRAJ),
+    ),
+    Mutant(
+        "M15",
+        "mixed dtypes: micro-batch gradients folded in twice as large",
+        "acco_ds/core/buffers.py",
+        "accumulate_grads(self.acc_flat, [p.grad], [off], 1.0)",
+        "accumulate_grads(self.acc_flat, [p.grad], [off], 2.0)",
+        tuple(TRAJ),
+    ),
+    Mutant(
+        "M16",
+        "a resumed run loses the g~ kept by the last peek",
+        "acco_ds/core/snapshot.py",
+        'b.tilde.copy_(g["tilde"])',
+        "b.tilde.zero_()",
+        ("tests/test_checkpoint.py",),
+    ),
+    Mutant(
+        "M17",
+        "the new accumulation buffer is not zeroed at a round end",
+        "acco_ds/core/buffers.py",
+        "        self.grad_bufs[self.acc].zero_()\n",
+        "",
+        tuple(TRAJ),
+    ),
+    Mutant(
+        "M18",
+        "the gloo reduce-scatter adds a peer's slice twice",
+        "acco_ds/core/round_job.py",
+        "        chunks[me].add_(received)\n",
+        "        chunks[me].add_(received, alpha=2.0)\n",
+        tuple(TRAJ),
+    ),
+]
+
+
+def copy_tree(dst: Path) -> None:
+    ignore = shutil.ignore_patterns(
+        ".git", "__pycache__", "*.egg-info", ".ruff_cache", ".pytest_cache", "build", "gpu_bundle"
+    )
+    shutil.copytree(ROOT, dst, ignore=ignore, symlinks=True)
+
+
+def env_for(scratch: Path) -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(scratch)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.pop("PYTEST_ADDOPTS", None)
+    return env
+
+
+def run_tests(scratch: Path, tests, timeout: float) -> tuple:
+    """(passed, seconds, tail of the output)."""
+    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *tests]
+    t0 = time.monotonic()
+    try:
+        proc = subprocess.run(
+            cmd, cwd=scratch, env=env_for(scratch), capture_output=True, text=True, timeout=timeout
+        )
+    except subprocess.TimeoutExpired:
+        return False, time.monotonic() - t0, "timed out (counted as caught: the mutant broke the run)"
+    out = proc.stdout + proc.stderr
+    return proc.returncode == 0, time.monotonic() - t0, out[-3000:]
+
+
+def build_cpu_ext(scratch: Path) -> None:
+    env = env_for(scratch)
+    env.update(ACCO_DS_BUILD_CUDA="0", ACCO_DS_BUILD_EXT="1")
+    proc = subprocess.run(
+        [sys.executable, "setup.py", "build_ext", "--inplace"],
+        cwd=scratch,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(
+            f"building the CPU extension in {scratch} failed:\n{(proc.stdout + proc.stderr)[-3000:]}"
+        )
+
+
+def check_imports_scratch(scratch: Path) -> None:
+    code = "import acco_ds; print(); print(acco_ds.__file__)"
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=scratch, env=env_for(scratch), capture_output=True, text=True
+    )
+    where = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else proc.stderr[-2000:]
+    if not where.startswith(str(scratch)):
+        raise RuntimeError(f"the scratch copy imports acco_ds from {where!r}, not from {scratch}")
+
+
+def mutate(scratch: Path, m: Mutant) -> str | None:
+    """Apply ``m``; return the original text, or None when its source text is not there exactly once."""
+    path = scratch / m.path
+    text = path.read_text()
+    if text.count(m.old) != 1:
+        return None
+    path.write_text(text.replace(m.old, m.new))
+    return text
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--only", default="", help="comma-separated mutant ids (default: all)")
+    ap.add_argument("--list", action="store_true", help="print the mutants and exit")
+    ap.add_argument("--timeout", type=float, default=1200, help="seconds per test run")
+    ap.add_argument("--keep", action="store_true", help="keep the scratch folder")
+    ap.add_argument("--out", default=None, help="also write the Markdown table to this file")
+    args = ap.parse_args(argv)
+    chosen = [m for m in MUTANTS if not args.only or m.id in args.only.split(",")]
+    if args.list:
+        for m in chosen:
+            print(f"{m.id}  {m.what}  [{m.path}]  -> {' '.join(m.tests)}")
+        return 0
+    if not chosen:
+        print(f"no mutant matches --only {args.only!r}", file=sys.stderr)
+        return 2
+    scratch = Path(tempfile.mkdtemp(prefix="acco_mutants_")) / "tree"
+    copy_tree(scratch)
+    rows, status = [], 0
+    try:
+        check_imports_scratch(scratch)
+        baseline = sorted({t for m in chosen for t in m.tests})
+        ok, secs, tail = run_tests(scratch, baseline, args.timeout)
+        print(f"baseline ({' '.join(baseline)}): {'pass' if ok else 'FAIL'} in {secs:.0f} s", flush=True)
+        if not ok:
+            print(tail, file=sys.stderr)
+            return 2
+        for m in chosen:
+            original = mutate(scratch, m)
+            if original is None:
+                rows.append((m, "STALE (source text not found exactly once)", 0.0))
+                status = 1
+                print(f"{m.id}: stale", flush=True)
+                continue
+            try:
+                if m.native:
+                    build_cpu_ext(scratch)
+                passed, secs, tail = run_tests(scratch, m.tests, args.timeout)
+            finally:
+                (scratch / m.path).write_text(original)
+                if m.native:
+                    build_cpu_ext(scratch)
+            verdict = "SURVIVED" if passed else "caught"
+            if passed:
+                status = 1
+            rows.append((m, verdict, secs))
+            print(f"{m.id}: {verdict} in {secs:.0f} s", flush=True)
+    finally:
+        if not args.keep:
+            shutil.rmtree(scratch.parent, ignore_errors=True)
+    table = ["| id | planted bug | where | tests run | result | time |", "|---|---|---|---|---|---|"]
+    for m, verdict, secs in rows:
+        table.append(f"| {m.id} | {m.what} | {m.path} | {', '.join(m.tests)} | {verdict} | {secs:.0f} s |")
+    text = "\n".join(table) + "\n"
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text)
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
