@@ -23,6 +23,7 @@ Writes ``<out>/<prefix>.md`` (tables, goals, machine, versions, date, command), 
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import json
 import platform
 import shlex
@@ -63,6 +64,12 @@ def parse(argv=None) -> argparse.Namespace:
         "--contenders",
         default=None,
         help=f"comma-separated of {','.join(memory_model.CONTENDERS)} (default all; quick zero1,acco)",
+    )
+    ap.add_argument(
+        "--cases",
+        default="*",
+        help="comma-separated shell patterns on the case names <arch>-<size>-<dtype>-w<W> to keep "
+        "(e.g. '*-w2,gpt2-*-w4'); the others are not run and not listed",
     )
     ap.add_argument("--steps", type=int, default=3, help="optimizer steps per run")
     ap.add_argument("--micro-batch", type=int, default=1)
@@ -124,6 +131,9 @@ def parse(argv=None) -> argparse.Namespace:
     for kv in a.rank_env:
         if "=" not in kv or not kv.split("=", 1)[0]:
             ap.error(f"--rank-env {kv!r} is not KEY=VALUE")
+    keys = [f"{x}-{s}-{d}-w{w}" for d in a.dtypes for w in a.world_sizes for s in a.sizes for x in a.archs]
+    if not any(fnmatch.fnmatchcase(k, p) for k in keys for p in a.cases.split(",")):
+        ap.error(f"--cases {a.cases!r} matches none of the cases: {', '.join(keys)}")
     a.prefix = a.prefix or ("memory_quick" if a.quick else "memory")
     return a
 
@@ -256,6 +266,7 @@ def run_all(a) -> dict:
             "seed": a.seed,
             "device": a.device,
             "reserve_gib": a.reserve_gib,
+            "cases": a.cases,
             "rank_env": a.rank_env,
             "contenders": a.contenders,
             "work": str(work),
@@ -270,10 +281,13 @@ def run_all(a) -> dict:
         for world in a.world_sizes:
             for size in a.sizes:
                 for arch in a.archs:
+                    key = f"{arch}-{size}-{dtype}-w{world}"
+                    if not any(fnmatch.fnmatchcase(key, pat) for pat in a.cases.split(",")):
+                        continue
                     model = model_dict(arch, size, a.context)
                     params, largest = shape_stats(model)
                     case = {
-                        "key": f"{arch}-{size}-{dtype}-w{world}",
+                        "key": key,
                         "arch": arch,
                         "size": size,
                         "dtype": dtype,

@@ -123,7 +123,8 @@ def _context(results: dict) -> list:
         f"{_f(m.get('mem_total') and m['mem_total'] / 2**30, '.1f')} GiB RAM, GPU: {m['gpu'] or 'none'}",
         f"- versions: python {m['python']}, torch {m['torch']}, deepspeed {m['deepspeed']}, "
         f"transformers {m.get('transformers')}, acco_ds {m['acco_ds']}, libc {m.get('libc')}",
-        f"- command: `{results['command']}` (took {_f(results.get('duration_s') and results['duration_s'] / 60, '.0f')} min)",
+        f"- command: `{results['command']}` (took {_f(results.get('duration_s') and results['duration_s'] / 60, '.0f')} min); "
+        f"cases run: `{s.get('cases', '*')}`",
         f"- each run: ranks started by the DeepSpeed launcher on 127.0.0.1 ({s['device']}"
         f"{', gloo' if s['device'] == 'cpu' else ', NCCL'}), {s['threads']} thread(s) per rank, {s['steps']} optimizer "
         f"steps of {s['grad_accum']} micro-batches of {s['micro_batch']} x {s['context']} random bytes, seed {s['seed']}; "
@@ -228,6 +229,8 @@ def _full(an: dict) -> list:
 
 def _buffers(results: dict) -> list:
     combos = sorted({(c["dtype"], c["world"]) for c in results["cases"]})
+    if not combos:
+        return []
     head = "| contender | buffer | kind | B/param | " + " | ".join(f"{d} W={w}" for d, w in combos) + " |"
     lines = [
         "## Analytic bytes per parameter, per buffer",
