@@ -3,6 +3,12 @@ one rank (``--victim``) sends itself ``--signal`` (KILL: dies; STOP: freezes) ri
 of micro-batch ``--kill_at``, in the middle of a round. The other ranks must fail with an error
 naming the lost rank within the configured ``comm_timeout_s``.
 
+Until the signal the ranks go in lockstep: a barrier on the default group (DeepSpeed's, 30 min timeout)
+before each micro-batch up to ``--kill_at``. On a loaded machine a rank that falls seconds behind the
+others (start-up, a starved process) would otherwise time out a healthy round (``comm_timeout_s``)
+before the signal, and the test would see that failure instead of the one it provokes. After the
+signal nothing synchronises the survivors but ACCO's own collectives.
+
 Started either directly (one process per rank, env:// variables RANK, WORLD_SIZE, LOCAL_RANK,
 MASTER_ADDR, MASTER_PORT set by the test, as a multi-node launcher would) or by the ``deepspeed``
 launcher. Prints ``ACCO_SIGNAL <unix time>`` (victim) and ``ACCO_FAILED <unix time> <type>`` (a
@@ -20,6 +26,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import deepspeed  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 
 import acco_ds  # noqa: E402,F401
 from tests.dist import rank_start, toy  # noqa: E402
@@ -32,7 +39,7 @@ def main() -> None:
     ap.add_argument("--signal", choices=("KILL", "STOP"), default="KILL")
     ap.add_argument("--mode", default="acco")
     ap.add_argument("--accumulation", default="fixed")
-    ap.add_argument("--timeout", type=float, default=3.0)
+    ap.add_argument("--timeout", type=float, default=10.0)
     ap.add_argument("--steps", type=int, default=1000)
     ap.add_argument("--tag", default="", help="marks the test's processes (psutil looks for leftovers)")
     ap.add_argument("--local_rank", type=int, default=0)
@@ -61,6 +68,8 @@ def main() -> None:
     try:
         for _ in range(args.steps):
             for _ in range(gas):
+                if index <= args.kill_at:
+                    dist.barrier()
                 loss = engine(*toy.micro_batch(rank, index))
                 engine.backward(loss)
                 engine.step()
