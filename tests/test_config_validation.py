@@ -4,12 +4,14 @@ training, with one ACCOConfigError whose message names the key, the value and wh
 Option-level rows go through ``ACCOConfig.from_params``; engine-level rows through
 ``deepspeed.initialize`` on a one-rank gloo group inside this process (a few go through both). A
 hypothesis test feeds random option dictionaries (and random gradient_accumulation_steps /
-gradient_clipping): each either trains one optimizer step or raises ACCOConfigError, nothing else.
+gradient_clipping): each either trains one optimizer step (the parameters move when a commit was
+applied and stay bit for bit when none was) or raises ACCOConfigError and leaves the model as it was.
 """
 
 from __future__ import annotations
 
 import math
+import re
 
 import deepspeed
 import pytest
@@ -119,15 +121,30 @@ def test_deepspeed_version_outside_range(version, monkeypatch):
     assert f"deepspeed=={version}:" in msg and "Allowed: pip install 'deepspeed>=0.19.8,<0.20.0'" in msg, msg
 
 
-@pytest.mark.parametrize("version", ["0.19.8", "0.19.12", "0.19.8+abc"])
+# on both sides of both bounds of the tested range [0.19.8, 0.20.0)
+INSIDE = ["0.19.8", "0.19.8+abc", "0.19.12", "0.19.99"]
+OUTSIDE = ["0.19.7", "0.20.0", "0.20.0+cu121", "0.21.0"]
+
+
+@pytest.mark.parametrize("version", INSIDE)
 def test_deepspeed_version_inside_range(version, monkeypatch):
+    """Inside the tested range, without the override: accepted (returns, no error)."""
     monkeypatch.delenv(ALLOW_UNTESTED_ENV, raising=False)
-    check_deepspeed_version(version)
+    assert check_deepspeed_version(version) is None
 
 
-def test_deepspeed_version_override(monkeypatch):
+@pytest.mark.parametrize("version", OUTSIDE)
+def test_deepspeed_version_override(version, monkeypatch):
+    """Outside the range: refused without the override, accepted with ACCO_DS_ALLOW_UNTESTED_DEEPSPEED=1
+    (only "1" overrides)."""
+    monkeypatch.delenv(ALLOW_UNTESTED_ENV, raising=False)
+    with pytest.raises(ACCOConfigError, match=f"deepspeed=={re.escape(version)}:"):
+        check_deepspeed_version(version)
+    monkeypatch.setenv(ALLOW_UNTESTED_ENV, "0")
+    with pytest.raises(ACCOConfigError):
+        check_deepspeed_version(version)
     monkeypatch.setenv(ALLOW_UNTESTED_ENV, "1")
-    check_deepspeed_version("0.21.0")
+    assert check_deepspeed_version(version) is None
 
 
 # -- engine level, through deepspeed.initialize on one rank --------------------------------------------
@@ -321,6 +338,14 @@ def test_deepspeed_version_through_initialize(monkeypatch):
     monkeypatch.setattr(deepspeed, "__version__", "0.18.0")
     with pytest.raises(ACCOConfigError, match=r"deepspeed==0\.18\.0: .*Allowed"):
         initialize(ds_config())
+    # the override reaches the engine: the same version then builds an engine that trains
+    monkeypatch.setenv(ALLOW_UNTESTED_ENV, "1")
+    engine, *_ = initialize(ds_config())
+    try:
+        _train_step(engine)
+        assert engine.optimizer.stats()["committed_steps"] == 1
+    finally:
+        _close(engine)
 
 
 def test_comm_dtype_the_backend_cannot_reduce(monkeypatch):
@@ -458,14 +483,20 @@ _plausible = st.fixed_dictionaries(
 )
 def test_random_options_train_or_raise_config_error(options, gas, clip, bf16):
     cfg = ds_config(options, gradient_accumulation_steps=gas, gradient_clipping=clip, bf16={"enabled": bf16})
+    model = toy.build()
+    initial = [p.detach().clone() for p in model.parameters()]
     try:
-        engine, *_ = initialize(cfg)
+        engine, *_ = initialize(cfg, model)
     except ACCOConfigError as err:
         assert "Allowed" in str(err), str(err)
+        # refused: nothing written into the model (DeepSpeed casts the module to bf16 before the check)
+        for p, p0 in zip(model.parameters(), initial):
+            assert torch.equal(p.detach(), p0.to(p.dtype)), "a refused config changed the model's parameters"
         event("rejected")
         return
     try:
-        before = [p.detach().clone() for p in engine.module.parameters()]
+        named = list(engine.module.named_parameters())
+        before = [p.detach().clone() for _, p in named]
         _train_step(engine)
         stats = engine.optimizer.stats()
         if stats["accumulation"] == "fixed":
@@ -476,8 +507,28 @@ def test_random_options_train_or_raise_config_error(options, gas, clip, bf16):
             stats["micro_batches_local"]
             == stats["micro_batches_committed"] + stats["micro_batches_discarded"]
         )
-        after = list(engine.module.parameters())
+        after = [p.detach() for _, p in named]
         assert len(after) == len(before)
+        moved = {n for (n, p), a, b in zip(named, after, before) if not torch.equal(a, b)}
+        trainable = {n for n, p in named if p.requires_grad}
+        assert not moved - trainable, f"a frozen parameter changed: {moved - trainable}"
+        if stats["applied_steps"] == 0:
+            # no commit applied: the model holds the initial parameters bit for bit (no estimate left in it)
+            assert not moved, f"parameters changed although no step was applied: {sorted(moved)}"
+            event("nothing applied: parameters unchanged")
+        else:
+            assert all(torch.isfinite(a).all() for a in after)
+            if _step_visible(engine.optimizer.cfg, bf16):
+                assert moved == trainable, f"an applied step left {sorted(trainable - moved)} unchanged"
+                event("applied: every trainable parameter moved")
         event(f"trained mode={engine.optimizer.cfg.mode} accumulation={engine.optimizer.cfg.accumulation}")
     finally:
         _close(engine)
+
+
+def _step_visible(cfg, bf16: bool) -> bool:
+    """A first AdamW step moves each element by about lr * g / (|g| + eps) (+ lr * wd * p): every
+    trainable tensor of the toy model has gradient elements well above 1e-4, so with eps <= 1e-4 each
+    moves by lr / 2 or more somewhere, which its dtype can show when lr is at least 1e-4 (fp32) or 0.05
+    (bf16, 8 bits of mantissa on values up to ~3)."""
+    return cfg.eps <= 1e-4 and cfg.lr >= (0.05 if bf16 else 1e-4)
