@@ -25,7 +25,7 @@ _MODULES = {"cpu": "acco_ds._adamw_cpu", "cuda": "acco_ds._adamw_cuda"}
 _lock = threading.Lock()
 _cache: Dict[str, Tuple[object | None, str]] = {}
 
-ABI_VERSION = 1
+ABI_VERSION = 2
 """The argument layout the Python front uses (csrc/adamw/bindings.cpp's kAbiVersion must match)."""
 
 DISABLE_ENV = "ACCO_DS_DISABLE_EXT"

@@ -11,6 +11,13 @@ Contract (both :func:`adamw_step` and :func:`adamw_step_ref`):
 - ``g = grad.float() * (grad_scale * scale_tensor[0])``; ``scale_tensor`` is a 1-element fp32 tensor on the
   device (a value computed on the device, e.g. 1/count times the clip coefficient, read without a host sync).
 - ``step``: the 1-based index of the step being computed; bias corrections ``1 - beta**step``.
+- ``hyper_tensor`` instead of ``lr, beta1, beta2, eps, weight_decay, step`` (exactly one of the two forms):
+  a contiguous fp32 tensor of exactly 8 elements on master's device holding the scalars the kernels use,
+  ``hyper_scalars(...)`` rounded to fp32 (build it with :func:`hyper_tensor`). Every backend reads the scalars
+  from it (the CUDA kernel on the device, once per thread: a value selected on the device, e.g. by whether the
+  previous commit was skipped, needs no host sync). With the same fp32 values the compiled backends give the
+  bits of the host-scalar call; the torch fallback uses tensor arithmetic (no host read), bits within an ulp.
+  Its values are not validated (that would read them on the host).
 - ``commit=True`` updates master/exp_avg/exp_avg_sq in place and writes ``out`` (if given) = new master.
   ``commit=False`` (peek) writes only ``out`` (required) = what the commit would produce; the state is not
   written at all (bit-identical afterwards).
@@ -50,6 +57,20 @@ def _name(t: torch.Tensor) -> str:
     return f"{t.dtype}, shape {tuple(t.shape)}, device {t.device}, contiguous={t.is_contiguous()}"
 
 
+_SETTINGS = ("lr", "beta1", "beta2", "eps", "weight_decay", "step")
+HYPER_FIELDS = (
+    "decay",
+    "beta1",
+    "one_minus_beta1",
+    "beta2",
+    "one_minus_beta2",
+    "bc2_sqrt",
+    "eps",
+    "step_size",
+)
+"""The 8 elements of a ``hyper_tensor``, in order (csrc/adamw/adamw_math.h's ``AdamWHyper``)."""
+
+
 def _check_tensor(arg: str, t, dtypes, n: int | None, device: torch.device | None) -> None:
     """Raise TypeError/ValueError naming ``arg``, the value seen and what is allowed."""
     if not isinstance(t, torch.Tensor):
@@ -83,16 +104,17 @@ class _Step(NamedTuple):
     exp_avg_sq: torch.Tensor
     grad: torch.Tensor
     out: torch.Tensor | None
-    lr: float
-    beta1: float
-    beta2: float
-    eps: float
-    weight_decay: float
-    step: int
+    lr: float | None
+    beta1: float | None
+    beta2: float | None
+    eps: float | None
+    weight_decay: float | None
+    step: int | None
     grad_scale: float
     scale_tensor: torch.Tensor | None
     noop_flag: torch.Tensor | None
     commit: bool
+    hyper_tensor: torch.Tensor | None = None
 
 
 def _validate(a: _Step) -> None:
@@ -113,6 +135,9 @@ def _validate(a: _Step) -> None:
         )
     named = [("master", a.master), ("exp_avg", a.exp_avg), ("exp_avg_sq", a.exp_avg_sq), ("grad", a.grad)]
     named += [("out", a.out)] if a.out is not None else []
+    if a.hyper_tensor is not None:
+        _check_hyper_tensor(a.hyper_tensor, dev)
+        named.append(("hyper_tensor", a.hyper_tensor))
     for i, (name_i, t_i) in enumerate(named):
         for name_j, t_j in named[i + 1 :]:
             if n and _overlaps(t_i, t_j) and not (name_i == "grad" and name_j == "out" and _same(t_i, t_j)):
@@ -126,22 +151,49 @@ def _validate(a: _Step) -> None:
         _check_tensor(arg, t, (dt,), None, dev)
         if t.numel() != 1:
             raise ValueError(f"adamw_step: {arg} must have exactly 1 element, got shape {tuple(t.shape)}.")
-    step = a.step
-    if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+    _check_nonneg("adamw_step", "grad_scale", a.grad_scale)
+    settings = dict(zip(_SETTINGS, (a.lr, a.beta1, a.beta2, a.eps, a.weight_decay, a.step)))
+    given = [k for k, x in settings.items() if x is not None]
+    if a.hyper_tensor is not None:
+        if given:
+            raise ValueError(
+                "adamw_step: give either the AdamW settings (lr, beta1, beta2, eps, weight_decay, step) or "
+                f"hyper_tensor, not both; got hyper_tensor and {', '.join(given)}."
+            )
+        return
+    missing = [k for k, x in settings.items() if x is None]
+    if missing:
         raise ValueError(
-            f"adamw_step: step must be an int >= 1 (the 1-based step being computed), got {step!r}."
+            f"adamw_step: {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} required: pass all of "
+            "lr, beta1, beta2, eps, weight_decay, step, or instead hyper_tensor (the 8 AdamW scalars as an fp32 "
+            "tensor on master's device, see hyper_tensor())."
         )
-    for arg, x in (("beta1", a.beta1), ("beta2", a.beta2)):
+    _check_settings("adamw_step", **settings)
+
+
+def _check_nonneg(who: str, arg: str, x) -> None:
+    if not (math.isfinite(float(x)) and float(x) >= 0.0):
+        raise ValueError(f"{who}: {arg} must be finite and >= 0, got {x!r}.")
+
+
+def _check_settings(who: str, lr, beta1, beta2, eps, weight_decay, step) -> None:
+    """Raise ValueError naming the first bad AdamW setting (``who`` prefixes the message)."""
+    if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+        raise ValueError(f"{who}: step must be an int >= 1 (the 1-based step being computed), got {step!r}.")
+    for arg, x in (("beta1", beta1), ("beta2", beta2)):
         if not 0.0 <= float(x) < 1.0:
-            raise ValueError(f"adamw_step: {arg} must be in [0, 1), got {x!r}.")
-    for arg, x in (
-        ("lr", a.lr),
-        ("eps", a.eps),
-        ("weight_decay", a.weight_decay),
-        ("grad_scale", a.grad_scale),
-    ):
-        if not (math.isfinite(float(x)) and float(x) >= 0.0):
-            raise ValueError(f"adamw_step: {arg} must be finite and >= 0, got {x!r}.")
+            raise ValueError(f"{who}: {arg} must be in [0, 1), got {x!r}.")
+    for arg, x in (("lr", lr), ("eps", eps), ("weight_decay", weight_decay)):
+        _check_nonneg(who, arg, x)
+
+
+def _check_hyper_tensor(t, dev: torch.device) -> None:
+    _check_tensor("hyper_tensor", t, (_FP32,), None, dev)
+    if t.numel() != len(HYPER_FIELDS):
+        raise ValueError(
+            f"adamw_step: hyper_tensor must have exactly {len(HYPER_FIELDS)} elements ({', '.join(HYPER_FIELDS)}; "
+            f"build it with acco_ds.ops.adamw.hyper_tensor), got shape {tuple(t.shape)}."
+        )
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -166,6 +218,16 @@ def hyper_scalars(lr: float, beta1: float, beta2: float, eps: float, weight_deca
     return (1.0 - lr * weight_decay, beta1, 1.0 - beta1, beta2, 1.0 - beta2, math.sqrt(bc2), eps, lr / bc1)
 
 
+def hyper_tensor(lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: int,
+                 device=None) -> torch.Tensor:  # fmt: skip
+    """The ``hyper_tensor`` argument of :func:`adamw_step` for these settings: a new contiguous fp32 tensor of 8
+    elements on ``device`` (default: the CPU), :func:`hyper_scalars` each rounded to fp32 (to nearest, as the
+    host-scalar path rounds them). Raises ValueError naming a bad setting (the same rules as adamw_step)."""
+    _check_settings("hyper_tensor", lr, beta1, beta2, eps, weight_decay, step)
+    hp = hyper_scalars(float(lr), float(beta1), float(beta2), float(eps), float(weight_decay), step)
+    return torch.tensor(hp, dtype=torch.float64).to(device=device, dtype=_FP32)
+
+
 def _adamw_math(a: _Step, p: torch.Tensor, m: torch.Tensor, v: torch.Tensor) -> None:
     """The AdamW update of the contract, in place on ``p``, ``m``, ``v`` (torch.optim.AdamW's operations)."""
     g = a.grad.reshape(-1).to(_FP32)
@@ -173,6 +235,9 @@ def _adamw_math(a: _Step, p: torch.Tensor, m: torch.Tensor, v: torch.Tensor) -> 
         g = g * (a.scale_tensor.reshape(1).to(_FP32) * a.grad_scale)
     elif a.grad_scale != 1.0:
         g = g * a.grad_scale
+    if a.hyper_tensor is not None:
+        _adamw_math_hyper_tensor(a.hyper_tensor.reshape(-1), g, p, m, v)
+        return
     bc1 = 1.0 - a.beta1**a.step
     bc2 = 1.0 - a.beta2**a.step
     p.mul_(1.0 - a.lr * a.weight_decay)
@@ -180,6 +245,19 @@ def _adamw_math(a: _Step, p: torch.Tensor, m: torch.Tensor, v: torch.Tensor) -> 
     v.mul_(a.beta2).addcmul_(g, g, value=1.0 - a.beta2)
     denom = (v.sqrt() / math.sqrt(bc2)).add_(a.eps)
     p.addcdiv_(m, denom, value=-(a.lr / bc1))
+
+
+def _adamw_math_hyper_tensor(h: torch.Tensor, g, p, m, v) -> None:
+    """:func:`_adamw_math` with the scalars in the tensor ``h`` (HYPER_FIELDS), never read on the host: the same
+    operations with 0-dim tensor operands. addcmul_/addcdiv_ take only a number as ``value``, so the tensor
+    scalar moves into the first operand (``value * t1`` is what torch's CPU kernels compute first: the same bits
+    as the host-scalar path there); torch's CUDA addcdiv computes ``value * (t1 / t2)``, an ulp away."""
+    decay, _, omb1, beta2, omb2, bc2_sqrt, eps, step_size = h.unbind()
+    p.mul_(decay)
+    m.lerp_(g, omb1)
+    v.mul_(beta2).addcmul_(omb2 * g, g)
+    denom = (v.sqrt() / bc2_sqrt).add_(eps)
+    p.addcdiv_(step_size * m, denom, value=-1.0)
 
 
 def _adamw_torch_host_flag(a: _Step) -> None:
@@ -219,10 +297,13 @@ def _adamw_torch(a: _Step) -> None:
 
 def _ext_args(a: _Step) -> tuple:
     """Positional arguments of the compiled entry points, up to and including ``commit``."""
-    hp = hyper_scalars(
-        float(a.lr), float(a.beta1), float(a.beta2), float(a.eps), float(a.weight_decay), a.step
-    )
-    out, st, nf = a.out, a.scale_tensor, a.noop_flag
+    out, st, nf, ht = a.out, a.scale_tensor, a.noop_flag, a.hyper_tensor
+    if ht is None:
+        hp = hyper_scalars(
+            float(a.lr), float(a.beta1), float(a.beta2), float(a.eps), float(a.weight_decay), a.step
+        )
+    else:  # the kernels read hyper_ptr; NaN in the by-value copy makes a kernel that ignores it fail loudly
+        hp = (math.nan,) * len(HYPER_FIELDS)
     return (
         a.master.data_ptr(),
         a.exp_avg.data_ptr(),
@@ -233,6 +314,7 @@ def _ext_args(a: _Step) -> tuple:
         -1 if out is None else _DTYPE_CODE[out.dtype],
         0 if st is None else st.data_ptr(),
         0 if nf is None else nf.data_ptr(),
+        0 if ht is None else ht.data_ptr(),
         a.master.numel(),
         *hp,
         float(a.grad_scale),
@@ -260,23 +342,25 @@ def _log_backend_once(device_type: str, backend: str, why: str = "") -> None:
         logger.info("acco_ds adamw_step on %s: using %s", device_type, backend)
 
 
-def adamw_step_ref(master, exp_avg, exp_avg_sq, grad, out=None, *, lr: float, beta1: float, beta2: float,
-                   eps: float, weight_decay: float, step: int, grad_scale: float = 1.0, scale_tensor=None,
-                   noop_flag=None, commit: bool = True) -> None:  # fmt: skip
+def adamw_step_ref(master, exp_avg, exp_avg_sq, grad, out=None, *, lr: float | None = None,
+                   beta1: float | None = None, beta2: float | None = None, eps: float | None = None,
+                   weight_decay: float | None = None, step: int | None = None, grad_scale: float = 1.0,
+                   scale_tensor=None, noop_flag=None, commit: bool = True, hyper_tensor=None) -> None:  # fmt: skip
     """Pure-torch AdamW step with this module's contract: the test oracle.
 
     Reads ``noop_flag`` on the host (``.item()``: a device sync on CUDA). :func:`adamw_step`'s own fallback gives
     the same bits and decides the flag on the device.
     """
     a = _Step(master, exp_avg, exp_avg_sq, grad, out, lr, beta1, beta2, eps, weight_decay, step, grad_scale,
-              scale_tensor, noop_flag, commit)  # fmt: skip
+              scale_tensor, noop_flag, commit, hyper_tensor)  # fmt: skip
     _validate(a)
     _adamw_torch_host_flag(a)
 
 
-def adamw_step(master, exp_avg, exp_avg_sq, grad, out=None, *, lr: float, beta1: float, beta2: float,
-               eps: float, weight_decay: float, step: int, grad_scale: float = 1.0, scale_tensor=None,
-               noop_flag=None, commit: bool = True) -> None:  # fmt: skip
+def adamw_step(master, exp_avg, exp_avg_sq, grad, out=None, *, lr: float | None = None,
+               beta1: float | None = None, beta2: float | None = None, eps: float | None = None,
+               weight_decay: float | None = None, step: int | None = None, grad_scale: float = 1.0,
+               scale_tensor=None, noop_flag=None, commit: bool = True, hyper_tensor=None) -> None:  # fmt: skip
     """One fused AdamW step on flat shards (see the module docstring for the full contract).
 
     Dispatch: the CUDA extension for CUDA tensors, the CPU extension (OpenMP, ``torch.get_num_threads()``
@@ -284,7 +368,7 @@ def adamw_step(master, exp_avg, exp_avg_sq, grad, out=None, *, lr: float, beta1:
     per device type. Arguments are validated before any launch (TypeError/ValueError naming the argument).
     """
     a = _Step(master, exp_avg, exp_avg_sq, grad, out, lr, beta1, beta2, eps, weight_decay, step, grad_scale,
-              scale_tensor, noop_flag, commit)  # fmt: skip
+              scale_tensor, noop_flag, commit, hyper_tensor)  # fmt: skip
     _validate(a)
     dev = master.device.type
     kind = "cuda" if dev == "cuda" else "cpu"
@@ -304,10 +388,11 @@ def adamw_step(master, exp_avg, exp_avg_sq, grad, out=None, *, lr: float, beta1:
         ext.adamw_cpu(*_ext_args(a), torch.get_num_threads())
 
 
-def adamw_step_cuda_body_on_cpu(master, exp_avg, exp_avg_sq, grad, out=None, *, lr: float, beta1: float,
-                                beta2: float, eps: float, weight_decay: float, step: int, grad_scale: float = 1.0,
-                                scale_tensor=None, noop_flag=None, commit: bool = True, grid_dim: int = 0,
-                                block_dim: int = 0) -> None:  # fmt: skip
+def adamw_step_cuda_body_on_cpu(master, exp_avg, exp_avg_sq, grad, out=None, *, lr: float | None = None,
+                                beta1: float | None = None, beta2: float | None = None, eps: float | None = None,
+                                weight_decay: float | None = None, step: int | None = None,
+                                grad_scale: float = 1.0, scale_tensor=None, noop_flag=None, commit: bool = True,
+                                hyper_tensor=None, grid_dim: int = 0, block_dim: int = 0) -> None:  # fmt: skip
     """Test hook: run the CUDA kernel's body (indexing, vector path, alignment, tails) on CPU tensors.
 
     Same contract as :func:`adamw_step`; ``grid_dim``/``block_dim`` <= 0 use the CUDA launcher's launch shape.
@@ -315,7 +400,7 @@ def adamw_step_cuda_body_on_cpu(master, exp_avg, exp_avg_sq, grad, out=None, *, 
     RuntimeError when the CPU extension is not built.
     """
     a = _Step(master, exp_avg, exp_avg_sq, grad, out, lr, beta1, beta2, eps, weight_decay, step, grad_scale,
-              scale_tensor, noop_flag, commit)  # fmt: skip
+              scale_tensor, noop_flag, commit, hyper_tensor)  # fmt: skip
     _validate(a)
     if master.device.type != "cpu":
         raise ValueError(f"adamw_step_cuda_body_on_cpu: tensors must be on cpu, got {master.device}.")

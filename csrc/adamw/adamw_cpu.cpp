@@ -260,7 +260,9 @@ inline int64_t elem_size(int dtype) { return dtype == kBF16 ? 2 : 4; }
 
 const char* cpu_isa() { return kIsa == Isa::kAvx512 ? "avx512" : kIsa == Isa::kAvx2 ? "avx2" : "base"; }
 
-void adamw_cpu(const AdamWKernelArgs& a, int g_dtype, int out_dtype, bool commit, int num_threads) {
+void adamw_cpu(const AdamWKernelArgs& args, int g_dtype, int out_dtype, bool commit, int num_threads) {
+  AdamWKernelArgs a = args;
+  if (a.hyper_ptr != nullptr) a.h = load_hyper(a.hyper_ptr);  // host memory here: read once, by value
   const bool noop = a.noop_ptr != nullptr && *a.noop_ptr != 0;
   const float s = a.scale_ptr != nullptr ? a.grad_scale * *a.scale_ptr : a.grad_scale;
   AdamWRange fn;

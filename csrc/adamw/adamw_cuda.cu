@@ -3,8 +3,9 @@
 //
 // Stream contract: the kernel runs on `stream` of the current device (the Python front passes
 // torch.cuda.current_stream(master.device) and makes master's device current); the caller keeps every buffer
-// alive and unmodified by other streams until that stream has run it. The noop flag and the scale are read on
-// the device, so deciding to skip a step or to clip never synchronises the host.
+// alive and unmodified by other streams until that stream has run it. The noop flag, the scale and (when
+// hyper_ptr is set) the AdamW scalars are read on the device, so deciding to skip a step, to clip, or which
+// step count and learning rate apply never synchronises the host.
 #include <cuda_runtime.h>
 
 #include "adamw_launch.h"

@@ -52,9 +52,10 @@ struct AdamWKernelArgs {
   void* out;                 // nullptr or out [n], fp32 or bf16 (template O)
   const float* scale_ptr;    // nullptr or 1 fp32 on the device: extra gradient scale
   const int32_t* noop_ptr;   // nullptr or 1 int32 on the device: nonzero = skip the step
+  const float* hyper_ptr;    // nullptr = use h; else 8 fp32 on the device (AdamWHyper's fields), used instead
   int64_t n;                 // elements
   float grad_scale;          // host gradient scale
-  AdamWHyper h;
+  AdamWHyper h;              // by value from the host; ignored when hyper_ptr is set
   bool p_vec, m_vec, v_vec, g_vec, out_vec;  // base pointer aligned for the vector access of its type
 };
 
@@ -122,6 +123,11 @@ ACCO_HD void adamw_kernel_body(int64_t block, int64_t thread, int64_t block_dim,
   const int64_t groups = (n + kVec - 1) / kVec;
   const bool noop = a.noop_ptr != nullptr && *a.noop_ptr != 0;
   const float s = a.scale_ptr != nullptr ? a.grad_scale * *a.scale_ptr : a.grad_scale;
+  // Selected on the device (e.g. by the step count a skipped commit left there): one load per thread.
+  if (a.hyper_ptr != nullptr)
+    ACCO_KERNEL_CHECK(reinterpret_cast<uintptr_t>(a.hyper_ptr) % alignof(float) == 0,
+                      "adamw kernel body: misaligned hyper_ptr");
+  const AdamWHyper h = a.hyper_ptr != nullptr ? load_hyper(a.hyper_ptr) : a.h;
   const G* g = static_cast<const G*>(a.g);
   O* out = static_cast<O*>(a.out);
   for (int64_t grp = block * block_dim + thread; grp < groups; grp += grid_dim * block_dim) {
@@ -134,7 +140,7 @@ ACCO_HD void adamw_kernel_body(int64_t block, int64_t thread, int64_t block_dim,
         load4(a.v, i, n, a.v_vec, v);
         load4(g, i, n, a.g_vec, gg);
 ACCO_UNROLL
-        for (int k = 0; k < kVec; ++k) adamw_update(p[k], m[k], v[k], gg[k] * s, a.h);
+        for (int k = 0; k < kVec; ++k) adamw_update(p[k], m[k], v[k], gg[k] * s, h);
         if (COMMIT) {
           store4(a.p, i, n, a.p_vec, p);
           store4(a.m, i, n, a.m_vec, m);
@@ -147,7 +153,7 @@ ACCO_UNROLL
         float p = a.p[j];
         if (!noop) {
           float m = a.m[j], v = a.v[j];
-          adamw_update(p, m, v, to_f32(g[j]) * s, a.h);
+          adamw_update(p, m, v, to_f32(g[j]) * s, h);
           if (COMMIT) {
             a.p[j] = p;
             a.m[j] = m;

@@ -18,7 +18,7 @@ enum DtypeCode : int { kF32 = 0, kBF16 = 1 };
 // Fills AdamWKernelArgs from the raw arguments (alignment flags from the pointers).
 inline AdamWKernelArgs make_adamw_args(uintptr_t p, uintptr_t m, uintptr_t v, uintptr_t g, int g_dtype,
                                        uintptr_t out, int out_dtype, uintptr_t scale_ptr, uintptr_t noop_ptr,
-                                       int64_t n, float grad_scale, const AdamWHyper& h) {
+                                       uintptr_t hyper_ptr, int64_t n, float grad_scale, const AdamWHyper& h) {
   AdamWKernelArgs a;
   a.p = reinterpret_cast<float*>(p);
   a.m = reinterpret_cast<float*>(m);
@@ -27,6 +27,7 @@ inline AdamWKernelArgs make_adamw_args(uintptr_t p, uintptr_t m, uintptr_t v, ui
   a.out = reinterpret_cast<void*>(out);
   a.scale_ptr = reinterpret_cast<const float*>(scale_ptr);
   a.noop_ptr = reinterpret_cast<const int32_t*>(noop_ptr);
+  a.hyper_ptr = reinterpret_cast<const float*>(hyper_ptr);
   a.n = n;
   a.grad_scale = grad_scale;
   a.h = h;
@@ -41,7 +42,7 @@ inline AdamWKernelArgs make_adamw_args(uintptr_t p, uintptr_t m, uintptr_t v, ui
 // CPU: the instruction-set variant of the CPU loops in use ("avx512", "avx2" or "base").
 const char* cpu_isa();
 
-// CPU: OpenMP over `num_threads` threads; reads scale/noop from host memory. Returns when done.
+// CPU: OpenMP over `num_threads` threads; reads scale/noop/hyper from host memory. Returns when done.
 void adamw_cpu(const AdamWKernelArgs& a, int g_dtype, int out_dtype, bool commit, int num_threads);
 
 // CPU: buffer[off_i : off_i + numel_i] = cast(float(buffer) + float(grad_i) * scale) for every i (accumulate),

@@ -30,6 +30,12 @@ struct AdamWHyper {
   float step_size;        // lr / (1 - beta1**step)
 };
 
+// The AdamWHyper fields from 8 consecutive fp32 in memory, in the struct's order (a hyper_tensor of
+// acco_ds.ops.adamw: decay, beta1, 1-beta1, beta2, 1-beta2, sqrt(1-beta2**step), eps, step_size).
+ACCO_HD AdamWHyper load_hyper(const float* x) {
+  return AdamWHyper{x[0], x[1], x[2], x[3], x[4], x[5], x[6], x[7]};
+}
+
 ACCO_HD uint32_t f32_bits(float x) {
 #if defined(__CUDA_ARCH__)
   return __float_as_uint(x);

@@ -17,7 +17,7 @@ namespace py = pybind11;
 
 // Bumped whenever an entry point's arguments change; acco_ds/ops/_build.py refuses a module with another
 // value (a stale build) instead of failing at the first call.
-constexpr int kAbiVersion = 1;
+constexpr int kAbiVersion = 2;
 
 namespace {
 
@@ -34,21 +34,23 @@ void check_dtype(const char* what, int code, bool allow_none) {
 
 #define ACCO_ADAMW_ARGS                                                                                    \
   uintptr_t p, uintptr_t m, uintptr_t v, uintptr_t g, int g_dtype, uintptr_t out, int out_dtype,          \
-      uintptr_t scale_ptr, uintptr_t noop_ptr, int64_t n, float decay, float beta1, float omb1, float beta2, \
-      float omb2, float bc2_sqrt, float eps, float step_size, float grad_scale, bool commit
+      uintptr_t scale_ptr, uintptr_t noop_ptr, uintptr_t hyper_ptr, int64_t n, float decay, float beta1,  \
+      float omb1, float beta2, float omb2, float bc2_sqrt, float eps, float step_size, float grad_scale,    \
+      bool commit
 
 #define ACCO_MAKE_ARGS()                                                                            \
   check_dtype("grad dtype", g_dtype, false);                                                        \
   check_dtype("out dtype", out_dtype, true);                                                        \
   if (!commit && out == 0) throw std::invalid_argument("peek (commit=False) needs an out buffer");  \
   const acco::AdamWKernelArgs a = acco::make_adamw_args(                                            \
-      p, m, v, g, g_dtype, out, out_dtype, scale_ptr, noop_ptr, n, grad_scale,                      \
+      p, m, v, g, g_dtype, out, out_dtype, scale_ptr, noop_ptr, hyper_ptr, n, grad_scale,          \
       hyper(decay, beta1, omb1, beta2, omb2, bc2_sqrt, eps, step_size))
 
 const char* kAdamWDoc =
     "AdamW step on raw addresses: (master, exp_avg, exp_avg_sq, grad, grad_dtype, out, out_dtype, "
-    "scale_ptr, noop_ptr, n, decay, beta1, 1-beta1, beta2, 1-beta2, sqrt(1-beta2**step), eps, "
-    "lr/(1-beta1**step), grad_scale, commit, ...). Use acco_ds.ops.adamw.adamw_step instead.";
+    "scale_ptr, noop_ptr, hyper_ptr, n, decay, beta1, 1-beta1, beta2, 1-beta2, sqrt(1-beta2**step), eps, "
+    "lr/(1-beta1**step), grad_scale, commit, ...). hyper_ptr: 0, or the address of those 8 scalars as fp32 "
+    "(then the 8 by-value scalars are ignored). Use acco_ds.ops.adamw.adamw_step instead.";
 
 }  // namespace
 
