@@ -15,7 +15,7 @@ import torch
 
 from acco_ds.ops import _build
 from acco_ds.ops.accumulate import accumulate_grads, accumulate_grads_ref, copy_flat, copy_flat_ref
-from acco_ds.ops.adamw import adamw_step, adamw_step_cuda_body_on_cpu, adamw_step_ref
+from acco_ds.ops.adamw import adamw_step, adamw_step_cuda_body_on_cpu, adamw_step_ref, hyper_tensor
 
 pytestmark = [
     pytest.mark.gpu,
@@ -53,10 +53,12 @@ def ulp_atol(x):
     return float(x.abs().max()) * 2.0**-23
 
 
+@pytest.mark.parametrize("hyper", [False, True])
 @pytest.mark.parametrize("wd", [0.0, 0.1])
 @pytest.mark.parametrize("gdtype", DTYPES)
 @pytest.mark.parametrize("n", SIZES[:4])
-def test_cuda_matches_torch_adamw_100_steps(n, gdtype, wd):
+def test_cuda_matches_torch_adamw_100_steps(n, gdtype, wd, hyper):
+    """hyper=True: each step's scalars from a device tensor (hyper_tensor) instead of the host settings."""
     cuda_ext()
     g = gen("gpu100", n, gdtype, wd)
     p0 = torch.randn(n, generator=g).cuda()
@@ -70,7 +72,11 @@ def test_cuda_matches_torch_adamw_100_steps(n, gdtype, wd):
         opt32.step()
         opt64.step()
         out = poisoned(n, torch.bfloat16)
-        adamw_step(master, m, v, grad, out, weight_decay=wd, step=step, **HP)
+        if hyper:
+            h = hyper_tensor(weight_decay=wd, step=step, device="cuda", **HP)
+            adamw_step(master, m, v, grad, out, hyper_tensor=h)
+        else:
+            adamw_step(master, m, v, grad, out, weight_decay=wd, step=step, **HP)
         assert torch.equal(out, master.to(torch.bfloat16))
     st32, st64 = opt32.state[p32], opt64.state[p64]
     for ours, t32, t64 in ((master, p32.detach(), p64.detach()), (m, st32["exp_avg"], st64["exp_avg"]),
@@ -177,6 +183,91 @@ def test_cuda_misaligned_shards_use_the_scalar_path():
     adamw_step(*aligned, grad, out_a, step=2, weight_decay=0.1, **HP)
     adamw_step(*odd, gbuf[1:], obuf[1:], step=2, weight_decay=0.1, **HP)
     assert torch.equal(obuf[1:], out_a) and all(torch.equal(o, a) for o, a in zip(odd, aligned))
+
+
+SETTINGS = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1)
+
+
+def _selected_hyper(step: int) -> torch.Tensor:
+    """The scalars of ``step`` picked on the device from a table of candidates (steps 1..5), as ACCO's job does:
+    the index is a device tensor, the row a device view at an offset."""
+    table = torch.stack([hyper_tensor(**SETTINGS, step=s) for s in range(1, 6)]).cuda()
+    index = torch.zeros(1, dtype=torch.int64, device="cuda")
+    index.fill_(step - 1)  # set on the device
+    return table.index_select(0, index)[0]
+
+
+@pytest.mark.parametrize("noop", [0, 1])
+@pytest.mark.parametrize("commit", [True, False])
+@pytest.mark.parametrize("odtype", DTYPES)
+@pytest.mark.parametrize("gdtype", DTYPES)
+@pytest.mark.parametrize("n", [7, 278011])
+def test_cuda_hyper_tensor_bit_identical_to_host_scalars_and_harness(n, gdtype, odtype, commit, noop):
+    """hyper_tensor read on the device: the bits of the host-scalar launch and of the CPU harness given the same
+    tensor; the launch does not synchronise the host."""
+    cuda_ext()
+    g = gen("gpu-hyper", n, gdtype, odtype, commit, noop)
+    cpu_state = rand_state(n, g, "cpu")
+    grad = torch.randn(n, generator=g).to(gdtype)
+    kw = dict(grad_scale=0.5, commit=commit)
+    flag = torch.full((1,), noop, dtype=torch.int32)
+    scale = torch.tensor([0.3])
+    host_state = [t.cuda() for t in cpu_state]
+    out_host = poisoned(n, odtype)
+    adamw_step(*host_state, grad.cuda(), out_host, step=4, scale_tensor=scale.cuda(), noop_flag=flag.cuda(),
+               **SETTINGS, **kw)  # fmt: skip
+    dev_state = [t.cuda() for t in cpu_state]
+    out_dev, grad_dev, scale_dev, flag_dev = poisoned(n, odtype), grad.cuda(), scale.cuda(), flag.cuda()
+    h = _selected_hyper(4)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        adamw_step(
+            *dev_state, grad_dev, out_dev, hyper_tensor=h, scale_tensor=scale_dev, noop_flag=flag_dev, **kw
+        )
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    out_cpu = poisoned(n, odtype, "cpu")
+    adamw_step_cuda_body_on_cpu(*cpu_state, grad, out_cpu, hyper_tensor=h.cpu(), scale_tensor=scale,
+                                noop_flag=flag, **kw)  # fmt: skip
+    assert torch.equal(out_dev, out_host) and all(torch.equal(x, y) for x, y in zip(dev_state, host_state))
+    assert torch.equal(out_dev.cpu(), out_cpu) and all(
+        torch.equal(x.cpu(), y) for x, y in zip(dev_state, cpu_state)
+    )
+
+
+def test_cuda_hyper_tensor_fallback_no_host_sync(monkeypatch):
+    """Without the CUDA extension, hyper_tensor on the device: tensor arithmetic, no host sync, within an ulp of
+    the host-scalar reference (torch's CUDA addcdiv rounds value * (t1 / t2))."""
+    from acco_ds.ops import adamw as adamw_mod
+
+    monkeypatch.setenv(_build.DISABLE_ENV, "1")
+    monkeypatch.setattr(adamw_mod, "_logged_backends", set())
+    _build.reset_cache()
+    try:
+        n = 40_001
+        g = gen("gpu-hyper-fallback")
+        state = rand_state(n, g)
+        grad = torch.randn(n, generator=g).to(torch.bfloat16).cuda()
+        with pytest.warns(RuntimeWarning, match="CUDA extension is missing"):
+            adamw_step(*[t.clone() for t in state], grad, step=1, **SETTINGS)
+        ours, ref = [t.clone() for t in state], [t.clone() for t in state]
+        out, out_ref = poisoned(n, torch.bfloat16), poisoned(n, torch.bfloat16)
+        flag = torch.zeros(1, dtype=torch.int32, device="cuda")
+        h = _selected_hyper(3)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            adamw_step(*ours, grad, out, hyper_tensor=h, noop_flag=flag)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        adamw_step_ref(*ref, grad, out_ref, step=3, noop_flag=flag, **SETTINGS)
+        for x, y in zip(ours, ref):
+            torch.testing.assert_close(x, y, rtol=2e-6, atol=ulp_atol(y))
+        torch.testing.assert_close(out.float(), out_ref.float(), rtol=8e-3, atol=0.0)
+    finally:
+        monkeypatch.delenv(_build.DISABLE_ENV)
+        _build.reset_cache()
 
 
 @pytest.mark.parametrize("scale", [1.0, 0.37])

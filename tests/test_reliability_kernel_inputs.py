@@ -2,7 +2,8 @@
 crash or silent corruption (issue 6, item 5).
 
 Each row of the tables breaks one argument of an otherwise valid call (non-contiguous, misaligned,
-wrong dtype, wrong device, size mismatch, overlapping buffers, bad scalars). The test checks the
+wrong dtype, wrong device, size mismatch, overlapping buffers, bad scalars; a bad ``hyper_tensor``, or the
+AdamW settings and ``hyper_tensor`` both or neither given). The test checks the
 exception type, that the message names the argument, and that no buffer was written: every tensor
 the call could write is compared bit for bit with its copy taken before the call (``out`` is
 poisoned first). Entry points: ``adamw_step`` (the CPU extension when built, else the torch
@@ -153,6 +154,93 @@ ADAMW_ROWS = {
     "lr_nan": (_set("lr", math.nan), ValueError, "lr must be finite"),
     "eps_negative": (_set("eps", -1e-8), ValueError, "eps must be finite and >= 0"),
 }
+
+SETTINGS = ("lr", "beta1", "beta2", "eps", "weight_decay", "step")
+
+
+def _hyper(value, keep=()):
+    """The AdamW scalars as ``hyper_tensor`` (``value(a)``) instead of the settings, but those in ``keep``."""
+
+    def change(a):
+        h = adamw.hyper_tensor(*(a[k] for k in SETTINGS))
+        for k in SETTINGS:
+            if k not in keep:
+                del a[k]
+        a["hyper_tensor"] = value(a, h) if callable(value) else value
+
+    return change
+
+
+def _drop(*keys):
+    def change(a):
+        for k in keys:
+            del a[k]
+
+    return change
+
+
+ADAMW_ROWS.update(
+    {
+        "hyper_tensor_float64": (
+            _hyper(lambda a, h: h.double()),
+            TypeError,
+            "hyper_tensor has dtype torch.float64",
+        ),
+        "hyper_tensor_bf16": (_hyper(lambda a, h: h.bfloat16()), TypeError, "hyper_tensor has dtype"),
+        "hyper_tensor_seven": (
+            _hyper(lambda a, h: h[:7].clone()),
+            ValueError,
+            "hyper_tensor must have exactly 8 elements",
+        ),
+        "hyper_tensor_nine": (
+            _hyper(lambda a, h: torch.cat([h, h[:1]])),
+            ValueError,
+            "hyper_tensor must have exactly 8 elements",
+        ),
+        "hyper_tensor_on_meta": (
+            _hyper(lambda a, h: h.to("meta")),
+            ValueError,
+            "hyper_tensor is on meta but master is on cpu",
+        ),
+        "hyper_tensor_non_contiguous": (
+            _hyper(lambda a, h: torch.stack([h, h], dim=1)[:, 0]),
+            ValueError,
+            "hyper_tensor is not contiguous",
+        ),
+        "hyper_tensor_misaligned": (
+            _hyper(lambda a, h: misaligned(8, torch.float32).copy_(h)),
+            ValueError,
+            "hyper_tensor data pointer",
+        ),
+        "hyper_tensor_not_a_tensor": (
+            _hyper(lambda a, h: h.tolist()),
+            TypeError,
+            "hyper_tensor must be a torch.Tensor",
+        ),
+        "hyper_tensor_in_out": (
+            _hyper(lambda a, h: a["out"][8:16]),
+            ValueError,
+            "out and hyper_tensor overlap",
+        ),
+        "hyper_tensor_and_settings": (
+            _hyper(lambda a, h: h, keep=SETTINGS),
+            ValueError,
+            "give either the AdamW settings (lr, beta1, beta2, eps, weight_decay, step) or hyper_tensor, not "
+            "both; got hyper_tensor and lr, beta1, beta2, eps, weight_decay, step",
+        ),
+        "hyper_tensor_and_step": (
+            _hyper(lambda a, h: h, keep=("step",)),
+            ValueError,
+            "not both; got hyper_tensor and step",
+        ),
+        "neither_settings_nor_hyper_tensor": (
+            _drop(*SETTINGS),
+            ValueError,
+            "lr, beta1, beta2, eps, weight_decay, step are required",
+        ),
+        "step_missing": (_drop("step"), ValueError, "step is required"),
+    }
+)
 
 WRITABLE = ("master", "exp_avg", "exp_avg_sq", "out")
 
