@@ -1,7 +1,7 @@
 """End-to-end benchmark on a bandwidth-limited link (BENCHMARKS.md section 2), with heterogeneous
 workers.
 
-    python benchmarks/bench_e2e.py            # the full sweep (about 70 min on 2 CPU cores)
+    python benchmarks/bench_e2e.py            # the full sweep (about 75 min on 2 CPU cores)
     python benchmarks/bench_e2e.py --quick    # one rate, few steps (what the tests run)
 
 All ranks of a run share one link: a private network namespace (``unshare -n``) whose loopback is
@@ -9,17 +9,25 @@ rate-limited with ``tc`` (needs root and iproute2; without them the benchmark sa
 with status 2 - it never fakes the link with sleeps). For every link rate of the sweep, in the
 same invocation and with the same model, data, batch, dtype, threads and seed: a comm-only probe
 (T_comm of one round), then DeepSpeed ZeRO-1 (AdamW), DeepSpeed ZeRO-2 (overlap_comm), and
-acco_ds sync, dpu, acco fixed, acco adaptive. A compute-only run (no communication) at the start
-and the end gives T_compute. Then the heterogeneous case: one rank made ``--slow-factor`` times
-slower by real extra compute per micro-batch, ZeRO-1 against ACCO. Writes ``<prefix>.md`` (table,
-machine, versions, date), ``<prefix>.json`` (raw) and ``<prefix>_*.png`` into ``--out`` and prints
-the table last. Definitions of every column: ``benchmarks/e2e_report.py``.
+acco_ds sync, dpu, acco fixed, acco adaptive, each ``--repeats`` times interleaved. The
+compute-only bound (the same training loop with the communication removed:
+``e2e_runs.run_compute_only``) runs at the start, after every repetition of every rate, and at
+the end; its highest figure is the reference. Then the heterogeneous case: one rank made
+``--slow-factor`` times slower by real extra compute per micro-batch, ZeRO-1 against ACCO.
+Writes ``<prefix>.md`` (table, machine, versions, date), ``<prefix>.json`` (raw) and
+``<prefix>_*.png`` into ``--out`` and prints the table last. Definitions of every column:
+``benchmarks/e2e_report.py``.
+
+Exit status: 0 when every run ran; 1 when a contender (or a reference run) could not run, even
+after one retry - the others' results are still written, and stderr and the table name each
+missing run; 2 when this machine cannot throttle a link.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import shlex
 import sys
 import tempfile
@@ -119,19 +127,25 @@ def _log(msg: str) -> None:
     print(f"[bench_e2e {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def _drop_unavailable(a, notes: list) -> None:
+def _drop_unavailable(a, failed: list) -> None:
+    """Without an acco_ds that registers ACCO, the acco_ds contenders cannot run: each is recorded
+    as failed (the benchmark then exits non-zero) and the DeepSpeed baselines still run."""
     ok, why = acco_registered()
     if ok:
         return
-    acco = [
-        c for c in a.contenders + a.hetero_contenders if e2e_runs.CONTENDERS[c][0] in ("acco", "dpu", "sync")
-    ]
-    if acco:
-        notes.append(f"acco_ds contenders not run ({', '.join(sorted(set(acco)))}): {why}")
-        _log(notes[-1])
     keep = ("zero1", "zero2")
+    for tag, labels in (("", a.contenders), ("-hetero", a.hetero_contenders)):
+        for label in labels:
+            if label not in keep:
+                _fail(failed, label, "all rates" if not tag else "heterogeneous", f"not run: {why}")
     a.contenders = [c for c in a.contenders if c in keep]
     a.hetero_contenders = [c for c in a.hetero_contenders if c in keep]
+
+
+def _fail(failed: list, label: str, where: str, why: str) -> None:
+    """Record a contender (or reference run) that could not run; ``main`` exits non-zero naming it."""
+    failed.append({"label": label, "where": where, "why": why})
+    _log(f"FAILED {label} ({where}): {why}")
 
 
 def _best(runs: list) -> dict:
@@ -149,18 +163,29 @@ def _best(runs: list) -> dict:
     return best
 
 
-def _round_robin(setup, labels: list, rate: str, repeats: int, notes: list, slow=None, tag: str = "") -> dict:
-    """Every contender ``repeats`` times, interleaved (a, b, c, a, b, c, ...), best of each."""
+def _round_robin(
+    setup,
+    labels: list,
+    rate: str,
+    repeats: int,
+    failed: list,
+    slow=None,
+    tag: str = "",
+    after_repeat=None,
+) -> dict:
+    """Every contender ``repeats`` times, interleaved (a, b, c, a, b, c, ...), best of each; then
+    ``after_repeat(rep)`` after each repetition (the compute-only bound's draws). A repeat that
+    fails twice is recorded in ``failed`` (the contender is then reported with the repeats that
+    ran, or not at all) and the sweep goes on."""
     done: dict = {label: [] for label in labels}
     for rep in range(repeats):
         for label in labels:
-            s = _attempt(
+            s, err = _attempt(
                 lambda label=label, rep=rep: e2e_runs.run_contender(setup, label, rate, slow, f"{tag}/r{rep}")
             )
             if s is None:
-                notes.append(
-                    f"{rate}{tag} {label} repeat {rep + 1}: failed twice (see the work folder); left out"
-                )
+                where = f"{rate}{tag} repeat {rep + 1}/{repeats}"
+                _fail(failed, label, where, f"failed twice ({err}; see {setup.work})")
                 continue
             done[label].append(s)
             _log(
@@ -168,34 +193,67 @@ def _round_robin(setup, labels: list, rate: str, repeats: int, notes: list, slow
                 f"{s['samples_per_s']:.1f} samples/s, per rank {[round(x, 1) for x in s['rank_samples_per_s']]}, "
                 f"val {s['val_loss']:.4f}, load {s['load_before']:.1f}->{s['load_after']:.1f}"
             )
+        if after_repeat is not None:
+            after_repeat(rep)
     return {label: _best(runs) for label, runs in done.items() if runs}
 
 
-def _attempt(run):
-    """``run()``, retried once when the ranks fail (e.g. killed by the OOM killer on a shared
-    machine); None when both attempts fail."""
+def _attempt(run) -> tuple:
+    """``(run(), None)``, retried once when the ranks fail (e.g. killed by the OOM killer on a
+    shared machine); ``(None, why)`` when both attempts fail (``why``: see ``_why``)."""
+    why = ""
     for attempt in (1, 2):
         try:
-            return run()
+            return run(), None
         except LaunchError as err:
-            _log(f"run failed (attempt {attempt}/2): {str(err).splitlines()[0]}")
-    return None
+            why = _why(err)
+            _log(f"run failed (attempt {attempt}/2): {why}")
+    return None, why
 
 
-def _compute_only(setup, results: dict, tag: str) -> None:
-    s = _attempt(lambda: e2e_runs.run_compute_only(setup, tag))
+RANK_PREFIX = re.compile(r"^\[rank\d+\]:? ?")
+ERROR_LINE = re.compile(r"^([\w.]+(?:Error|Exception|Exit)\b.*)$")
+
+
+def _why(err: LaunchError) -> str:
+    """The launch failure in one line: its first line, plus the last exception the ranks' log tail
+    shows (with its indented continuation lines: what a planted bug or a bad option raised), else
+    the tail's last line."""
+    lines = [x for x in str(err).splitlines() if x.strip() and not x.startswith("command:")]
+    if len(lines) < 2:
+        return lines[0] if lines else "unknown failure"
+    tail = [RANK_PREFIX.sub("", x) for x in lines[1:]]
+    hits = [i for i, x in enumerate(tail) if ERROR_LINE.match(x)]
+    if not hits:
+        return f"{lines[0]} {tail[-1].strip()}"
+    i = hits[-1]
+    more = []
+    for x in tail[i + 1 :]:
+        if not x.startswith((" ", "\t")):
+            break
+        more.append(x.strip())
+    return " ".join([lines[0], tail[i].strip(), *more])
+
+
+def _compute_only(setup, results: dict, failed: list, tag: str) -> None:
+    s, err = _attempt(lambda: e2e_runs.run_compute_only(setup, tag))
     if s is None:
-        raise SystemExit(f"bench_e2e: the compute-only run{tag} failed twice; see {setup.work}")
+        _fail(failed, "compute-only", tag.lstrip("-"), f"failed twice ({err}; see {setup.work})")
+        return
     results["compute"].append(s)
     _log(
-        f"compute-only{tag}: {s['samples_per_s']:.1f} samples/s, t_mb {[round(t, 4) for t in s['t_mb']]}, "
+        f"compute-only{tag}: {s['samples_per_s']:.1f} samples/s (sum of the ranks' "
+        f"{[round(x, 1) for x in s['rank_samples_per_s']]}), t_mb {[round(t, 4) for t in s['t_mb']]}, "
         f"load {s['load_before']:.1f}->{s['load_after']:.1f}"
     )
 
 
 def run_all(a) -> dict:
-    notes: list = []
-    _drop_unavailable(a, notes)
+    """Every run of the sweep. A run that fails twice is recorded in ``results["failed"]`` and the
+    sweep goes on without it (``main`` then exits non-zero naming it); only a sweep left with no
+    compute-only bound stops early."""
+    failed: list = []
+    _drop_unavailable(a, failed)
     model = GPTConfig(n_layer=a.n_layer, n_head=a.n_head, d_model=a.d_model, context=a.context).to_dict()
     work = Path(a.work or tempfile.mkdtemp(prefix="acco_bench_e2e_"))
     setup = e2e_runs.Setup(
@@ -217,6 +275,7 @@ def run_all(a) -> dict:
         "machine": machine_info(),
         "setup": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(setup).items()},
         "repeats": a.repeats,
+        "bound_loop": " ".join(e2e_runs.BOUND_LOOP),
         "ds_settings": {
             c: build_config(c, setup.knobs("fixed"))["zero_optimization"]
             for c in ("zero1", "zero2")
@@ -224,25 +283,42 @@ def run_all(a) -> dict:
         },
         "rates": {},
         "compute": [],
-        "notes": notes,
+        "failed": failed,
     }
     for label, zero in results["ds_settings"].items():
         _log(f"{label} settings: {json.dumps(zero)}")
     _log(f"work folder {work}; model {setup.n_params / 1e6:.2f}M params")
-    for rep in range(a.repeats):
-        _compute_only(setup, results, f"-start{rep}")
+
+    def bound(tag: str) -> None:
+        _compute_only(setup, results, failed, tag)
+
+    bound("-start")
+    if not results["compute"]:
+        return results  # nothing to measure against; main reports the failure
     for rate in a.rates:
-        comm = _attempt(lambda rate=rate: e2e_runs.run_comm_probe(setup, rate))
+        comm, err = _attempt(lambda rate=rate: e2e_runs.run_comm_probe(setup, rate))
         if comm is None:
-            raise SystemExit(f"bench_e2e: the comm-only probe at {rate} failed twice; see {setup.work}")
+            why = (
+                f"the comm-only probe at {rate} failed twice ({err}; see {setup.work}): not run at this rate"
+            )
+            for label in a.contenders:
+                _fail(failed, label, rate, why)
+            continue
         parts = ", ".join(f"{k[:-2]} {comm[k]:.3f}" for k in ("rs_ag_s", "ar_ag_s", "p2p_ag_s") if k in comm)
         _log(f"{rate}: T_comm {comm['t_comm_s']:.3f} s ({parts})")
         results["rates"][rate] = {
             "comm": comm,
-            "runs": _round_robin(setup, a.contenders, rate, a.repeats, notes),
+            "runs": _round_robin(
+                setup,
+                a.contenders,
+                rate,
+                a.repeats,
+                failed,
+                after_repeat=None if a.quick else lambda rep, rate=rate: bound(f"-{rate}-r{rep}"),
+            ),
         }
     if not a.quick:
-        _compute_only(setup, results, "-end")
+        bound("-end")
     if a.hetero_rate != "off" and a.hetero_contenders and a.slow_factor > 1:
         comp = e2e_report.compute_only(results)
         rate = a.hetero_rate
@@ -253,7 +329,7 @@ def run_all(a) -> dict:
         _log(
             f"heterogeneous: link {rate}, rank {a.slow_rank} +{1000 * extra:.1f} ms of compute per micro-batch"
         )
-        runs = _round_robin(setup, a.hetero_contenders, rate, a.repeats, notes, slow=slow, tag="-hetero")
+        runs = _round_robin(setup, a.hetero_contenders, rate, a.repeats, failed, slow=slow, tag="-hetero")
         results["hetero"] = {
             "rate": rate,
             "slow_rank": a.slow_rank,
@@ -262,6 +338,11 @@ def run_all(a) -> dict:
             "runs": runs,
         }
     return results
+
+
+def failure_summary(results: dict) -> str:
+    """One line per run that could not run (empty when every run did), naming the contender."""
+    return "\n".join(f"  {f['label']} ({f['where']}): {f['why']}" for f in results.get("failed", []))
 
 
 def report(results: dict, out: Path, prefix: str) -> str:
@@ -277,6 +358,9 @@ def report(results: dict, out: Path, prefix: str) -> str:
 
 
 def main(argv=None) -> int:
+    """0 when every run of the sweep ran; 1 when some contender (or reference run) could not run -
+    the results of the others are still written, and the failures are named on stderr and in the
+    table; 2 when the link cannot be throttled here."""
     a = parse(argv)
     if a.from_json:
         results = json.loads(Path(a.from_json).read_text())["results"]
@@ -291,7 +375,17 @@ def main(argv=None) -> int:
         )
         return 2
     results = run_all(a)
-    print(report(results, Path(a.out), a.prefix))
+    if results["compute"]:
+        print(report(results, Path(a.out), a.prefix))
+    failures = failure_summary(results)
+    if failures:
+        labels = sorted({f["label"] for f in results["failed"]})
+        print(
+            f"bench_e2e: {len(results['failed'])} run(s) could not run ({', '.join(labels)}); the results of the "
+            f"others are in {a.out}:\n{failures}",
+            file=sys.stderr,
+        )
+        return 1
     return 0
 
 

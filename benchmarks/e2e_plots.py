@@ -2,7 +2,7 @@
 
 ``plot_all(results, analysis, out_dir, prefix)`` writes:
 - ``<prefix>_throughput.png``: samples/s per contender against the link rate (the compute-only
-  samples/s as a line), and the steps/s ratio to ZeRO-1;
+  bound as a line), and the steps/s ratio to ZeRO-1;
 - ``<prefix>_loss.png``: training loss (trailing average) against wall time, one panel per rate;
 - ``<prefix>_hetero.png``: samples/s per rank and overall in the heterogeneous case.
 Returns the paths written.
@@ -39,7 +39,7 @@ def _throughput(results, an, path):
         pts = [(x, an["tables"][r][lbl]) for x, r in zip(xs, rates) if lbl in an["tables"][r]]
         a.plot([p[0] for p in pts], [p[1]["samples_per_s"] for p in pts], marker="o", label=lbl)
         b.plot([p[0] for p in pts], [p[1]["x_steps"] or 0 for p in pts], marker="o", label=lbl)
-    a.axhline(an["compute_only"]["samples_per_s"], color="k", ls="--", label="compute-only")
+    a.axhline(an["compute_only"]["samples_per_s"], color="k", ls="--", label="compute-only bound")
     b.axhline(1.5, color="grey", ls=":", label="fixed-ACCO limit 1.5x")
     for ax, title in ((a, "samples/s (all ranks)"), (b, "optimizer steps/s / ZeRO-1's")):
         ax.set_xticks(xs, [f"{r}\n{results['rates'][r]['comm']['t_comm_s']:.2f}s" for r in rates])
@@ -58,6 +58,9 @@ def _loss(results, an, path):
     fig, axes = plt.subplots(1, len(rates), figsize=(4 * len(rates), 3.8), squeeze=False)
     for ax, rate in zip(axes[0], rates):
         runs = results["rates"][rate]["runs"]
+        ax.set_title(f"link {rate}")
+        if not runs:  # every contender failed at this rate (named in the table)
+            continue
         base = runs.get("zero1")
         window = max(1, int(0.2 * (base or next(iter(runs.values())))["samples"]))
         for lbl, s in runs.items():
@@ -67,7 +70,6 @@ def _loss(results, an, path):
                 if v is not None
             ]
             ax.plot([p[0] for p in pts], [p[1] for p in pts], label=lbl)
-        ax.set_title(f"link {rate}")
         ax.set_xlabel("wall time (s)")
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("training loss (trailing 20% of ZeRO-1's samples)")
@@ -108,7 +110,7 @@ def plot_all(results: dict, an: dict, out_dir: Path, prefix: str) -> list:
         paths += [out_dir / f"{prefix}_throughput.png", out_dir / f"{prefix}_loss.png"]
         _throughput(results, an, paths[0])
         _loss(results, an, paths[1])
-    if an.get("hetero"):
+    if an.get("hetero") and an["hetero"]["rows"]:
         paths.append(out_dir / f"{prefix}_hetero.png")
         _hetero(an, paths[-1])
     return paths

@@ -1,4 +1,4 @@
-"""The per-rank training loops (the unchanged DeepSpeed loop, and the compute-only loop).
+"""The per-rank training loops (the unchanged DeepSpeed loop, fixed or adaptive accumulation).
 
 Contracts:
 - ``train_fixed``: exactly ``steps * grad_accum`` micro-batches, ``loss = engine(x, y);
@@ -7,8 +7,6 @@ Contracts:
 - ``train_adaptive``: ACCO with adaptive accumulation: pulls micro-batches from the endless
   per-rank iterator while ``engine.optimizer.committed_steps < steps``, so a fast rank computes
   more micro-batches than a slow one (and every rank computes while the link is busy).
-- ``compute_only``: the same micro-batches, forward + backward with gradient accumulation on a
-  plain model, no communication and no optimizer: the compute-bound reference.
 Every loop calls ``spinner.spin()`` after each micro-batch (the controlled slowdown), feeds the
 ``StepLog`` and the progress bar, and returns the seconds since ``start`` (a perf_counter value
 taken by the caller right after the ranks' barrier).
@@ -98,31 +96,4 @@ def train_adaptive(
             samples = committed_samples(engine, micro_batch, world, grad_accum, step)
             log.step(step, now)
             bar.update(step, log.recent_loss(), samples, now)
-    return time.perf_counter() - start
-
-
-def compute_only(
-    model,
-    batches: Iterator,
-    steps: int,
-    grad_accum: int,
-    micro_batch: int,
-    world: int,
-    log: StepLog,
-    bar: Progress,
-    spinner: Spinner,
-    start: float,
-    device,
-) -> float:
-    for step in range(1, steps + 1):
-        for _ in range(grad_accum):
-            x, y = (t.to(device) for t in next(batches))
-            loss = model(x, y) / grad_accum
-            loss.backward()
-            log.micro(float(loss.detach().float().item()) * grad_accum)
-            spinner.spin()
-        model.zero_grad(set_to_none=False)
-        now = time.perf_counter() - start
-        log.step(step, now)
-        bar.update(step, log.recent_loss(), step * grad_accum * micro_batch * world, now)
     return time.perf_counter() - start

@@ -17,7 +17,7 @@ class RunSpec:
     """One run of one contender (see ``acco_ds.cli.dsconfig`` for the contenders)."""
 
     name: str  # display label, e.g. 'acco', 'acco-adaptive', 'zero1'
-    mode: str  # acco | dpu | sync | zero1 | zero2 | ... | 'compute' (no communication at all)
+    mode: str  # acco | dpu | sync | zero1 | zero2 | ...
     accumulation: str  # fixed | adaptive
     run_dir: str
     model: dict  # GPTConfig fields
@@ -33,6 +33,9 @@ class RunSpec:
     slow_rank: int = -1  # this rank gets extra compute after each micro-batch (-1: none)
     slow_factor: float = 1.0  # ... calibrated so its micro-batches take slow_factor x as long
     slow_extra_s: float | None = None  # ... or exactly this many seconds per micro-batch
+    data_offset: int = 0  # rank r reads the micro-batches of rank r + data_offset
+    start_gate: str | None = None  # a folder shared by runs launched together: training starts ...
+    gate_count: int = 0  # ... once this many ranks (of all of them) are ready (see acco_ds.cli.worker)
 
     def save(self) -> Path:
         path = Path(self.run_dir) / "spec.json"

@@ -2,10 +2,12 @@
 DeepSpeed launcher, one per rank; see ``acco_ds.cli.launch``).
 
 Contract: reads the RunSpec, builds the same model on every rank (seeded), trains it with the
-DeepSpeed engine of ``spec.ds_config`` (or, for ``spec.mode == 'compute'``, runs the compute-only
-loop with no communication), then - for ACCO - calls ``engine.optimizer.finish()`` on every rank
-so the model holds the committed parameters, evaluates the validation loss on them, and writes
-``rank<r>.jsonl`` and ``rank<r>.json`` into the run folder. All timing starts after a barrier.
+DeepSpeed engine of ``spec.ds_config``, then - for ACCO - calls ``engine.optimizer.finish()`` on
+every rank so the model holds the committed parameters, evaluates the validation loss on them, and
+writes ``rank<r>.jsonl`` and ``rank<r>.json`` into the run folder. Rank r reads the micro-batches
+of rank ``r + spec.data_offset``. All timing starts after a barrier and, when ``spec.start_gate``
+is set, after ``spec.gate_count`` ranks (of every run sharing that folder) have reached it: runs
+launched together then start training within a millisecond of each other.
 """
 
 from __future__ import annotations
@@ -17,8 +19,11 @@ import os
 import resource
 import sys
 import time
+from pathlib import Path
 
 import torch
+
+GATE_TIMEOUT_S = 600.0
 
 
 def _peak_mem_mib(device) -> float:
@@ -45,6 +50,29 @@ def _evaluate(model, spec, corpus, rank: int, world: int, device) -> float:
     if dist.is_initialized() and world > 1:
         dist.all_reduce(total)
     return float(total[0] / total[1])
+
+
+def _wait_at_gate(spec, rank: int) -> None:
+    """Mark this rank ready in ``spec.start_gate`` and wait until ``spec.gate_count`` ranks are,
+    polling every millisecond. RuntimeError when a file named ``abort`` appears there (the parent
+    saw one of the runs fail) or after GATE_TIMEOUT_S."""
+    if not spec.start_gate:
+        return
+    gate = Path(spec.start_gate)
+    gate.mkdir(parents=True, exist_ok=True)
+    (gate / f"{spec.name}.rank{rank}.{os.getpid()}").touch()
+    deadline = time.monotonic() + GATE_TIMEOUT_S
+    while True:
+        names = [p.name for p in gate.iterdir()]
+        if "abort" in names:
+            raise RuntimeError(f"start gate {gate}: aborted (another run launched with this one failed)")
+        if len(names) >= spec.gate_count:
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(
+                f"start gate {gate}: {len(names)} of {spec.gate_count} ranks ready after {GATE_TIMEOUT_S:g} s"
+            )
+        time.sleep(0.001)
 
 
 def run(spec) -> dict:
@@ -83,22 +111,20 @@ def run(spec) -> dict:
         if spec.slow_extra_s is not None:
             extra = spec.slow_extra_s
         elif spec.slow_factor > 1.0:
-            probe = stream(corpus.train, ctx, spec.micro_batch, spec.seed + 999, rank)
+            probe = stream(corpus.train, ctx, spec.micro_batch, spec.seed + 999, rank + spec.data_offset)
             t_mb = calibrate(model.to(device), probe, lambda m, b: m(*(t.to(device) for t in b)).backward())
             extra = (spec.slow_factor - 1.0) * t_mb
     spinner = Spinner(extra)
 
-    batches = stream(corpus.train, ctx, spec.micro_batch, spec.seed, rank)
+    batches = stream(corpus.train, ctx, spec.micro_batch, spec.seed, rank + spec.data_offset)
     log = StepLog()
-    stats, val_loss, finish_s = {}, None, 0.0
-    if spec.mode == "compute":
-        model = model.to(device)
-    else:
-        engine, _, _, _ = deepspeed.initialize(
-            model=model, model_parameters=model.parameters(), config=spec.ds_config
-        )
+    stats = {}
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, model_parameters=model.parameters(), config=spec.ds_config
+    )
     marks["engine"] = time.perf_counter()
     dist.barrier()
+    _wait_at_gate(spec, rank)
     marks["barrier"] = time.perf_counter()
     bar = Progress(spec.steps, enabled=spec.progress and rank == 0, desc=spec.name)
     common = dict(
@@ -111,23 +137,20 @@ def run(spec) -> dict:
         spinner=spinner,
         start=time.perf_counter(),
     )
-    if spec.mode == "compute":
-        train_s = loop.compute_only(model, batches, device=device, **common)
+    if spec.accumulation == "adaptive" and hasattr(engine.optimizer, "committed_steps"):
+        train_s = loop.train_adaptive(engine, batches, **common)
     else:
-        if spec.accumulation == "adaptive" and hasattr(engine.optimizer, "committed_steps"):
-            train_s = loop.train_adaptive(engine, batches, **common)
-        else:
-            train_s = loop.train_fixed(engine, batches, **common)
-        t = time.perf_counter()
-        if hasattr(engine.optimizer, "finish"):
-            engine.optimizer.finish()  # collective: drains the round in flight, model <- theta
-        finish_s = time.perf_counter() - t
-        train_s = t + finish_s - common["start"]
-        log.step(loop.step_counter(engine)(), train_s)  # the commits the drain completed
-        bar.update(log.last_step, log.recent_loss(), log.mb * spec.micro_batch * world, train_s)
-        if hasattr(engine.optimizer, "stats"):
-            stats = engine.optimizer.stats()
-        val_loss = _evaluate(engine.module, spec, corpus, rank, world, device)
+        train_s = loop.train_fixed(engine, batches, **common)
+    t = time.perf_counter()
+    if hasattr(engine.optimizer, "finish"):
+        engine.optimizer.finish()  # collective: drains the round in flight, model <- theta
+    finish_s = time.perf_counter() - t
+    train_s = t + finish_s - common["start"]
+    log.step(loop.step_counter(engine)(), train_s)  # the commits the drain completed
+    bar.update(log.last_step, log.recent_loss(), log.mb * spec.micro_batch * world, train_s)
+    if hasattr(engine.optimizer, "stats"):
+        stats = engine.optimizer.stats()
+    val_loss = _evaluate(engine.module, spec, corpus, rank, world, device)
     bar.close()
     marks["end"] = time.perf_counter()
     names = list(marks)
