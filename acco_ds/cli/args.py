@@ -12,6 +12,7 @@ import os
 import time
 
 from acco_ds.cli.dsconfig import ALL_MODES
+from acco_ds.models.hf import ALL_ARCHS
 
 DEFAULT_MODES = ["acco", "zero1"]
 
@@ -20,7 +21,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="acco-train",
         description=(
-            "Train a small GPT-style byte-level decoder on the Python standard library sources with "
+            "Train a byte-level decoder (the built-in tiny GPT, or GPT-2 / Llama from transformers configs) on the "
+            "Python standard library sources with "
             "ACCO (acco_ds) and/or plain DeepSpeed ZeRO, side by side. Launches its own ranks "
             "(2 CPU ranks with gloo, or every GPU with NCCL) through the DeepSpeed launcher."
         ),
@@ -70,11 +72,27 @@ def build_parser() -> argparse.ArgumentParser:
     opt.add_argument("--warmup-steps", type=int, default=15)
     opt.add_argument("--weight-decay", type=float, default=0.1)
     opt.add_argument("--grad-clip", type=float, default=1.0)
-    model = ap.add_argument_group("model size")
+    model = ap.add_argument_group("model")
+    model.add_argument(
+        "--model",
+        choices=ALL_ARCHS,
+        default="tiny",
+        help="tiny: the built-in GPT decoder; gpt2 | llama: transformers' GPT2LMHeadModel / LlamaForCausalLM "
+        "built from a config of the sizes below (byte vocabulary, random initialisation, nothing downloaded)",
+    )
     model.add_argument("--n-layer", type=int, default=4)
     model.add_argument("--n-head", type=int, default=4)
     model.add_argument("--d-model", type=int, default=128)
     model.add_argument("--context", type=int, default=128, help="bytes per sequence")
+    model.add_argument(
+        "--d-ff",
+        type=int,
+        default=0,
+        help="gpt2/llama: MLP width (0: 4 x d-model for gpt2, 8/3 x d-model for llama)",
+    )
+    model.add_argument(
+        "--n-kv-head", type=int, default=0, help="llama: key/value heads (grouped-query attention; 0: n-head)"
+    )
     out = ap.add_argument_group("data and output")
     out.add_argument(
         "--corpus", default=None, help="a directory of *.py files (default: the stdlib of this Python)"
@@ -96,6 +114,32 @@ def _cuda() -> bool:
     from acco_ds.cli.launch import _cuda_available  # DS_ACCELERATOR=cpu: a CPU run on a GPU machine too
 
     return _cuda_available()
+
+
+def _check_model(ap: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    """The HF sizes must make a valid config (checked here, before any rank starts)."""
+    if a.model == "tiny":
+        if a.d_ff or a.n_kv_head:
+            ap.error("--d-ff and --n-kv-head apply to --model gpt2|llama, not to the built-in tiny model")
+        return
+    from acco_ds.models.hf import HFModelConfig
+
+    try:
+        HFModelConfig(
+            arch=a.model,
+            n_layer=a.n_layer,
+            n_head=a.n_head,
+            d_model=a.d_model,
+            context=a.context,
+            d_ff=a.d_ff,
+            n_kv_head=a.n_kv_head,
+        )
+    except ValueError as err:
+        ap.error(f"--model {a.model}: {err}")
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        ap.error(f"--model {a.model} needs the transformers package: pip install 'acco_ds[hf]'")
 
 
 def parse(argv=None) -> argparse.Namespace:
@@ -130,6 +174,7 @@ def parse(argv=None) -> argparse.Namespace:
         ap.error(f"--slow-factor must be >= 1 (1: no slowdown), got {a.slow_factor}")
     if a.dtype == "auto":
         a.dtype = "bf16" if _cuda() else "fp32"
+    _check_model(ap, a)
     if len(set(a.mode)) != len(a.mode):
         ap.error(f"--mode lists a mode twice: {' '.join(a.mode)}")
     a.out = a.out or os.path.join("acco_out", time.strftime("%Y%m%d-%H%M%S"))

@@ -38,16 +38,33 @@ def acco_registered() -> tuple:
         return False, f"import acco_ds failed or does not register ACCO: {type(err).__name__}: {err}"
 
 
-def _model_cfg(a) -> dict:
-    from acco_ds.models import GPTConfig
+MODEL_NAMES = {"tiny": "GPT", "gpt2": "GPT-2", "llama": "Llama"}
 
-    return GPTConfig(n_layer=a.n_layer, n_head=a.n_head, d_model=a.d_model, context=a.context).to_dict()
+
+def _model_cfg(a) -> dict:
+    """The run's model dict (``acco_ds.models.build_model``): ``arch`` plus its config fields."""
+    if a.model == "tiny":
+        from acco_ds.models import GPTConfig
+
+        cfg = GPTConfig(n_layer=a.n_layer, n_head=a.n_head, d_model=a.d_model, context=a.context)
+        return dict(arch="tiny", **cfg.to_dict())
+    from acco_ds.models import HFModelConfig
+
+    return HFModelConfig(
+        arch=a.model,
+        n_layer=a.n_layer,
+        n_head=a.n_head,
+        d_model=a.d_model,
+        context=a.context,
+        d_ff=a.d_ff,
+        n_kv_head=a.n_kv_head,
+    ).to_dict()
 
 
 def _num_params(model_cfg: dict) -> int:
-    from acco_ds.models import GPTConfig, TinyGPT
+    from acco_ds.models import model_num_params
 
-    return TinyGPT(GPTConfig(**model_cfg)).num_params()
+    return model_num_params(model_cfg)
 
 
 def plan_runs(a, model_cfg: dict, n_params: int) -> list:
@@ -114,7 +131,7 @@ def run_job(a) -> dict:
     gas = first.get("gradient_accumulation_steps", a.grad_accum)
     print(
         f"acco-train: {len(runs)} run(s) [{', '.join(r[0] for r in runs)}], {a.world_size} ranks x {a.threads} "
-        f"thread(s), model {n_params / 1e6:.2f}M params, {a.steps} steps x {gas} micro-batches x "
+        f"thread(s), model {MODEL_NAMES[model_cfg['arch']]} {n_params / 1e6:.2f}M params, {a.steps} steps x {gas} micro-batches x "
         f"{mb} seq x {a.context} bytes per rank; output: {out}",
         flush=True,
     )
@@ -177,7 +194,10 @@ def run_job(a) -> dict:
         )
     (out / "metrics.jsonl").write_text("".join(x + "\n" for x in metrics_lines))
     summary["plots"] = [
-        str(p) for p in plot_losses(curves, out, title=f"{n_params / 1e6:.2f}M-param GPT, stdlib bytes")
+        str(p)
+        for p in plot_losses(
+            curves, out, title=f"{n_params / 1e6:.2f}M-param {MODEL_NAMES[model_cfg['arch']]}, stdlib bytes"
+        )
     ]
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
     _print_table(summary)

@@ -20,7 +20,7 @@ class RunSpec:
     mode: str  # acco | dpu | sync | zero1 | zero2 | ...
     accumulation: str  # fixed | adaptive
     run_dir: str
-    model: dict  # GPTConfig fields
+    model: dict  # acco_ds.models.build_model's: arch (tiny|gpt2|llama; none: tiny) + config fields
     ds_config: dict = field(default_factory=dict)
     steps: int = 200  # optimizer steps (adaptive: committed steps)
     micro_batch: int = 8

@@ -88,7 +88,7 @@ def run(spec) -> dict:
     from acco_ds.cli.slowdown import Spinner, calibrate
     from acco_ds.cli.steplog import StepLog
     from acco_ds.data import load_corpus, stream
-    from acco_ds.models import GPTConfig, TinyGPT
+    from acco_ds.models import build_model
 
     torch.set_num_threads(spec.threads)
     logging.getLogger("DeepSpeed").setLevel(logging.ERROR)  # its per-run INFO/WARNING chatter
@@ -104,7 +104,7 @@ def run(spec) -> dict:
     corpus = load_corpus(spec.corpus)
     ctx = spec.model["context"]
     torch.manual_seed(spec.seed)
-    model = TinyGPT(GPTConfig(**spec.model))
+    model = build_model(spec.model)
 
     extra = 0.0
     if rank == spec.slow_rank:
