@@ -200,13 +200,14 @@ def _round_robin(
 
 def _attempt(run) -> tuple:
     """``(run(), None)``, retried once when the ranks fail (e.g. killed by the OOM killer on a
-    shared machine); ``(None, why)`` when both attempts fail (``why``: see ``_why``)."""
+    shared machine) or their records cannot be summarised (ValueError, e.g. no optimizer step
+    logged); ``(None, why)`` when both attempts fail (``why``: see ``_why``)."""
     why = ""
     for attempt in (1, 2):
         try:
             return run(), None
-        except LaunchError as err:
-            why = _why(err)
+        except (LaunchError, ValueError) as err:
+            why = _why(err) if isinstance(err, LaunchError) else f"{type(err).__name__}: {err}"
             _log(f"run failed (attempt {attempt}/2): {why}")
     return None, why
 
