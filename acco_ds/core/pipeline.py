@@ -23,15 +23,24 @@ the sharded AdamW and all-gathers the new parameters in place. The next round en
 parameters at the gathered buffer; the buffer the model computed at becomes the next ACC (zeroed on
 the compute stream, after the kernels that read it). No copy of a full buffer at a round end.
 
-Host reads: the job's few figures (skip, empty, counts) are read from its host summary after the
-job's own event (``RoundResult``): the host waits, at a round end, for the side stream's job whose
-parameters the next round needs anyway, never for the compute stream to drain. That wait is what
-``stats.comm_wait_s`` measures on CUDA (on CPU: the time the compute thread blocks in ``wait``).
+Host reads (CUDA: the host never waits for the job whose parameters the next round needs). A job
+leaves its few figures (skip, empty, counts) in a host summary written after the job on the side
+stream (``RoundResult``). With ``defer_host_reads`` (the default on CUDA) a summary is read one job
+later, at the round end after the one that swapped the job in: by then the compute stream has waited
+for that job a round ago, so the read finds it complete unless the host runs more than a round ahead
+of the device (then it waits, with a round of work queued on the GPU). The bookkeeping that depends
+on those figures (committed/applied steps, skips, stats, the reported grad norm) is done at that
+read. What the next job needs from them, the AdamW step count and the settings of the LR schedule at
+that count, is decided on the device: the pipeline keeps the applied-commit count as the side stream
+sees it (``applied_dev``) and hands each job a table of AdamW scalars for every count the unread
+commits could have left; the job picks its row on the device (``round_job``). ``stats.comm_wait_s``
+is the time the host spent in those waits and reads (on CPU: the time the compute thread blocks).
 """
 
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Callable, Dict, List, Sequence
@@ -43,8 +52,10 @@ from acco_ds.config import ACCOConfig, ACCOConfigError
 from acco_ds.core import schedule
 from acco_ds.core.buffers import GroupBuffers, GroupLayout
 from acco_ds.core.comm import check_reducible, make_control_group, make_executor
+from acco_ds.core.liveness import BlockBoard
 from acco_ds.core.round_job import Hyper, RoundResult, all_gather_inplace, run_round_job
 from acco_ds.core.schedule import Job, RoundCounter
+from acco_ds.ops.adamw import hyper_scalars
 
 
 @dataclass
@@ -130,6 +141,7 @@ class ACCOPipeline:
             b.install_fold_hooks()
         self.executor = make_executor(self.device, cfg.comm_timeout_s, dp_group)
         self.control_group = make_control_group(dp_group, cfg.comm_timeout_s)
+        self._board = BlockBoard(getattr(self.executor, "monitor", None))
         try:
             check_reducible(self.executor.group, comm_dtype, self.device, cfg.comm_dtype)
         except ACCOConfigError:
@@ -145,6 +157,13 @@ class ACCOPipeline:
         self.engine_steps = 0  # LR-schedule steps: engine steps whose scheduler step ran (no overflow)
         self._hyper_history: Dict[int, List[Hyper]] = {}
         self.tilde_count = [torch.zeros(1, dtype=torch.float64, device=self.device)]
+        # applied commits as the side stream sees them (the jobs run in order and add to it)
+        self.applied_dev = [torch.zeros(1, dtype=torch.float64, device=self.device)]
+        self.defer_host_reads = self.device.type == "cuda"
+        self._unread: deque = deque()  # results swapped in whose summary is not read yet (oldest first)
+        self.viewing_committed = (
+            False  # the model's parameters view theta for evaluation (core.committed_view)
+        )
         self.last_grad_norm: torch.Tensor | None = None
         self.stats = PipelineStats()
 
@@ -152,6 +171,13 @@ class ACCOPipeline:
     def on_backward_start(self) -> None:
         """Before a micro-batch's backward: ``.grad`` views into the ACC buffer (user code or
         ``engine.zero_grad()`` may have set them to None; the accumulated sum lives in the buffer)."""
+        if self.viewing_committed:
+            raise RuntimeError(
+                "acco_ds: backward while the model shows the committed weights for evaluation "
+                "(engine.optimizer.eval() or committed_weights()): the forward ran at the wrong weights. Call "
+                "engine.optimizer.train() (the HF Trainer does) or leave the committed_weights() block before "
+                "training; engine.train() / module.train() switch back at the next forward."
+            )
         for b in self.groups:
             b.point_grads()
 
@@ -187,27 +213,45 @@ class ACCOPipeline:
         if hyp is None:
             older = [k for k in self._hyper_history if k <= applied]
             hyp = self._hyper_history[max(older) if older else min(self._hyper_history)]
-        for k in [k for k in self._hyper_history if k < applied]:
-            del self._hyper_history[k]
         return hyp
+
+    def _hyper_table(self) -> List[List[tuple]]:
+        """Per group, the AdamW scalars (``hyper_scalars``) of the next job for every applied count it
+        may find on the device: ``state_step`` (read) plus 0 .. the commits whose summary is unread."""
+        unknown = sum(1 for r in self._unread if r.job is Job.COMMIT)
+        if self.in_flight is not None and self.in_flight[1].job is Job.COMMIT:
+            unknown += 1
+        rows = []
+        for applied in range(self.state_step, self.state_step + unknown + 1):
+            rows.append([hyper_scalars(h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, applied + 1)
+                         for h in self._hypers_for(applied)])  # fmt: skip
+        for k in [k for k in self._hyper_history if k < self.state_step]:
+            del self._hyper_history[k]
+        return [[row[g] for row in rows] for g in range(len(self.groups))]
 
     def end_round(self) -> None:
         """End the current round: swap in the job in flight, launch this round's job, give the next
         round a zeroed gradient buffer."""
         plan = schedule.plan(self.mode, self.phase_round)
         if plan.wait_previous:
+            blocking = self.counter.cap is not None and not self._in_flight_done()
+            if blocking:  # at the cap: a draining peer must see that this rank waits for its launch
+                self._board.post(self.round_index)
             self._finish_in_flight()
+            if blocking:
+                self._board.post(None)
+        self._read_summaries(keep=1 if self.defer_host_reads else 0)
         commit_index = self.commits_launched
         roles = [b.start_job(in_place=plan.wait_now) for b in self.groups]
-        step = self.state_step + 1
         job = partial(
             run_round_job,
             job=plan.job,
             commit_index=commit_index,
-            step=step,
             groups=self.groups,
             roles=roles,
-            hypers=self._hypers_for(self.state_step),
+            hyper_table=self._hyper_table(),
+            base_applied=self.state_step,
+            applied=self.applied_dev,
             local_count=self.counter.count,
             fixed_count=None if self.adaptive else self.counter.count,
             gas=self.gas,
@@ -230,19 +274,36 @@ class ACCOPipeline:
             b.point_grads()
 
     def _finish_in_flight(self) -> RoundResult | None:
-        """Wait for the job in flight (CUDA: the compute stream waits on its event), make its
-        gathered parameters the model's, and do its bookkeeping from its host summary."""
+        """Wait for the job in flight (CUDA: the compute stream waits on its event, the host does not)
+        and make its gathered parameters the model's. Its bookkeeping follows when its summary is read
+        (at once, or one job later with ``defer_host_reads``)."""
         if self.in_flight is None:
             return None
         ticket, _ = self.in_flight
         t0 = time.perf_counter()
         result: RoundResult = self.executor.wait(ticket)
+        self.stats.comm_wait_s += time.perf_counter() - t0
         self.in_flight = None
         for b in self.groups:
             b.finish_job()
             b.point_params()
-        result.wait_summary()
-        self.stats.comm_wait_s += time.perf_counter() - t0
+        self.viewing_committed = False
+        self.model_holds = "theta" if result.job is Job.COMMIT else "estimate"
+        self._unread.append(result)
+        self._read_summaries(keep=1 if self.defer_host_reads else 0)
+        return result
+
+    def _read_summaries(self, keep: int = 0) -> None:
+        """Read the summaries of the swapped-in jobs, oldest first, all but the newest ``keep``, and do
+        their bookkeeping."""
+        while len(self._unread) > keep:
+            result = self._unread.popleft()
+            t0 = time.perf_counter()
+            result.wait_summary()
+            self.stats.comm_wait_s += time.perf_counter() - t0
+            self._account(result)
+
+    def _account(self, result: RoundResult) -> None:
         skipped, empty, count, round_count, *rank_counts = result.summary.tolist()
         count, round_count = int(count), int(round_count)
         self.stats.last_round_counts = [int(c) for c in rank_counts]
@@ -258,19 +319,18 @@ class ACCOPipeline:
                 self.last_grad_norm = result.grad_norm
                 self.state_step += 1
                 self.stats.micro_batches_committed += count
-            self.model_holds = "theta"
         else:
             if skipped and not empty:  # non-finite g~: estimate = theta, commit skips
                 self.stats.skipped_peeks += 1
             elif not empty:
                 self.stats.micro_batches_peeked += round_count
-            self.model_holds = "estimate"
-        return result
 
     # -- draining ------------------------------------------------------------------------------
     def sync_in_flight(self) -> None:
         """Block until the job in flight has finished (its state is then readable); the schedule is
-        unchanged: the gathered parameters are still swapped in at the planned round end."""
+        unchanged: the gathered parameters are still swapped in at the planned round end. The
+        summaries of the jobs already swapped in are read (their bookkeeping done)."""
+        self._read_summaries()
         if self.in_flight is None:
             return
         ticket = self.in_flight[0]
@@ -285,6 +345,7 @@ class ACCOPipeline:
             self._agree_on_round_count()
         if self.in_flight is not None:
             self._finish_in_flight()
+        self._read_summaries()
         if self.model_holds == "estimate":  # the g~ of the last peek enters no commit
             self.stats.micro_batches_discarded += int(self.tilde_count[0].item())
             self._gather_committed()
@@ -314,23 +375,28 @@ class ACCOPipeline:
         With max_micro_batches_per_round, a peer may be blocked at its cap, waiting for the job of a
         round this rank has not launched, and would never reach a blocking collective. So this rank
         first announces its round count with a non-blocking all-reduce and, until every rank has
-        announced, keeps ending a round each time its job in flight is done (never blocking; a round
-        no rank put a micro-batch in is a no-op). Then no rank is training any more, and the blocking
-        agreement below is safe."""
+        announced, ends a round (never blocking: only when its job in flight is done) whenever a
+        blocked peer waits for more rounds than this rank has launched (``BlockBoard``; without a
+        store: whenever its job in flight is done, which may end rounds no peer needed). A round no
+        rank put a micro-batch in is a no-op. Then no rank is training any more, and the blocking
+        agreement below is safe. Ranks that are level end no round: a drain at a point where every
+        rank has launched the same rounds leaves training exactly as it was."""
         if self.counter.cap is not None:
             t = torch.tensor([float(self.round_index)], dtype=torch.float64)
             try:
                 work = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.control_group, async_op=True)
                 deadline = time.monotonic() + self.cfg.comm_timeout_s
                 while not work.is_completed():
-                    if self.in_flight is not None and self._in_flight_done():
+                    needed = self._board.needed()
+                    behind = needed is None or needed > self.round_index
+                    if behind and self.in_flight is not None and self._in_flight_done():
                         self.end_round()
                     elif time.monotonic() > deadline:
                         raise RuntimeError(
                             f"the peers did not join the drain within comm_timeout_s={self.cfg.comm_timeout_s:g} s"
                         )
                     else:
-                        time.sleep(0.0005)
+                        time.sleep(0.002)
                 work.wait()
             except RuntimeError as err:
                 raise self.executor.failure("the agreement on the round count", err) from err
@@ -377,9 +443,13 @@ class ACCOPipeline:
             b.point_params()
             b.point_grads()
         self.model_holds = "theta"
+        self.viewing_committed = False
         self.phase_round = 0
         self.counter.reset()
         self.tilde_count[0] = torch.zeros(1, dtype=torch.float64, device=self.device)
+        self.applied_dev[0] = torch.full(
+            (1,), float(self.state_step), dtype=torch.float64, device=self.device
+        )
 
     def close(self) -> None:
         self.executor.close()

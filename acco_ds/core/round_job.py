@@ -155,10 +155,11 @@ def run_round_job(
     *,
     job: Job,
     commit_index: int,
-    step: int,
     groups: Sequence[GroupBuffers],
     roles: Sequence[tuple],
-    hypers: Sequence[Hyper],
+    hyper_table: Sequence[Sequence[tuple]],
+    base_applied: int,
+    applied: List[torch.Tensor],
     local_count: int,
     fixed_count: int | None,
     gas: int,
@@ -167,8 +168,14 @@ def run_round_job(
     tilde_count: List[torch.Tensor],
 ) -> RoundResult:
     """One round's communication. ``roles[i]`` is group i's ``(grad buffer, param target)`` index pair
-    from ``GroupBuffers.start_job``. ``step`` is the 1-based AdamW step count of the commit this job is
-    or predicts (applied commits so far + 1). ``tilde_count`` is a one-element list holding the global
+    from ``GroupBuffers.start_job``.
+
+    AdamW settings, decided on the device: ``applied[0]`` (a device tensor) counts the commits applied
+    before this job as the side stream sees them; the job is or predicts commit number
+    ``applied[0] + 1``. ``hyper_table[i][k]`` holds group i's AdamW scalars (``hyper_scalars``: LR
+    schedule and bias corrections) for ``applied[0] == base_applied + k``; the job picks its row on the
+    device, and a COMMIT adds 1 to ``applied[0]`` unless it was skipped or empty. The host so never
+    needs to know whether the commits still in flight were applied. ``tilde_count`` is a one-element list holding the global
     count of the g~ kept by the last peek (acco, a device tensor); a PEEK stores into it, a COMMIT
     consumes it. ``fixed_count``: the micro-batches every rank accumulated (fixed accumulation), or None
     to all-gather each rank's ``local_count`` (adaptive; a number, put on the device by a fill)."""
@@ -214,7 +221,13 @@ def run_round_job(
         scale = torch.where(ratio > 1.0, avg_scale / ratio, avg_scale)
     scale = torch.nan_to_num(scale, nan=0.0, posinf=0.0, neginf=0.0)
 
-    for b, h, grad, (_, p) in zip(groups, hypers, grads, roles):
+    table = torch.tensor(hyper_table, dtype=torch.float32)  # [groups, candidates, 8]
+    if dev.type == "cuda":
+        table = table.pin_memory().to(dev, non_blocking=True)
+    if table.shape[1] > 1:
+        row = (applied[0] - base_applied).clamp(0, table.shape[1] - 1).long()
+        table = table.index_select(1, row)
+    for i, (b, grad, (_, p)) in enumerate(zip(groups, grads, roles)):
         target = b.param_bufs[p]
         adamw_step(
             b.master,
@@ -222,17 +235,14 @@ def run_round_job(
             b.exp_avg_sq,
             grad,
             b.shard_of(target),
-            lr=h.lr,
-            beta1=h.beta1,
-            beta2=h.beta2,
-            eps=h.eps,
-            weight_decay=h.weight_decay,
-            step=step,
+            hyper_tensor=table[i, 0].contiguous(),
             scale_tensor=scale,
             noop_flag=noop,
             commit=job is Job.COMMIT,
         )
         all_gather_inplace(target, group)
+    if job is Job.COMMIT:
+        applied[0].add_((~(skipped | empty)).double())
 
     summary = torch.cat([skipped.double(), empty.double(), count, round_count, rank_counts])
     ready = None

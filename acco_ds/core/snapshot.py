@@ -230,11 +230,15 @@ def restore(pipeline, snap: Dict[str, Any]) -> None:
     stats_type = type(pipeline.stats)
     known = {f.name for f in fields(stats_type)}
     pipeline.stats = stats_type(**{k: v for k, v in snap["stats"].items() if k in known})
+    pipeline._unread.clear()
     if in_flight:
         pipeline.in_flight = _finished_ticket(pipeline, snap["in_flight"])
+    applied = pipeline.state_step + pending_applied_commits(pipeline)
+    pipeline.applied_dev[0] = torch.full((1,), float(applied), dtype=torch.float64, device=dev)
     for b in pipeline.groups:
         b.point_params()
         b.point_grads()
+    pipeline.viewing_committed = False
 
 
 def adopt_step_schedule_of_rank0(pipeline) -> None:

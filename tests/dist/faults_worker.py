@@ -11,6 +11,8 @@ steps and may:
   out, on every rank: "a run that never saw them"); ``restart_after``: after the engine step of this
   (0-based) index, call ``optimizer.finish()`` (drain, load theta; the pipeline restarts with a
   prologue), as the run that never saw the skipped step would have to.
+- ``defer_host_reads``: read each job's host summary one job later, as the pipeline does on CUDA
+  (the AdamW step count and LR of the next job are then decided on the device).
 
 Rank 0 saves per step: the lr the step used, the committed fp32 parameters and Adam moments read
 through DeepSpeed's public accessors, ``optimizer.overflow`` and ``engine.skipped_steps``; at the
@@ -46,6 +48,8 @@ def run_scenario(sc: dict, rank: int) -> dict:
     model = toy.build()
     engine, _, _, _ = deepspeed.initialize(model=model, config=cfg, model_parameters=model.parameters())
     params = toy.trainable(engine.module)
+    if sc.get("defer_host_reads"):
+        engine.optimizer.pipeline.defer_host_reads = True
     fault = sc.get("fault")
     skip = set(sc.get("skip_steps", []))
     out = {k: [] for k in ("lrs", "traj", "exp_avg", "exp_avg_sq", "overflow", "skipped_steps", "data_steps")}
