@@ -22,6 +22,8 @@ from tests.launch import REPO, run_deepspeed
 STEPS = 6
 CLIPS = (0.0, 0.02)  # the fast rank adds thousands of micro-batches: averaged norms reach ~0.08
 PARAM_TOL, MOMENT_TOL, NORM_TOL = 1e-6, 1e-5, 1e-5
+CAP = 3  # the last run: the fast rank blocks at 3 micro-batches per round
+RUNS = [f"clip{c}" for c in CLIPS] + [f"cap{CAP}"]
 
 
 @pytest.fixture(scope="module", params=["acco", "dpu"])
@@ -41,10 +43,12 @@ def run(request, tmp_path_factory):
             40,
             "--clips",
             ",".join(map(str, CLIPS)),
+            "--cap",
+            CAP,
         ],
     )
     results = torch.load(out / "adaptive.pt", weights_only=False)
-    assert [r["clip"] for r in results] == list(CLIPS)
+    assert [r["clip"] for r in results] == [*CLIPS, 0.0] and results[-1]["cap"] == CAP
     return request.param, results
 
 
@@ -85,9 +89,20 @@ def commits_of(result) -> list:
 
 def test_fast_rank_accumulates_more(run):
     _, results = run
-    for result in results:
+    for result in results[: len(CLIPS)]:
         local = [r["stats"]["micro_batches_local"] for r in result["ranks"]]
         assert local[0] > 1.5 * local[1], local
+
+
+def test_cap_bounds_the_fast_rank(run):
+    _, results = run
+    capped = results[-1]
+    counts = {}
+    for rank, r in enumerate(capped["ranks"]):
+        for _, _, rnd, _ in r["micro"]:
+            counts[(rank, rnd)] = counts.get((rank, rnd), 0) + 1
+    assert max(counts.values()) <= CAP
+    assert max(c for (rank, _), c in counts.items() if rank == 0) == CAP  # the fast rank reached it
 
 
 def test_clipping_acts_in_the_clipped_run(run):
@@ -96,7 +111,7 @@ def test_clipping_acts_in_the_clipped_run(run):
     assert min(norms) > results[1]["clip"], norms
 
 
-@pytest.mark.parametrize("which", range(len(CLIPS)), ids=[f"clip{c}" for c in CLIPS])
+@pytest.mark.parametrize("which", range(len(RUNS)), ids=RUNS)
 def test_state_after_every_commit_equals_the_oracle(run, which):
     mode, results = run
     result = results[which]
@@ -118,7 +133,7 @@ def test_state_after_every_commit_equals_the_oracle(run, which):
         assert norm == pytest.approx(ref.commits.norms[t], rel=NORM_TOL), f"commit {t} norm"
 
 
-@pytest.mark.parametrize("which", range(len(CLIPS)), ids=[f"clip{c}" for c in CLIPS])
+@pytest.mark.parametrize("which", range(len(RUNS)), ids=RUNS)
 def test_every_micro_batch_computed_at_the_right_parameters(run, which):
     """theta^t or (acco) the peek's estimate theta~^{t+1}: checks every peek's output too."""
     mode, results = run

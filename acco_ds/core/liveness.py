@@ -216,3 +216,34 @@ class PeerMonitor:
         return PeerReport(
             lost=lost, failing=failing, silent_s=silent[lost[0]] if lost else 0.0, store_host=host
         )
+
+
+class BlockBoard:
+    """Which ranks are blocked at their round cap (adaptive accumulation with
+    ``max_micro_batches_per_round``), through the rendezvous store, so a draining rank ends only the
+    rounds a blocked peer waits for, and never an unneeded one.
+
+    A rank about to wait, at the end of round R, for its job in flight (launched at the end of round
+    R - 1) calls ``post(R)``: that job completes once every rank has launched R rounds. It calls
+    ``post(None)`` when the wait is over. ``needed()`` is the largest R posted by any rank, or 0. Store
+    traffic: two writes per blocking wait at the cap, reads only while draining. Without a store the
+    board is unavailable (``needed()`` returns None) and the caller falls back to its own rule."""
+
+    def __init__(self, monitor: PeerMonitor | None):
+        self._store = None
+        if monitor is not None and monitor._store is not None:
+            base = monitor._store
+            self._store = base.clone() if hasattr(base, "clone") else base
+            self._keys = [f"{monitor.prefix}/blocked/{r}" for r in monitor.ranks]
+            self._own = f"{monitor.prefix}/blocked/{monitor.rank}"
+            for k in self._keys:
+                self._store.add(k, 0)  # create every key, so reads never wait for a missing one
+
+    def post(self, rounds: int | None) -> None:
+        if self._store is not None:
+            self._store.set(self._own, str(0 if rounds is None else rounds + 1))
+
+    def needed(self) -> int | None:
+        if self._store is None:
+            return None
+        return max(int(self._store.add(k, 0)) for k in self._keys) - 1

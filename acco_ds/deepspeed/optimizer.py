@@ -34,6 +34,7 @@ from acco_ds.core.pipeline import ACCOPipeline
 from acco_ds.core.round_job import Hyper
 from acco_ds.deepspeed import checkpoint
 from acco_ds.deepspeed.accessors import link_accessors
+from acco_ds.deepspeed.evaluation import EvaluationView
 from acco_ds.deepspeed.monitor import ACCOMonitor
 
 HYPER_KEYS = ("lr", "betas", "eps", "weight_decay")
@@ -113,6 +114,7 @@ class ACCOZeroOptimizer(ZeROOptimizer):
         self.dynamic_loss_scale = False
         self.partition_gradients = False
         self._micro_batches_since_step = 0
+        self._view = EvaluationView(self.pipeline)
         link_accessors(self)
 
     # -- what torch-style code reads ----------------------------------------------------------
@@ -216,6 +218,7 @@ class ACCOZeroOptimizer(ZeROOptimizer):
         self._engine_ref = weakref.ref(engine)
         self._acco_monitor = ACCOMonitor(engine) if engine.monitor.enabled else None
         self._state_dict_hook = checkpoint.install_state_dict_hook(self, engine.module)
+        self._eval_hook = engine.module.register_forward_pre_hook(self._view.forward_pre_hook)
 
     def checkpoint_event_prologue(self):
         checkpoint.checkpoint_event_prologue(self)
@@ -238,6 +241,21 @@ class ACCOZeroOptimizer(ZeROOptimizer):
 
     def refresh_fp32_params(self):
         self._restore_from_bit16_weights()
+
+    # -- evaluation (acco_ds.deepspeed.evaluation) ----------------------------------------------
+    def eval(self) -> None:
+        """Show the committed weights to the model until :meth:`train` (HF Trainer and accelerate call
+        it around evaluation). Waits for the commit in flight; collective in adaptive accumulation."""
+        self._view.eval()
+
+    def train(self) -> None:
+        """Put back the weights the compute side trains at (HF Trainer calls it at every step)."""
+        self._view.train()
+
+    def committed_weights(self):
+        """``with engine.optimizer.committed_weights(): ...``: the model holds the committed weights
+        inside the block (generation, a no_grad loop in training mode), the training weights after."""
+        return self._view.committed()
 
     # -- ACCO's own API -----------------------------------------------------------------------
     @property

@@ -1,11 +1,13 @@
 """Registration of ``"type": "ACCO"`` with DeepSpeed: the only module that patches DeepSpeedEngine.
 
-DeepSpeed has no registry for third-party optimizers. ``register()`` wraps four engine methods
+DeepSpeed has no registry for third-party optimizers. ``register()`` wraps five engine methods
 (idempotently): ``_is_supported_optimizer`` accepts "acco" in any case, and
 ``_configure_optimizer`` builds the ACCO optimizer for such a config (with no client optimizer)
 and turns off the engine's own gradient all-reduce for that engine; ``save_checkpoint`` and
 ``load_checkpoint`` of an ACCO engine go through ``ckpt_guard`` (a save interrupted at any point
-leaves ``latest`` on a complete checkpoint; truncated files and another model fail clearly). Any
+leaves ``latest`` on a complete checkpoint; truncated files and another model fail clearly);
+``train(mode)`` of an ACCO engine also shows the committed weights in eval mode
+(``evaluation``). Any
 other optimizer goes through DeepSpeed's original methods unchanged. Patching the class covers
 every way an engine is built: ``deepspeed.initialize``, the HF Trainer and accelerate.
 """
@@ -97,6 +99,16 @@ def register() -> None:
 
         return ckpt_guard.load_checkpoint(self, original_load, load_dir, tag, **kwargs)
 
+    original_train = DeepSpeedEngine.train
+
+    @functools.wraps(original_train)
+    def train(self, mode=True):
+        out = original_train(self, mode)
+        if getattr(self, "_config", None) is not None and _is_acco_engine(self):
+            self.optimizer._view.on_engine_mode(bool(mode))
+        return out
+
+    DeepSpeedEngine.train = train
     DeepSpeedEngine._is_supported_optimizer = _is_supported_optimizer
     DeepSpeedEngine._configure_optimizer = _configure_optimizer
     DeepSpeedEngine.save_checkpoint = save_checkpoint

@@ -4,7 +4,8 @@ The model is linear, loss = <w, c>, so a micro-batch's gradient is its own vecto
 is: the gradient of every peek and commit can be rebuilt exactly from which micro-batches entered
 which round on which rank. Rank 1 sleeps ``--slow-ms`` per micro-batch; the loop runs until
 ``--steps`` commits, as an adaptive training loop must. For each gradient clipping value of
-``--clips`` (one engine each), rank 0 saves, for the test: every micro-batch's (rank, index, round)
+``--clips`` (one engine each), and with ``--cap`` one more run whose fast rank blocks at its
+``max_micro_batches_per_round`` (the drain at the end must not deadlock), rank 0 saves, for the test: every micro-batch's (rank, index, round)
 and the parameters the model computed it at; every finished job's (kind, commit index, count, grad
 norm); after every commit swapped in, every rank's shard of the fp32 master and both Adam moments;
 and the stats of both ranks.
@@ -70,14 +71,14 @@ def spy_on_jobs(pipe, jobs: list, states: list) -> None:
     pipe._finish_in_flight = spy
 
 
-def run(args, rank: int, clip: float) -> dict:
+def run(args, rank: int, clip: float, cap: int | None = None) -> dict:
+    params = {"lr": LR, "weight_decay": WD, "mode": args.mode, "accumulation": "adaptive"}
+    if cap is not None:
+        params["max_micro_batches_per_round"] = cap
     cfg = {
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 2,
-        "optimizer": {
-            "type": "ACCO",
-            "params": {"lr": LR, "weight_decay": WD, "mode": args.mode, "accumulation": "adaptive"},
-        },
+        "optimizer": {"type": "ACCO", "params": params},
         "gradient_clipping": clip,
         "zero_optimization": {"stage": 1},
         "steps_per_print": 10**9,
@@ -101,7 +102,7 @@ def run(args, rank: int, clip: float) -> dict:
     gathered = [None] * world
     torch.distributed.all_gather_object(gathered, {"micro": micro, "stats": opt.stats(), "states": states})
     opt.pipeline.close()
-    return {"jobs": jobs, "ranks": gathered, "clip": clip}
+    return {"jobs": jobs, "ranks": gathered, "clip": clip, "cap": cap}
 
 
 def main() -> None:
@@ -111,10 +112,13 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--slow-ms", type=float, default=40.0)
     ap.add_argument("--clips", default="0.0", help="comma-separated gradient_clipping values, one run each")
+    ap.add_argument("--cap", type=int, default=0, help="also one run with this max_micro_batches_per_round")
     ap.add_argument("--local_rank", type=int, default=0)
     args = ap.parse_args()
     rank = rank_start.init_rank()
     results = [run(args, rank, float(c)) for c in args.clips.split(",")]
+    if args.cap:
+        results.append(run(args, rank, 0.0, args.cap))
     if rank == 0:
         torch.save(results, os.path.join(args.out, "adaptive.pt"))
 
