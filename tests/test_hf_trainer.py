@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import json
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from tests.launch import REPO, run_deepspeed
 
-STEPS, SAVE = 6, 3
+STEPS, SAVE, EVAL_STEPS = 6, 3, 2
 DS_CONFIG = {
     "train_micro_batch_size_per_gpu": "auto",
     "gradient_accumulation_steps": "auto",
@@ -38,6 +39,7 @@ def runs(tmp_path_factory):
     script = REPO / "tests" / "dist" / "hf_worker.py"
     common = ["--deepspeed", cfg, "--max_steps", STEPS, "--save_steps", SAVE]
     run_deepspeed(script, 2, ["--output_dir", tmp / "full", *common])
+    run_deepspeed(script, 2, ["--output_dir", tmp / "evaluated", "--eval_steps", EVAL_STEPS, *common])
     resume_from = tmp / "full" / f"checkpoint-{SAVE}"
     run_deepspeed(
         script, 2, ["--output_dir", tmp / "resumed", "--resume_from_checkpoint", resume_from, *common]
@@ -46,11 +48,11 @@ def runs(tmp_path_factory):
     def load(name):
         return torch.load(tmp / name / "result.pt", weights_only=False)
 
-    return tmp, load("full"), load("resumed")
+    return SimpleNamespace(tmp=tmp, full=load("full"), resumed=load("resumed"), evaluated=load("evaluated"))
 
 
 def test_trainer_trains_with_acco_and_reports(runs):
-    _, full, _ = runs
+    full = runs.full
     assert full["optimizer_type"] == "ACCOZeroOptimizer"
     assert full["global_step"] == STEPS
     steps = [h for h in full["log_history"] if "loss" in h and "step" in h]
@@ -63,8 +65,7 @@ def test_trainer_trains_with_acco_and_reports(runs):
 
 
 def test_checkpoint_has_deepspeed_layout(runs):
-    tmp, _, _ = runs
-    ckpt = tmp / "full" / f"checkpoint-{SAVE}"
+    ckpt = runs.tmp / "full" / f"checkpoint-{SAVE}"
     tag = ckpt / f"global_step{SAVE}"
     assert (tag / "mp_rank_00_model_states.pt").exists()
     for rank in range(2):
@@ -73,7 +74,7 @@ def test_checkpoint_has_deepspeed_layout(runs):
 
 
 def test_resume_from_checkpoint_is_exact(runs):
-    _, full, resumed = runs
+    full, resumed = runs.full, runs.resumed
     assert resumed["global_step"] == STEPS
     for name, want in full["committed"].items():
         assert torch.equal(resumed["committed"][name], want), name
@@ -94,9 +95,29 @@ def test_saved_model_holds_committed_weights(runs):
     with the tied embedding saved once and equal to the output projection."""
     from safetensors.torch import load_file
 
-    tmp, full, _ = runs
+    tmp, full = runs.tmp, runs.full
     sd = load_file(tmp / "full" / "final" / "model.safetensors")
     assert full["stats"]["model_holds"] == "estimate"  # the model computes at theta~ at the boundary
     for name, want in full["committed"].items():
         key = name if name in sd else "model.embed_tokens.weight"
         assert torch.equal(sd[key].float(), want), name
+
+
+def test_eval_strategy_steps_measures_the_committed_model(runs):
+    """eval_strategy="steps": the logged eval_loss is the committed model's loss on the eval set (the
+    estimate acco holds at the step boundary would give another one), and training is unperturbed:
+    the same loss curve and final weights as the run without evaluation."""
+    full, evaluated = runs.full, runs.evaluated
+    logged = [(h["step"], h["eval_loss"]) for h in evaluated["log_history"] if "eval_loss" in h]
+    assert [s for s, _ in logged] == list(range(EVAL_STEPS, STEPS + 1, EVAL_STEPS))
+    committed = evaluated["committed_eval_losses"]
+    assert [s for s, _ in committed] == [s for s, _ in logged]
+    for (step, got), (_, want) in zip(logged, committed):
+        assert got == pytest.approx(want, rel=1e-6), f"step {step}: eval_loss {got} vs committed model {want}"
+
+    def train_curve(result):
+        return [(h["step"], h["loss"], h.get("grad_norm")) for h in result["log_history"] if "loss" in h]
+
+    assert train_curve(evaluated) == train_curve(full)
+    for name, want in full["committed"].items():
+        assert torch.equal(evaluated["committed"][name], want), name

@@ -18,7 +18,13 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from deepspeed.utils import safe_get_full_fp32_param  # noqa: E402
-from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments  # noqa: E402
+from transformers import (  # noqa: E402
+    LlamaConfig,
+    LlamaForCausalLM,
+    Trainer,
+    TrainerCallback,
+    TrainingArguments,
+)
 
 import acco_ds  # noqa: E402,F401  (the only change a user makes)
 from tests.dist import cpu_accelerate_shim  # noqa: E402
@@ -44,12 +50,43 @@ def tiny_llama() -> LlamaForCausalLM:
 class Tokens(torch.utils.data.Dataset):
     """Sample i: a fixed random sequence; labels = input_ids (the model shifts them)."""
 
+    def __init__(self, samples: int = SAMPLES, seed: int = 1000):
+        self.samples, self.seed = samples, seed
+
     def __len__(self):
-        return SAMPLES
+        return self.samples
 
     def __getitem__(self, i):
-        ids = torch.randint(0, VOCAB, (SEQ,), generator=torch.Generator().manual_seed(1000 + i))
+        ids = torch.randint(0, VOCAB, (SEQ,), generator=torch.Generator().manual_seed(self.seed + i))
         return {"input_ids": ids, "labels": ids.clone()}
+
+
+EVAL = Tokens(samples=8, seed=50_000)
+EVAL_BATCH = 2
+
+
+class CommittedEvalLoss(TrainerCallback):
+    """After each evaluation: the eval loss of a fresh model loaded with the committed weights
+    (``safe_get_full_fp32_param``, a collective: every rank runs the callback), computed over the whole
+    eval set in batches of EVAL_BATCH, the mean of the batch losses as the Trainer's eval_loss is."""
+
+    def __init__(self):
+        self.trainer = None
+        self.losses = []
+
+    def on_evaluate(self, args, state, control, **kwargs):
+        engine = self.trainer.model_wrapped
+        committed = {n: safe_get_full_fp32_param(p) for n, p in engine.module.named_parameters()}
+        ref = tiny_llama()
+        with torch.no_grad():
+            for n, p in ref.named_parameters():
+                p.copy_(committed[n])
+            batches = [
+                torch.stack([EVAL[i]["input_ids"] for i in range(k, k + EVAL_BATCH)])
+                for k in range(0, len(EVAL), EVAL_BATCH)
+            ]
+            losses = [float(ref(input_ids=b, labels=b).loss) for b in batches]
+        self.losses.append((state.global_step, sum(losses) / len(losses)))
 
 
 def main() -> None:
@@ -59,6 +96,7 @@ def main() -> None:
     ap.add_argument("--max_steps", type=int, default=6)
     ap.add_argument("--save_steps", type=int, default=3)
     ap.add_argument("--resume_from_checkpoint", default=None)
+    ap.add_argument("--eval_steps", type=int, default=0, help="evaluate every N steps (0: never)")
     ap.add_argument("--local_rank", type=int, default=-1)
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -81,9 +119,20 @@ def main() -> None:
         seed=0,
         dataloader_num_workers=0,
         disable_tqdm=True,
+        eval_strategy="steps" if args.eval_steps else "no",
+        eval_steps=args.eval_steps or None,
+        per_device_eval_batch_size=EVAL_BATCH,
     )
     model = tiny_llama()
-    trainer = Trainer(model=model, args=training_args, train_dataset=Tokens())
+    callback = CommittedEvalLoss()
+    trainer = Trainer(
+        model=model,
+        args=training_args,
+        train_dataset=Tokens(),
+        eval_dataset=EVAL if args.eval_steps else None,
+        callbacks=[callback],
+    )
+    callback.trainer = trainer
     trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     engine = trainer.model_wrapped
     names = [n for n, p in engine.module.named_parameters() if p.requires_grad]
@@ -99,6 +148,7 @@ def main() -> None:
                 "stats": engine.optimizer.stats(),
                 "optimizer_type": type(engine.optimizer).__name__,
                 "global_step": trainer.state.global_step,
+                "committed_eval_losses": callback.losses,
             },
             os.path.join(args.output_dir, "result.pt"),
         )
