@@ -396,15 +396,19 @@ class _Engine:
     "engine,expected",
     [
         (
-            _Engine(mp_world_size=2),
-            ["model-parallel world size of 2", "Allowed: a model-parallel world size of 1"],
+            _Engine(mp_world_size=3, world_size=4),
+            ["autotp_size (model-parallel world size) = 3 does not divide the 4 ranks", "[1, 2, 4]"],
+        ),
+        (
+            _Engine(mp_world_size=2, world_size=4, mpu=object()),
+            ["model-parallel world size 2", "get_model_parallel_group()", "AutoTP"],
         ),
         (
             _Engine(dp_world_size=2, seq_dp_world_size=4),
             ["sequence_parallel_size=2", "sequence_parallel_size=1"],
         ),
     ],
-    ids=["model_parallel_2", "sequence_parallel_2"],
+    ids=["model_parallel_3_of_4", "mpu_without_groups", "sequence_parallel_2"],
 )
 def test_world_layouts_acco_cannot_use(engine, expected):
     with pytest.raises(ACCOConfigError) as info:

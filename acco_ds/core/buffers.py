@@ -150,6 +150,7 @@ class GroupBuffers:
         self.exp_avg_sq = torch.zeros(s, dtype=torch.float32, device=dev)
         self.tilde = torch.zeros(s, dtype=comm_dtype, device=dev) if keep_tilde else None
         self._fold_handles: list = []
+        self.norm_ranges: list | None = None  # None: the whole shard counts in the gradient norm
         self.point_params()
         self.point_grads()
 
@@ -221,6 +222,27 @@ class GroupBuffers:
         for h in self._fold_handles:
             h.remove()
         self._fold_handles = []
+
+    def set_norm_ranges(self, counted: Sequence[bool], count_replicated: bool) -> None:
+        """Tensor parallelism: which parts of this rank's shard enter the gradient norm. ``counted[i]``:
+        parameter i is split across the tensor-parallel ranks (always counted); the others are replicated
+        and counted only where ``count_replicated`` (one tensor-parallel rank). ``norm_ranges`` becomes a
+        list of merged ``(lo, hi)`` ranges relative to the shard start; padding is never counted."""
+        if count_replicated:
+            self.norm_ranges = None
+            return
+        shard = self.layout.shard_range(self.rank)
+        ranges: list = []
+        for split, off, numel in zip(counted, self.layout.offsets, self.layout.numels):
+            lo, hi = max(off, shard.start), min(off + numel, shard.stop)
+            if not split or hi <= lo:
+                continue
+            lo, hi = lo - shard.start, hi - shard.start
+            if ranges and ranges[-1][1] == lo:
+                ranges[-1] = (ranges[-1][0], hi)
+            else:
+                ranges.append((lo, hi))
+        self.norm_ranges = ranges
 
     # -- roles (compute side) -------------------------------------------------------------------
     def start_job(self, in_place: bool) -> tuple:

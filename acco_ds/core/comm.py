@@ -210,18 +210,31 @@ def collective_failure(monitor, what: str, err: BaseException) -> BaseException:
     return RuntimeError(f"acco_ds: {what} failed: {type(err).__name__}: {err}")
 
 
-def _new_group(group, backend: str, timeout_s: float):
-    """A new process group over the ranks of ``group`` (default: WORLD) with ``timeout_s``. Collective."""
+def new_subgroup(group, backend: str, timeout_s: float):
+    """A new process group over the ranks of ``group`` (default: WORLD) with ``timeout_s``. Collective
+    over WORLD: every rank calls it at the same point. When ``group`` is one of several disjoint groups
+    (the data-parallel groups under tensor parallelism), every rank must create every one of them, in
+    the same order: the ranks learn all the groups' members from each other first."""
     import datetime
 
-    ranks = None if group is None else dist.get_process_group_ranks(group)
-    return dist.new_group(ranks=ranks, backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if group is None or dist.get_world_size(group) == dist.get_world_size():
+        ranks = None if group is None else dist.get_process_group_ranks(group)
+        return dist.new_group(ranks=ranks, backend=backend, timeout=timeout)
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, sorted(dist.get_process_group_ranks(group)))
+    lists = sorted({tuple(r) for r in everyone})
+    members = [r for lst in lists for r in lst]
+    if sorted(members) != list(range(dist.get_world_size())):
+        raise ValueError(f"acco_ds: the groups {lists} do not partition the {dist.get_world_size()} ranks")
+    mine, _ = dist.new_subgroups_by_enumeration([list(r) for r in lists], timeout=timeout, backend=backend)
+    return mine
 
 
 def make_executor(device: torch.device, timeout_s: float, group=None):
     """A dedicated process group over all ranks of ``group`` (default: WORLD) and the executor for
     ``device``. Collective: every rank calls it at the same point."""
-    comm_group = _new_group(group, "nccl" if device.type == "cuda" else "gloo", timeout_s)
+    comm_group = new_subgroup(group, "nccl" if device.type == "cuda" else "gloo", timeout_s)
     from acco_ds.core.liveness import PeerMonitor, heartbeat_interval
 
     monitor = PeerMonitor(
@@ -241,7 +254,7 @@ def make_control_group(group, timeout_s: float):
     issued from the compute side (end-of-run agreement on the round count and pending counts): the
     communication group is busy with the job in flight then, and DeepSpeed's default group has its own
     (30 min) timeout. CPU tensors only. Collective."""
-    return _new_group(group, "gloo", timeout_s)
+    return new_subgroup(group, "gloo", timeout_s)
 
 
 def check_reducible(group, dtype: torch.dtype, device: torch.device, option: str) -> None:

@@ -51,7 +51,7 @@ import torch.distributed as dist
 from acco_ds.config import ACCOConfig, ACCOConfigError
 from acco_ds.core import schedule
 from acco_ds.core.buffers import GroupBuffers, GroupLayout
-from acco_ds.core.comm import check_reducible, make_control_group, make_executor
+from acco_ds.core.comm import check_reducible, make_control_group, make_executor, new_subgroup
 from acco_ds.core.liveness import BlockBoard
 from acco_ds.core.round_job import Hyper, RoundResult, all_gather_inplace, run_round_job
 from acco_ds.core.schedule import Job, RoundCounter
@@ -110,7 +110,15 @@ class ACCOPipeline:
         gradient_accumulation_steps: int,
         clip: float,
         dp_group=None,
+        tp_group=None,
+        tp_sharded: Sequence[Sequence[bool]] | None = None,
     ):
+        """``dp_group``: the data-parallel group ACCO shards over and communicates in (default: WORLD).
+        ``tp_group``: the tensor-parallel group of this rank, when the model is tensor-parallel; then
+        each rank's buffers hold its own slice of the parameters, and ``tp_sharded[g][i]`` says whether
+        parameter i of group g is split across the tensor-parallel ranks (True) or replicated on each
+        (False): the global gradient norm counts a split parameter on every tensor-parallel rank and a
+        replicated one once (tensor-parallel rank 0), as DeepSpeed's ZeRO-1 does."""
         self.cfg = cfg
         self.mode = cfg.mode
         self.adaptive = cfg.accumulation == "adaptive"
@@ -141,6 +149,16 @@ class ACCOPipeline:
             b.install_fold_hooks()
         self.executor = make_executor(self.device, cfg.comm_timeout_s, dp_group)
         self.control_group = make_control_group(dp_group, cfg.comm_timeout_s)
+        self.tp_size = 1 if tp_group is None else dist.get_world_size(tp_group)
+        self.tp_norm_group = self.tp_control_group = None
+        if self.tp_size > 1:
+            # groups of their own: the compute side's tensor-parallel collectives use DeepSpeed's group
+            backend = "nccl" if self.device.type == "cuda" else "gloo"
+            self.tp_norm_group = new_subgroup(tp_group, backend, cfg.comm_timeout_s)
+            self.tp_control_group = make_control_group(tp_group, cfg.comm_timeout_s)
+            tp_rank = dist.get_rank(tp_group)
+            for b, flags in zip(self.groups, tp_sharded or [[True] * len(b.params) for b in self.groups]):
+                b.set_norm_ranges(flags, count_replicated=tp_rank == 0)
         self._board = BlockBoard(getattr(self.executor, "monitor", None))
         try:
             check_reducible(self.executor.group, comm_dtype, self.device, cfg.comm_dtype)
@@ -187,8 +205,22 @@ class ACCOPipeline:
             b.check_grads()
         self.counter.add()
         self.stats.micro_batches_local += 1
-        if self.counter.may_end(self._in_flight_done()):
+        if self._may_end():
             self.end_round()
+
+    def _may_end(self) -> bool:
+        """Whether the current round ends now. Adaptive accumulation with tensor parallelism: the ranks
+        of a tensor-parallel group run collectives in every forward and backward, so they must end their
+        rounds at the same micro-batch: the round ends when it may end on every one of them (their
+        counts are equal, so only whether each one's job in flight is done differs)."""
+        may = self.counter.may_end(self._in_flight_done())
+        if not (self.adaptive and self.tp_control_group is not None):
+            return may
+        flag = torch.tensor([1.0 if may else 0.0], dtype=torch.float64)
+        self._control_all_reduce(
+            flag, dist.ReduceOp.MIN, "the tensor-parallel agreement on a round end", tp=True
+        )
+        return bool(flag.item())
 
     def on_engine_step(self, lr_stepped: bool = True) -> None:
         """The engine's optimizer step was called; ``lr_stepped``: its LR scheduler steps right after
@@ -257,6 +289,7 @@ class ACCOPipeline:
             gas=self.gas,
             clip=self.clip,
             group=self.executor.group,
+            norm_group=self.tp_norm_group,
             tilde_count=self.tilde_count,
         )
         name = f"round {self.round_index} ({plan.job.value} of step {commit_index})"
@@ -355,11 +388,11 @@ class ACCOPipeline:
             b.acc_flat.zero_()
         self.phase_round = 0  # training may go on: it restarts with a prologue at theta
 
-    def _control_all_reduce(self, t: torch.Tensor, op, what: str) -> None:
-        """All-reduce a CPU tensor on the control group (timeout comm_timeout_s); a failure names the
-        lost peer like a failed round does."""
+    def _control_all_reduce(self, t: torch.Tensor, op, what: str, tp: bool = False) -> None:
+        """All-reduce a CPU tensor on the control group (``tp``: the tensor-parallel one; timeout
+        comm_timeout_s); a failure names the lost peer like a failed round does."""
         try:
-            dist.all_reduce(t, op=op, group=self.control_group)
+            dist.all_reduce(t, op=op, group=self.tp_control_group if tp else self.control_group)
         except RuntimeError as err:
             raise self.executor.failure(what, err) from err
 

@@ -166,6 +166,7 @@ def run_round_job(
     clip: float,
     group,
     tilde_count: List[torch.Tensor],
+    norm_group=None,
 ) -> RoundResult:
     """One round's communication. ``roles[i]`` is group i's ``(grad buffer, param target)`` index pair
     from ``GroupBuffers.start_job``.
@@ -208,9 +209,15 @@ def run_round_job(
     empty = count <= 0
     avg_scale = torch.where(empty, torch.zeros_like(count), gas / count.clamp(min=1.0)).to(torch.float32)
     sumsq = torch.zeros(1, dtype=torch.float32, device=dev)
-    for grad in grads:
-        sumsq += sum_of_squares(grad)
+    for b, grad in zip(groups, grads):
+        if b.norm_ranges is None:
+            sumsq += sum_of_squares(grad)
+        else:  # tensor parallelism: a replicated parameter counts on one tensor-parallel rank only
+            for lo, hi in b.norm_ranges:
+                sumsq += sum_of_squares(grad[lo:hi])
     dist.all_reduce(sumsq, op=dist.ReduceOp.SUM, group=group)
+    if norm_group is not None:
+        dist.all_reduce(sumsq, op=dist.ReduceOp.SUM, group=norm_group)
     grad_norm = sumsq.sqrt() * avg_scale
     skipped = ~torch.isfinite(grad_norm)
     noop = (skipped | empty).to(torch.int32)

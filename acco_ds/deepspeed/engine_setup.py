@@ -10,7 +10,7 @@ import deepspeed
 
 from acco_ds.config import ACCOConfig
 from acco_ds.deepspeed.register import check_deepspeed_version
-from acco_ds.deepspeed.validate import check_engine_config
+from acco_ds.deepspeed.validate import check_engine_config, model_parallel_group
 
 logger = logging.getLogger("acco_ds")
 
@@ -30,6 +30,7 @@ def configure_acco(engine, client_optimizer, model_parameters) -> None:
         gradient_accumulation_steps=engine.gradient_accumulation_steps(),
         gradient_clipping=engine.gradient_clipping(),
         dp_process_group=engine.seq_data_parallel_group,
+        tp_group=model_parallel_group(engine) if int(getattr(engine, "mp_world_size", 1) or 1) > 1 else None,
     )
     optimizer.attach_engine(engine)
     engine.basic_optimizer = optimizer.optimizer

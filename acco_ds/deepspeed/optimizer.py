@@ -28,6 +28,7 @@ from typing import List
 import torch
 import torch.distributed as dist
 from deepspeed.runtime.base_optimizer import ZeROOptimizer
+from deepspeed.runtime.utils import is_model_parallel_parameter
 
 from acco_ds.config import ACCOConfig, ACCOConfigError
 from acco_ds.core.pipeline import ACCOPipeline
@@ -85,6 +86,7 @@ class ACCOZeroOptimizer(ZeROOptimizer):
         gradient_accumulation_steps: int,
         gradient_clipping: float,
         dp_process_group=None,
+        tp_group=None,
     ):
         super().__init__()
         self.cfg = cfg
@@ -99,6 +101,8 @@ class ACCOZeroOptimizer(ZeROOptimizer):
             gradient_accumulation_steps,
             gradient_clipping,
             dp_process_group,
+            tp_group=tp_group,
+            tp_sharded=[[bool(is_model_parallel_parameter(p)) for p in g] for g in self.bit16_groups],
         )
         torch_groups = []
         for g, b in zip(groups, self.pipeline.groups):
@@ -235,6 +239,9 @@ class ACCOZeroOptimizer(ZeROOptimizer):
         checkpoint.load_state_dict(
             self, state_dict_list, load_optimizer_states, load_from_fp32_weights, **kwargs
         )
+
+    def update_lp_params(self):
+        checkpoint.update_lp_params(self)
 
     def _restore_from_bit16_weights(self):
         checkpoint.restart_at_master(self)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 
 from acco_ds.config import ACCOConfig, ACCOConfigError
 from acco_ds.core.schedule import micro_batches_per_round
@@ -16,10 +17,21 @@ def _offload_device(cfg) -> str:
     return str(getattr(getattr(cfg, "device", None), "value", getattr(cfg, "device", "none")))
 
 
+def model_parallel_group(engine):
+    """The engine's tensor-parallel group (AutoTP or a Megatron-style mpu), or None."""
+    mpu = getattr(engine, "mpu", None)
+    for name in ("get_tensor_model_parallel_group", "get_model_parallel_group"):
+        getter = getattr(mpu, name, None)
+        if callable(getter):
+            return getter()
+    return None
+
+
 def check_engine_config(engine, client_optimizer, cfg: ACCOConfig) -> None:
     """Raise ACCOConfigError for an engine config that "type": "ACCO" cannot run, before any state is
     built. Each message names the DeepSpeed key, the value seen and what is allowed. Checked: client
-    optimizer, ZeRO stage, fp16, offload, pipeline/model/sequence parallelism, MoE, gradient_clipping,
+    optimizer, ZeRO stage, fp16, offload, pipeline/sequence parallelism, a model-parallel size that does
+    not divide the world or comes without a group, MoE, gradient_clipping,
     communication_data_type, fp16 autocast, ZenFlow, gradient_accumulation_steps for the mode and
     max_micro_batches_per_round against a round's share."""
     if client_optimizer is not None:
@@ -60,11 +72,18 @@ def check_engine_config(engine, client_optimizer, cfg: ACCOConfig) -> None:
             "Allowed: models without deepspeed.moe layers; use DeepSpeed's ZeRO optimizers for MoE models."
         )
     mp = int(getattr(engine, "mp_world_size", 1) or 1)
-    if mp > 1:
+    world = int(getattr(engine, "world_size", 0) or dist.get_world_size())
+    if mp > 1 and world % mp:
         raise ACCOConfigError(
-            f"model parallelism (mpu / tensor_parallel.autotp_size) with a model-parallel world size of {mp}: "
-            "ACCO's flat buffers, global gradient norm and shards assume every data-parallel rank holds the full "
-            "parameters. Allowed: a model-parallel world size of 1 (pure data parallelism)."
+            f"tensor_parallel.autotp_size (model-parallel world size) = {mp} does not divide the {world} ranks: "
+            "ACCO runs data parallelism across the tensor-parallel groups. Allowed: a model-parallel size that "
+            f"divides the world size ({[d for d in range(1, world + 1) if world % d == 0]})."
+        )
+    if mp > 1 and model_parallel_group(engine) is None:
+        raise ACCOConfigError(
+            f"model-parallel world size {mp}, but the engine's mpu ({type(engine.mpu).__name__}) has no "
+            "get_model_parallel_group() / get_tensor_model_parallel_group(). Allowed: DeepSpeed AutoTP "
+            '("tensor_parallel": {"autotp_size": N}) or a Megatron-style mpu with those methods.'
         )
     seq_dp, dp = getattr(engine, "seq_dp_world_size", None), getattr(engine, "dp_world_size", None)
     if seq_dp is not None and dp is not None and seq_dp != dp:

@@ -1,0 +1,161 @@
+"""Per-rank worker for the tensor-parallel tests (tests/test_tensor_parallel.py), started by the deepspeed
+launcher: a tiny Llama built from a transformers config (fp32, untied embeddings: AutoTP splits the
+attention/MLP projections and the LM head, the embedding and the norms stay replicated), trained with
+``"tensor_parallel": {"autotp_size": T}`` beside ZeRO-1 (ACCO or DeepSpeed's AdamW).
+
+Data follow the data-parallel rank (the ranks of one tensor-parallel group see the same micro-batches),
+so a run at TP T x DP D and one at TP 1 x DP D train on the same data. Rank 0 saves, per scenario and
+per engine step: every rank's committed slices (``safe_get_full_fp32_param``) and moments, the full
+parameters and moments rebuilt over the tensor-parallel group (concatenated along each split
+parameter's partition dimension), the reported gradient norm, and at the end the stats."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import deepspeed  # noqa: E402
+from deepspeed.utils import groups, safe_get_full_fp32_param, safe_get_full_optimizer_state  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+import acco_ds  # noqa: E402,F401
+from tests.dist import rank_start  # noqa: E402
+
+VOCAB, SEQ, MICRO = 64, 12, 2
+
+
+def tiny_llama() -> LlamaForCausalLM:
+    cfg = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=SEQ,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    return LlamaForCausalLM(cfg)
+
+
+def micro_batch(dp_rank: int, index: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(7919 * dp_rank + 1_000 + index)
+    return torch.randint(0, VOCAB, (MICRO, SEQ), generator=g)
+
+
+def full_over_tp(named: dict, meta: dict, tp_group) -> dict:
+    """Each split parameter's slices concatenated over the tensor-parallel group (a collective)."""
+    if tp_group is None or dist.get_world_size(tp_group) == 1:
+        return {k: v.clone() for k, v in named.items()}
+    parts = [None] * dist.get_world_size(tp_group)
+    dist.all_gather_object(parts, named, group=tp_group)
+    out = {}
+    for name, t in named.items():
+        dim = meta.get(name)
+        out[name] = t.clone() if dim is None else torch.cat([p[name] for p in parts], dim=dim)
+    return out
+
+
+def run_scenario(sc: dict) -> dict:
+    cfg = sc["config"]
+    gas = cfg["gradient_accumulation_steps"]
+    model = tiny_llama()
+    engine, _, _, _ = deepspeed.initialize(model=model, config=cfg, model_parameters=model.parameters())
+    tp = int(cfg.get("tensor_parallel", {}).get("autotp_size", 1))
+    tp_group = groups.get_tensor_model_parallel_group() if tp > 1 else None
+    dp_rank = dist.get_rank(engine.seq_data_parallel_group)
+    named = [(n, p) for n, p in engine.module.named_parameters() if p.requires_grad]
+    meta = {
+        n: p.ds_autotp_universal_checkpoint_meta["partition_dim"]
+        for n, p in named
+        if getattr(p, "ds_autotp_universal_checkpoint_meta", None)
+        and not p.ds_autotp_universal_checkpoint_meta["replicated"]
+    }
+    steps, adaptive = [], sc.get("adaptive_steps")
+    index = 0
+
+    def record():
+        got = {
+            "params": {n: safe_get_full_fp32_param(p).clone() for n, p in named},
+            "exp_avg": {n: safe_get_full_optimizer_state(p, "exp_avg").clone() for n, p in named},
+            "exp_avg_sq": {n: safe_get_full_optimizer_state(p, "exp_avg_sq").clone() for n, p in named},
+        }
+        norm = engine.get_global_grad_norm()
+        steps.append(
+            {
+                **{f"full_{k}": full_over_tp(v, meta, tp_group) for k, v in got.items()},
+                **got,
+                "norm": None if norm is None else float(norm),
+            }
+        )
+
+    if adaptive:  # drive by optimizer steps; the slow replica sleeps per micro-batch
+        import time
+
+        opt = engine.optimizer
+        micro = []
+        if dist.get_rank() == sc.get("lagging_rank"):
+            # this rank sees its job in flight done only at every third look, as if its job ran slower than
+            # its tensor-parallel peer's: without the group's agreement the two would end rounds apart
+            done, looks = opt.pipeline._in_flight_done, [0]
+
+            def lagging() -> bool:
+                looks[0] += 1
+                return done() and looks[0] % 3 == 0
+
+            opt.pipeline._in_flight_done = lagging
+        while opt.committed_steps < adaptive:
+            if dp_rank == 1:  # the slow replica; its second tensor-parallel rank slower still, so the
+                # jobs of the two tensor-parallel ranks of the fast replica finish at different times
+                tp_rank = dist.get_rank(tp_group) if tp_group is not None else 0
+                time.sleep(sc.get("slow_s", 0.03) * (1 + tp_rank))
+            x = micro_batch(dp_rank, index)
+            micro.append((opt.pipeline.round_index, opt.pipeline.counter.count))
+            engine.backward(engine(input_ids=x, labels=x).loss)
+            engine.step()
+            index += 1
+        record()
+    else:
+        for _ in range(sc["steps"]):
+            for _ in range(gas):
+                x = micro_batch(dp_rank, index)
+                engine.backward(engine(input_ids=x, labels=x).loss)
+                engine.step()
+                index += 1
+            record()
+    out = {"steps": steps, "meta": meta, "rank": dist.get_rank(), "dp_rank": dp_rank, "micro": index}
+    if adaptive:
+        out["rounds_of_micro"] = micro  # (round index, count before) of every micro-batch
+    opt = engine.optimizer
+    if hasattr(opt, "pipeline"):
+        opt.finish()
+        out["stats"] = opt.stats()
+        out["final_norm"] = float(opt.pipeline.last_grad_norm)
+        out["final"] = full_over_tp(
+            {n: safe_get_full_fp32_param(p).clone() for n, p in named}, meta, tp_group
+        )
+        opt.pipeline.close()
+    return out
+
+
+def main() -> None:
+    args = rank_start.scenario_parser().parse_args()
+    rank_start.init_rank()
+    results = {}
+    for sc in rank_start.load_scenarios(args.scenarios):
+        mine = run_scenario(sc)
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+        results[sc["name"]] = everyone
+    if dist.get_rank() == 0:
+        torch.save(results, os.path.join(args.out, "results.pt"))
+
+
+if __name__ == "__main__":
+    main()
