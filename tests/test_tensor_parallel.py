@@ -71,6 +71,10 @@ def runs(tmp_path_factory):
         for c, v in (("noclip", 0.0), ("clip", CLIP))
     ]
     tp += [{"name": m, "steps": STEPS, "config": config(acco(m), 2, CLIP)} for m in ("acco", "dpu")]
+    tp += [
+        {"name": f"{kind}_mpu", "model": "mpu_mlp", "tp": 2, "steps": STEPS, "config": config(opt, 1, CLIP)}
+        for kind, opt in (("sync", acco("sync")), ("zero1", ZERO1))
+    ]
     tp.append(
         {
             "name": "acco_adaptive",
@@ -87,8 +91,9 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a - b).abs().max().item() / max(b.abs().max().item(), 1e-30)
 
 
-@pytest.mark.parametrize("clip", ["noclip", "clip"])
+@pytest.mark.parametrize("clip", ["noclip", "clip", "mpu"])
 def test_sync_equals_deepspeed_zero1_with_autotp(runs, clip):
+    """AutoTP with clipping off and acting, and a user's Megatron-style mpu (clipping acting)."""
     tp, _ = runs
     ours, theirs = tp[f"sync_{clip}"], tp[f"zero1_{clip}"]
     for rank, (a, b) in enumerate(zip(ours, theirs)):
@@ -100,7 +105,7 @@ def test_sync_equals_deepspeed_zero1_with_autotp(runs, clip):
                     r = rel(sa[key][name], sb[key][name])
                     assert r <= MOMENT_REL, f"rank {rank} step {t + 1} {name} {key}: rel {r:.3e}"
             assert sa["norm"] == pytest.approx(sb["norm"], rel=NORM_REL), f"rank {rank} step {t + 1} norm"
-    if clip == "clip":  # clipping acted
+    if clip != "noclip":  # clipping acted
         assert min(s["norm"] for s in theirs[0]["steps"]) > CLIP
 
 

@@ -44,9 +44,115 @@ def tiny_llama() -> LlamaForCausalLM:
     return LlamaForCausalLM(cfg)
 
 
+class _CopyToTP(torch.autograd.Function):
+    """Megatron's f: identity forward, gradient summed over the tensor-parallel group backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        g = g.clone()
+        dist.all_reduce(g, group=ctx.group)
+        return g, None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    """Megatron's g: partial outputs summed over the tensor-parallel group forward, identity backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        x = x.clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+class MpuMLP(torch.nn.Module):
+    """A Megatron-style tensor-parallel MLP a user would bring with their own ``mpu``: the first matrix
+    split by output rows, the second by input columns (marked ``model_parallel``), a replicated input
+    scale and output bias. Initialised from one seeded unsplit model, so every layout is the same model."""
+
+    D, H = 8, 12
+
+    def __init__(self, tp_group):
+        super().__init__()
+        tp, r = dist.get_world_size(tp_group), dist.get_rank(tp_group)
+        g = torch.Generator().manual_seed(0)
+        w, v = torch.randn(self.H, self.D, generator=g) * 0.3, torch.randn(self.D, self.H, generator=g) * 0.3
+        h = self.H // tp
+        self.group = tp_group
+        self.scale = torch.nn.Parameter(torch.ones(self.D))
+        self.w = torch.nn.Parameter(w[r * h : (r + 1) * h].clone())
+        self.v = torch.nn.Parameter(v[:, r * h : (r + 1) * h].clone())
+        self.bias = torch.nn.Parameter(torch.zeros(self.D))
+        self.w.model_parallel = self.v.model_parallel = True
+
+    def forward(self, x, y):
+        z = _CopyToTP.apply(x * self.scale, self.group)
+        out = (
+            _ReduceFromTP.apply(torch.nn.functional.gelu(z @ self.w.t()) @ self.v.t(), self.group) + self.bias
+        )
+        return torch.nn.functional.mse_loss(out, y)
+
+
+class Mpu:
+    """The methods DeepSpeed reads from a Megatron-style mpu."""
+
+    def __init__(self, tp_group, dp_group):
+        self.tp, self.dp = tp_group, dp_group
+
+    def get_model_parallel_group(self):
+        return self.tp
+
+    def get_model_parallel_world_size(self):
+        return dist.get_world_size(self.tp)
+
+    def get_model_parallel_rank(self):
+        return dist.get_rank(self.tp)
+
+    def get_data_parallel_group(self):
+        return self.dp
+
+    def get_data_parallel_world_size(self):
+        return dist.get_world_size(self.dp)
+
+    def get_data_parallel_rank(self):
+        return dist.get_rank(self.dp)
+
+
+_MPU = []
+
+
+def mpu_groups(tp: int) -> Mpu:
+    """Consecutive ranks form a tensor-parallel group, as with AutoTP (created once, by every rank)."""
+    if not _MPU:
+        world = dist.get_world_size()
+        tps = [list(range(i, i + tp)) for i in range(0, world, tp)]
+        dps = [list(range(j, world, tp)) for j in range(tp)]
+        tp_group, _ = dist.new_subgroups_by_enumeration(tps)
+        dp_group, _ = dist.new_subgroups_by_enumeration(dps)
+        _MPU.append(Mpu(tp_group, dp_group))
+    return _MPU[0]
+
+
 def micro_batch(dp_rank: int, index: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(7919 * dp_rank + 1_000 + index)
     return torch.randint(0, VOCAB, (MICRO, SEQ), generator=g)
+
+
+def loss_of(engine, sc: dict, dp_rank: int, index: int) -> torch.Tensor:
+    if sc.get("model") == "mpu_mlp":
+        g = torch.Generator().manual_seed(7919 * dp_rank + 5_000 + index)
+        x, y = torch.randn(4, MpuMLP.D, generator=g), torch.randn(4, MpuMLP.D, generator=g)
+        return engine(x, y)
+    x = micro_batch(dp_rank, index)
+    return engine(input_ids=x, labels=x).loss
 
 
 def full_over_tp(named: dict, meta: dict, tp_group) -> dict:
@@ -65,10 +171,18 @@ def full_over_tp(named: dict, meta: dict, tp_group) -> dict:
 def run_scenario(sc: dict) -> dict:
     cfg = sc["config"]
     gas = cfg["gradient_accumulation_steps"]
-    model = tiny_llama()
-    engine, _, _, _ = deepspeed.initialize(model=model, config=cfg, model_parameters=model.parameters())
-    tp = int(cfg.get("tensor_parallel", {}).get("autotp_size", 1))
-    tp_group = groups.get_tensor_model_parallel_group() if tp > 1 else None
+    if sc.get("model") == "mpu_mlp":
+        mpu = mpu_groups(sc["tp"])
+        model = MpuMLP(mpu.tp)
+        engine, _, _, _ = deepspeed.initialize(
+            model=model, config=cfg, model_parameters=model.parameters(), mpu=mpu
+        )
+        tp_group = mpu.tp
+    else:
+        model = tiny_llama()
+        engine, _, _, _ = deepspeed.initialize(model=model, config=cfg, model_parameters=model.parameters())
+        tp = int(cfg.get("tensor_parallel", {}).get("autotp_size", 1))
+        tp_group = groups.get_tensor_model_parallel_group() if tp > 1 else None
     dp_rank = dist.get_rank(engine.seq_data_parallel_group)
     named = [(n, p) for n, p in engine.module.named_parameters() if p.requires_grad]
     meta = {
@@ -115,17 +229,15 @@ def run_scenario(sc: dict) -> dict:
                 # jobs of the two tensor-parallel ranks of the fast replica finish at different times
                 tp_rank = dist.get_rank(tp_group) if tp_group is not None else 0
                 time.sleep(sc.get("slow_s", 0.03) * (1 + tp_rank))
-            x = micro_batch(dp_rank, index)
             micro.append((opt.pipeline.round_index, opt.pipeline.counter.count))
-            engine.backward(engine(input_ids=x, labels=x).loss)
+            engine.backward(loss_of(engine, sc, dp_rank, index))
             engine.step()
             index += 1
         record()
     else:
         for _ in range(sc["steps"]):
             for _ in range(gas):
-                x = micro_batch(dp_rank, index)
-                engine.backward(engine(input_ids=x, labels=x).loss)
+                engine.backward(loss_of(engine, sc, dp_rank, index))
                 engine.step()
                 index += 1
             record()
