@@ -60,6 +60,13 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--threads", type=int, default=None, help="torch threads per rank (default: cores / ranks on CPU)"
     )
+    run.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="tensor-parallel size (DeepSpeed AutoTP, with --model gpt2|llama): consecutive ranks form a "
+        "tensor-parallel group, ACCO (or ZeRO) runs data parallelism across the groups",
+    )
     run.add_argument("--seed", type=int, default=0)
     run.add_argument(
         "--dtype", choices=("auto", "fp32", "bf16"), default="auto", help="auto: bf16 on GPU, fp32 on CPU"
@@ -142,6 +149,22 @@ def _check_model(ap: argparse.ArgumentParser, a: argparse.Namespace) -> None:
         ap.error(f"--model {a.model} needs the transformers package: pip install 'acco_ds[hf]'")
 
 
+def _check_tp(ap: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    """--tp must split the ranks and the model (checked before any rank starts)."""
+    if a.tp < 1:
+        ap.error(f"--tp must be >= 1, got {a.tp}")
+    if a.tp == 1:
+        return
+    if a.model == "tiny":
+        ap.error(f"--tp {a.tp}: tensor parallelism (DeepSpeed AutoTP) needs --model gpt2 or llama")
+    if a.world_size % a.tp:
+        ap.error(f"--tp {a.tp} does not divide --world-size {a.world_size}")
+    heads = {"--n-head": a.n_head, "--n-kv-head": a.n_kv_head or a.n_head}
+    for flag, n in heads.items():
+        if n % a.tp:
+            ap.error(f"--tp {a.tp} must divide {flag} ({n}): AutoTP splits the attention heads")
+
+
 def parse(argv=None) -> argparse.Namespace:
     from acco_ds.cli.launch import default_world_size
 
@@ -175,6 +198,7 @@ def parse(argv=None) -> argparse.Namespace:
     if a.dtype == "auto":
         a.dtype = "bf16" if _cuda() else "fp32"
     _check_model(ap, a)
+    _check_tp(ap, a)
     if len(set(a.mode)) != len(a.mode):
         ap.error(f"--mode lists a mode twice: {' '.join(a.mode)}")
     a.out = a.out or os.path.join("acco_out", time.strftime("%Y%m%d-%H%M%S"))

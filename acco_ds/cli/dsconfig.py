@@ -43,6 +43,7 @@ class Knobs:
     bf16: bool = False
     accumulation: str = "fixed"
     num_params: int = 0  # sizes the DeepSpeed buckets
+    tp: int = 1  # tensor-parallel size (AutoTP); the data-parallel world is world_size / tp
 
 
 def _bucket(n: int, parts: int) -> int:
@@ -83,6 +84,11 @@ def build_config(contender: str, k: Knobs) -> dict:
     }
     if k.bf16:
         cfg["bf16"] = {"enabled": True}
+    if k.tp > 1:
+        cfg["tensor_parallel"] = {"autotp_size": k.tp}
+        # DeepSpeed checks train_batch_size against all ranks before AutoTP sets its groups up; the batch of a
+        # step is micro_batch x grad_accum x (world_size / tp): leave the key to DeepSpeed
+        del cfg["train_batch_size"]
     adam = {"lr": k.lr, "betas": list(k.betas), "eps": k.eps, "weight_decay": k.weight_decay}
     if contender in ACCO_MODES:
         accumulation = "fixed" if contender == "sync" else k.accumulation

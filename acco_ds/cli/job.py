@@ -82,6 +82,7 @@ def plan_runs(a, model_cfg: dict, n_params: int) -> list:
         bf16=a.dtype == "bf16",
         accumulation=a.accumulation,
         num_params=n_params,
+        tp=a.tp,
     )
     user = dsconfig.load_user_config(a.config, knobs)
     if user is not None:
@@ -162,6 +163,7 @@ def run_job(a) -> dict:
             progress=not a.no_progress,
             slow_rank=a.slow_rank,
             slow_factor=a.slow_factor,
+            tp=a.tp,
         )
         path = spec.save()
         (run_dir / "ds_config.json").write_text(json.dumps(cfg, indent=2))
@@ -169,6 +171,10 @@ def run_job(a) -> dict:
         cmd = launch_command(str(path), a.world_size, free_port())
         run_ranks(cmd, a.threads, log_path=run_dir / "launch.log", show_stderr=True)
         logs, ranks = read_ranks(run_dir, a.world_size)
+        logs, ranks = (
+            logs[:: a.tp],
+            ranks[:: a.tp],
+        )  # one rank per replica: its tensor-parallel peers repeat it
         records = merge_ranks(logs, spec.micro_batch)
         s = summarize(records, ranks, warmup=min(5, a.steps // 5), micro_batch=spec.micro_batch)
         s["launch_wall_s"] = time.perf_counter() - started

@@ -33,7 +33,8 @@ class RunSpec:
     slow_rank: int = -1  # this rank gets extra compute after each micro-batch (-1: none)
     slow_factor: float = 1.0  # ... calibrated so its micro-batches take slow_factor x as long
     slow_extra_s: float | None = None  # ... or exactly this many seconds per micro-batch
-    data_offset: int = 0  # rank r reads the micro-batches of rank r + data_offset
+    data_offset: int = 0  # data-parallel rank d reads the micro-batches of rank d + data_offset
+    tp: int = 1  # tensor-parallel size: ranks r with the same r // tp form one replica (same data)
     start_gate: str | None = None  # a folder shared by runs launched together: training starts ...
     gate_count: int = 0  # ... once this many ranks (of all of them) are ready (see acco_ds.cli.worker)
 

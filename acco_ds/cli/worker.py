@@ -38,7 +38,7 @@ def _evaluate(model, spec, corpus, rank: int, world: int, device) -> float:
 
     from acco_ds.data import val_windows
 
-    x, y = val_windows(corpus.val, spec.model["context"], spec.eval_windows, rank, world)
+    x, y = val_windows(corpus.val, spec.model["context"], spec.eval_windows, rank, world)  # data-parallel
     model.eval()
     total = torch.zeros(2, dtype=torch.float64)
     with torch.no_grad():
@@ -47,8 +47,8 @@ def _evaluate(model, spec, corpus, rank: int, world: int, device) -> float:
             total[0] += float(model(xb, yb).float()) * xb.size(0)
             total[1] += xb.size(0)
     model.train()
-    if dist.is_initialized() and world > 1:
-        dist.all_reduce(total)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(total)  # tensor-parallel peers add the same sums: the mean is unchanged
     return float(total[0] / total[1])
 
 
@@ -94,6 +94,8 @@ def run(spec) -> dict:
     logging.getLogger("DeepSpeed").setLevel(logging.ERROR)  # its per-run INFO/WARNING chatter
     deepspeed.init_distributed(verbose=False)
     rank, world = dist.get_rank(), dist.get_world_size()
+    # data follow the data-parallel rank: the ranks of a tensor-parallel group see the same micro-batches
+    dp_rank, dp_world = rank // spec.tp, world // spec.tp
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     acc = get_accelerator()
     device = torch.device(acc.device_name(local_rank)) if acc.device_name() != "cpu" else torch.device("cpu")
@@ -111,12 +113,12 @@ def run(spec) -> dict:
         if spec.slow_extra_s is not None:
             extra = spec.slow_extra_s
         elif spec.slow_factor > 1.0:
-            probe = stream(corpus.train, ctx, spec.micro_batch, spec.seed + 999, rank + spec.data_offset)
+            probe = stream(corpus.train, ctx, spec.micro_batch, spec.seed + 999, dp_rank + spec.data_offset)
             t_mb = calibrate(model.to(device), probe, lambda m, b: m(*(t.to(device) for t in b)).backward())
             extra = (spec.slow_factor - 1.0) * t_mb
     spinner = Spinner(extra)
 
-    batches = stream(corpus.train, ctx, spec.micro_batch, spec.seed, rank + spec.data_offset)
+    batches = stream(corpus.train, ctx, spec.micro_batch, spec.seed, dp_rank + spec.data_offset)
     log = StepLog()
     stats = {}
     engine, _, _, _ = deepspeed.initialize(
@@ -131,7 +133,7 @@ def run(spec) -> dict:
         steps=spec.steps,
         grad_accum=spec.grad_accum,
         micro_batch=spec.micro_batch,
-        world=world,
+        world=dp_world,
         log=log,
         bar=bar,
         spinner=spinner,
@@ -147,10 +149,10 @@ def run(spec) -> dict:
     finish_s = time.perf_counter() - t
     train_s = t + finish_s - common["start"]
     log.step(loop.step_counter(engine)(), train_s)  # the commits the drain completed
-    bar.update(log.last_step, log.recent_loss(), log.mb * spec.micro_batch * world, train_s)
+    bar.update(log.last_step, log.recent_loss(), log.mb * spec.micro_batch * dp_world, train_s)
     if hasattr(engine.optimizer, "stats"):
         stats = engine.optimizer.stats()
-    val_loss = _evaluate(engine.module, spec, corpus, rank, world, device)
+    val_loss = _evaluate(engine.module, spec, corpus, dp_rank, dp_world, device)
     bar.close()
     marks["end"] = time.perf_counter()
     names = list(marks)
@@ -158,6 +160,7 @@ def run(spec) -> dict:
     summary = {
         "rank": rank,
         "world": world,
+        "tp": spec.tp,
         "train_s": train_s,
         "finish_s": finish_s,
         "steps": log.records[-1]["step"] if log.records else 0,
