@@ -52,7 +52,7 @@ def plot(results: dict, path: Path) -> Path:
         ax.set_title(f"{dtype}, W = {world}")
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("extra peak per rank over ZeRO-1 (B/param)")
-    axes[0][-1].legend(fontsize=7)
+    max(axes[0], key=lambda ax: len(ax.get_lines())).legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

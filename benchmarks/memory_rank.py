@@ -112,9 +112,10 @@ def live_tensor_bytes(device_type: str) -> int:
 
 def held_by_acco(engine) -> dict | None:
     """Sum of ``GroupBuffers.held_bytes()`` over the ACCO pipeline's groups, with the element counts
-    the analytic formula needs; None for a DeepSpeed optimizer."""
+    the analytic formula needs; None for a DeepSpeed optimizer (and for an acco_ds older than
+    ``held_bytes``, which the sweep of the code before issue 11 ran)."""
     pipe = getattr(engine.optimizer, "pipeline", None)
-    if pipe is None:
+    if pipe is None or not all(hasattr(g, "held_bytes") for g in pipe.groups):
         return None
     out = {"full": 0, "shards": 0, "padded_numel": 0, "numel": 0, "groups": []}
     for g in pipe.groups:
