@@ -1,129 +1,21 @@
-"""Analytic memory per rank, in bytes per parameter, of every bench_memory contender.
+"""bench_memory's analytic bytes per parameter, re-exported from ``acco_ds/plan/memory_model.py``.
 
-Contract: ``buffers(contender, D, W, largest_frac, comm_D=None)`` lists what one rank holds at its
-peak, one ``Buffer(name, bytes_per_param, kind)`` per buffer; ``kind`` is ``held`` (allocated
-for the whole run), ``transient`` (alive at the peak moment only) or ``cpu-heap`` (freed, but kept
-resident by glibc's heap on CPU; not on GPU). ``D`` is the parameter (= communication) dtype size,
-``W`` the world size, ``largest_frac`` the largest parameter's share of all parameters. The ACCO
-modes follow ``acco_ds/core/buffers.py`` (``acco_held_bytes`` gives the exact bytes of
-``GroupBuffers.held_bytes()`` for a padded element count: the test compares the two); the
-DeepSpeed ones follow DeepSpeed 0.19.8's ``runtime/zero/stage_1_and_2.py`` with the configs of
-``acco_ds.cli.dsconfig`` (derivation in docs/BENCHMARKS.md, "Memory").
+The formulas live in the package, their one home, because ``acco-plan`` (installed with acco_ds)
+predicts memory per GPU with them; bench_memory, its table and its plot use them through this
+module exactly as before. Edit them there (contract and derivations in that module's docstring).
 """
 
-from __future__ import annotations
-
-from dataclasses import dataclass
-from typing import List
-
-CONTENDERS = ("zero1", "zero2", "sync", "dpu", "acco")
-ACCO_MODES = ("sync", "dpu", "acco")
-DTYPE_SIZE = {"bf16": 2, "fp32": 4}
-FP32 = 4
-ADAM_SHARD = 3 * FP32  # fp32 master + exp_avg + exp_avg_sq, per parameter of the shard
-
-
-@dataclass(frozen=True)
-class Buffer:
-    name: str
-    bytes_per_param: float
-    kind: str  # held | transient | cpu-heap
-    formula: (
-        str  # in D (param/comm dtype size), C (comm dtype size when it differs), W, L (largest param / N)
-    )
-
-
-def acco_held_bytes(mode: str, param_D: int, comm_D: int, world: int, padded_numel: int) -> dict:
-    """The bytes ``GroupBuffers.held_bytes()`` reports for one group of ``padded_numel`` elements."""
-    n, s = padded_numel, padded_numel // world
-    overlapped = mode != "sync"
-    if param_D == comm_D:
-        full = (3 if overlapped else 2) * n * param_D
-    else:
-        full = (2 if overlapped else 1) * n * (param_D + comm_D)
-    shards = ADAM_SHARD * s + (comm_D * s if mode == "acco" else 0)
-    return {"full": full, "shards": shards}
-
-
-def _acco(mode: str, D: int, W: int, largest_frac: float, comm_D: int) -> List[Buffer]:
-    overlapped = mode != "sync"
-    if comm_D == D:
-        k = 3 if overlapped else 2
-        out = [Buffer(f"{k} full buffers (param = comm dtype, rotating)", k * D, "held", f"{k} D")]
-    else:
-        k = 2 if overlapped else 1
-        out = [
-            Buffer(f"{k} full param buffer(s)", k * D, "held", f"{k} D"),
-            Buffer(f"{k} full grad buffer(s) (comm dtype)", k * comm_D, "held", f"{k} C"),
-        ]
-    c = "D" if comm_D == D else "C"
-    out.append(Buffer("fp32 master + exp_avg + exp_avg_sq shards", ADAM_SHARD / W, "held", "12/W"))
-    if mode == "acco":
-        out.append(Buffer("kept g~ shard (comm dtype)", comm_D / W, "held", f"{c}/W"))
-    out.append(Buffer("gloo reduce-scatter receive buffer (one shard)", comm_D / W, "transient", f"{c}/W"))
-    out.append(Buffer("autograd gradient of the largest parameter", D * largest_frac, "transient", "D L"))
-    return out
-
-
-def _zero1(D: int, W: int) -> List[Buffer]:
-    """Peak at the gradient reduction of a step (engine.step -> reduce_gradients -> average_tensor ->
-    allreduce_and_scatter -> allreduce_bucket), stage 1, contiguous_gradients, one bucket >= N."""
-    return [
-        Buffer("flat parameters (bit16_groups_flat)", D, "held", "D"),
-        Buffer("fp32 master partition (single_partition_of_fp32_groups)", FP32 / W, "held", "4/W"),
-        Buffer("Adam exp_avg + exp_avg_sq of the partition", 2 * FP32 / W, "held", "8/W"),
-        Buffer("contiguous reduce bucket (ipg buffer, all gradients)", D, "transient", "D"),
-        Buffer("flattened copy of the bucket for the all-reduce (allreduce_bucket)", D, "transient", "D"),
-        Buffer("per-parameter .grad tensors, freed into the bucket", D, "cpu-heap", "D"),
-    ]
-
-
-def _zero2(D: int, W: int) -> List[Buffer]:
-    """Peak during a backward, stage 2, overlap_comm (two buckets of N/4), contiguous_gradients."""
-    return [
-        Buffer("flat parameters (bit16_groups_flat)", D, "held", "D"),
-        Buffer("fp32 master partition (single_partition_of_fp32_groups)", FP32 / W, "held", "4/W"),
-        Buffer("Adam exp_avg + exp_avg_sq of the partition", 2 * FP32 / W, "held", "8/W"),
-        Buffer(
-            "gradient partition (grads_in_partition), old + new during the copy",
-            2 * D / W,
-            "transient",
-            "2 D/W",
-        ),
-        Buffer("two reduce buckets of N/4 (overlap_comm)", D / 2, "transient", "D/2"),
-        Buffer("flattened copy of one bucket for the all-reduce", D / 4, "transient", "D/4"),
-    ]
-
-
-def buffers(
-    contender: str, D: int, W: int, largest_frac: float = 0.0, comm_D: int | None = None
-) -> List[Buffer]:
-    if contender == "zero1":
-        return _zero1(D, W)
-    if contender == "zero2":
-        return _zero2(D, W)
-    if contender in ACCO_MODES:
-        return _acco(contender, D, W, largest_frac, comm_D or D)
-    raise ValueError(f"unknown contender {contender!r}; choose from {', '.join(CONTENDERS)}")
-
-
-def held(bufs: List[Buffer]) -> float:
-    return sum(b.bytes_per_param for b in bufs if b.kind == "held")
-
-
-def peak(bufs: List[Buffer], cpu: bool = True) -> float:
-    """Bytes per parameter alive at the peak (the CPU heap's retained bytes counted on CPU only)."""
-    return sum(b.bytes_per_param for b in bufs if b.kind != "cpu-heap" or cpu)
-
-
-def goal_bound(D: int, W: int) -> float:
-    """Issue 11's bound on ACCO's extra peak over ZeRO-1: 1.10 x (one full buffer + the g~ shard)."""
-    return 1.10 * (D + D / W)
-
-
-def estimate_rank_bytes(
-    contender: str, D: int, W: int, n_params: int, largest_frac: float, baseline: float
-) -> float:
-    """A rank's expected peak, for deciding whether a run fits: the baseline, the analytic peak,
-    plus D per parameter (the model as built before it is flattened, activations, allocator slack)."""
-    return baseline + n_params * (peak(buffers(contender, D, W, largest_frac)) + D)
+from acco_ds.plan.memory_model import (  # noqa: F401
+    ACCO_MODES,
+    ADAM_SHARD,
+    CONTENDERS,
+    DTYPE_SIZE,
+    FP32,
+    Buffer,
+    acco_held_bytes,
+    buffers,
+    estimate_rank_bytes,
+    goal_bound,
+    held,
+    peak,
+)

@@ -1,0 +1,281 @@
+"""The performance model of ``acco-plan``: step time, samples/s and memory per GPU of every contender.
+
+Contract: ``predict(PlanInputs) -> Plan``. Pure arithmetic on the inputs (no torch, no DeepSpeed);
+the equations are written down in docs/PLAN.md and each contender's rule is in ``_rows``:
+
+- ``zero1``: DeepSpeed ZeRO-1; the gradients are ALL-REDUCED (DeepSpeed's default
+  ``use_multi_rank_bucket_allreduce``) after the step's compute, then the optimizer step, then the
+  all-gather: ``T = t_c + T_ar + T_opt_ds + T_ag``.
+- ``zero1-overlap``: ZeRO-1 with ``overlap_comm``: stage 1 reduces only in the backward of the last
+  micro-batch of the step, bucket by bucket as buckets fill, on a side stream; the exposed part of the
+  all-reduce is ``max(T_ar/n_b, T_ar - t_bwd (1 - 1/n_b))`` with ``n_b`` buckets and ``t_bwd`` that
+  micro-batch's backward. On the CPU accelerator DeepSpeed's streams are no-ops: nothing overlaps.
+- ``zero2``: ZeRO-2 with ``overlap_comm``: the same overlapped all-reduce after EVERY micro-batch.
+- ``sync``: acco_ds sync: ``T = t_c + T_rs + T_commit + T_ag`` (a reduce-scatter, not an all-reduce).
+- ``dpu``: one round per step overlapped with the previous step's communication: ``max(t_c, C)``.
+- ``acco``: two rounds per step, each ``max(t_c/2, C_round)`` (the first round's job is a peek).
+- ``acco-adaptive``: each round runs at least GAS/2 micro-batches and ends at the first micro-batch
+  boundary after its communication: ``k' = max(GAS/2, ceil(C_round / t_mb))``; the compute never
+  waits, so samples/s is the compute-only rate and a step holds ``k'_1 + k'_2`` micro-batches.
+
+with ``t_c = GAS t_mb`` and ``C_round = T_rs + T_opt + T_ag`` (acco_ds's fused AdamW over the shard).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Dict, List
+
+from acco_ds.plan import memory_model
+from acco_ds.plan.comm import Topology
+
+DTYPE_SIZE = {"bf16": 2, "fp32": 4}
+CONTENDERS = ("zero1", "zero1-overlap", "zero2", "sync", "dpu", "acco", "acco-adaptive")
+BACKWARD_SHARE = 2.0 / 3.0  # of a micro-batch's compute: backward ~ 2x forward
+DEEPSPEED_BUCKET = 500_000_000  # DeepSpeed's default reduce_bucket_size (elements)
+FP32_ADAM = 12  # fp32 master, exp_avg, exp_avg_sq: bytes per parameter, read or written
+
+
+@dataclass(frozen=True)
+class PlanInputs:
+    """Everything the model needs, in SI units (bytes, bytes/s, seconds); a value out of range raises
+    ValueError naming the field (the CLI checks its options before, with their names)."""
+
+    params: float  # the model's trainable parameters (all tensor-parallel ranks together)
+    t_micro_batch: float  # seconds of compute of one micro-batch on one GPU (forward + backward)
+    micro_batch: int
+    gas: int  # micro-batches per optimizer step per data-parallel rank
+    nodes: int = 1
+    gpus_per_node: int = 8
+    tp: int = 1
+    param_dtype: str = "bf16"
+    comm_dtype: str = "bf16"
+    intra_bw: float = 0.0  # bytes/s per rank (bus bandwidth)
+    intra_latency: float = 5e-6
+    inter_bw: float = 0.0  # bytes/s per node
+    inter_latency: float = 10e-6
+    hbm_bw: float = 2e12  # bytes/s the optimizer step streams at
+    accelerator: str = "gpu"  # "cpu": DeepSpeed's side streams are no-ops (overlap_comm overlaps nothing)
+    reduce_bucket: float = DEEPSPEED_BUCKET  # DeepSpeed's reduce_bucket_size, elements
+    largest_frac: float = 0.0  # the largest parameter tensor / all parameters (an autograd transient)
+    tokens_per_micro_batch: float | None = None
+    gpu_memory: float | None = None  # bytes; None: no fit check
+
+    def __post_init__(self) -> None:
+        def bad(name, allowed):
+            raise ValueError(f"PlanInputs.{name}={getattr(self, name)!r}: must be {allowed}")
+
+        for name in ("params", "t_micro_batch", "hbm_bw", "reduce_bucket"):
+            if not getattr(self, name) > 0:
+                bad(name, "> 0")
+        for name in ("micro_batch", "gas", "nodes", "gpus_per_node", "tp"):
+            if getattr(self, name) < 1:
+                bad(name, "an integer >= 1")
+        if self.gpus_per_node % self.tp:
+            bad("tp", f"a divisor of gpus_per_node={self.gpus_per_node}")
+        for name in ("param_dtype", "comm_dtype"):
+            if getattr(self, name) not in DTYPE_SIZE:
+                bad(name, f"one of {', '.join(DTYPE_SIZE)}")
+        if self.accelerator not in ("gpu", "cpu"):
+            bad("accelerator", "'gpu' or 'cpu'")
+        if self.gpus_per_node // self.tp > 1 and not self.intra_bw > 0:
+            bad("intra_bw", "> 0 when a node holds more than one data-parallel rank")
+        if self.nodes > 1 and not self.inter_bw > 0:
+            bad("inter_bw", "> 0 with more than one node")
+        for name in ("intra_latency", "inter_latency"):
+            if getattr(self, name) < 0:
+                bad(name, ">= 0")
+        if not 0 <= self.largest_frac <= 1:
+            bad("largest_frac", "in [0, 1]")
+
+    @property
+    def dp_world(self) -> int:
+        return self.nodes * self.gpus_per_node // self.tp
+
+    @property
+    def params_per_gpu(self) -> float:
+        return self.params / self.tp
+
+
+@dataclass
+class Row:
+    contender: str
+    step_s: float | None  # None: not available with these inputs (reason in note)
+    samples_per_s: float | None
+    micro_batches_per_step: float | None  # per data-parallel rank
+    memory_bytes: float  # per GPU: model states and communication buffers, no activations
+    memory_bytes_per_param: float  # at the peak (memory_model.peak)
+    memory_held_bytes_per_param: float  # allocated for the whole run (memory_model.held)
+    x_zero1: float | None = None  # samples/s over ZeRO-1's
+    exposed_comm_s: float | None = None  # per step, time the compute waits for communication
+    fits: bool | None = None
+    note: str = ""
+
+
+@dataclass
+class Plan:
+    inputs: dict
+    derived: dict
+    rows: List[Row] = field(default_factory=list)
+
+    def row(self, contender: str) -> Row:
+        return next(r for r in self.rows if r.contender == contender)
+
+    def to_dict(self) -> dict:
+        return {"inputs": self.inputs, "derived": self.derived, "rows": [asdict(r) for r in self.rows]}
+
+
+def opt_bytes_per_param(kind: str, D: int, C: int) -> int:
+    """Bytes one AdamW step streams per parameter of the shard: ``commit`` (acco_ds's fused kernel:
+    read fp32 master/m/v + the reduced gradient, write master/m/v + the new parameter), ``peek``
+    (read the same, write only the parameter), ``deepspeed`` (the gradient partition copied to fp32,
+    a fused AdamW on fp32, the fp32 master copied back to the parameter dtype)."""
+    if kind == "commit":
+        return 2 * FP32_ADAM + C + D
+    if kind == "peek":
+        return FP32_ADAM + C + D
+    if kind == "deepspeed":
+        return (C + 4) + (4 + 2 * FP32_ADAM) + (4 + D)
+    raise ValueError(f"unknown optimizer step kind {kind!r}")
+
+
+def exposed_overlapped_reduce(t_reduce: float, t_backward: float, n_buckets: int, can_overlap: bool) -> float:
+    """The part of an all-reduce of ``n_buckets`` equal buckets that outlasts the backward producing
+    them: bucket j is ready at ``t_backward j/n``, the reductions run one after another on one stream,
+    so the last ends ``max_j (t_backward j/n + (n - j + 1) t_reduce/n)`` after the backward starts."""
+    if not can_overlap or n_buckets <= 1:
+        return t_reduce
+    return max(t_reduce / n_buckets, t_reduce - t_backward * (1 - 1 / n_buckets))
+
+
+def adaptive_round_micro_batches(k: int, comm_s: float, t_mb: float) -> int:
+    """Micro-batches of an adaptive round: at least ``k``; the round ends at the first micro-batch
+    boundary at or after its communication's end."""
+    return max(k, math.ceil(comm_s / t_mb - 1e-9))
+
+
+def _derived(i: PlanInputs) -> dict:
+    D, C = DTYPE_SIZE[i.param_dtype], DTYPE_SIZE[i.comm_dtype]
+    W = i.dp_world
+    topo = Topology(
+        i.nodes, i.gpus_per_node // i.tp, i.intra_bw, i.intra_latency, i.inter_bw, i.inter_latency
+    )
+    n_g = i.params_per_gpu
+    nbytes = n_g * C
+    shard = n_g / W
+    rs, ag, ar = topo.reduce_scatter(nbytes), topo.all_gather(nbytes), topo.all_reduce(nbytes)
+    t_commit = opt_bytes_per_param("commit", D, C) * shard / i.hbm_bw
+    t_peek = opt_bytes_per_param("peek", D, C) * shard / i.hbm_bw
+    t_ds_opt = opt_bytes_per_param("deepspeed", D, C) * shard / i.hbm_bw
+    t_c = i.gas * i.t_micro_batch
+    comm_commit = rs + t_commit + ag
+    return {
+        "dp_world": W,
+        "ranks_per_node": i.gpus_per_node // i.tp,
+        "params_per_gpu": n_g,
+        "comm_bytes": nbytes,
+        "reduce_scatter_s": rs,
+        "all_gather_s": ag,
+        "all_reduce_s": ar,
+        "rs_phases": topo.phases(nbytes),
+        "opt_commit_s": t_commit,
+        "opt_peek_s": t_peek,
+        "opt_deepspeed_s": t_ds_opt,
+        "compute_step_s": t_c,
+        "comm_round_s": comm_commit,  # acco_ds: reduce-scatter + commit + all-gather
+        "comm_round_peek_s": rs + t_peek + ag,
+        "comm_compute_ratio": comm_commit / t_c,
+        "reduce_buckets": max(1, math.ceil(n_g / i.reduce_bucket)),
+        "bucket_frac": i.reduce_bucket / n_g,
+        "tokens_per_micro_batch": i.tokens_per_micro_batch,
+    }
+
+
+def memory_buffers(contender: str, i: PlanInputs, d: dict) -> list:
+    """What one GPU holds at its peak (memory_model, the formulas bench_memory prints), per parameter
+    of the GPU: DeepSpeed's buckets at ``--reduce-bucket-size``, the world the data-parallel one."""
+    D, C = DTYPE_SIZE[i.param_dtype], DTYPE_SIZE[i.comm_dtype]
+    name = "acco" if contender == "acco-adaptive" else contender
+    bucket = d["bucket_frac"] if name.startswith("zero") else None
+    return memory_model.buffers(name, D, d["dp_world"], i.largest_frac, C, bucket_frac=bucket)
+
+
+def _rows(i: PlanInputs, d: dict) -> Dict[str, dict]:
+    t_mb, t_c, G = i.t_micro_batch, d["compute_step_s"], i.gas
+    ag, ar = d["all_gather_s"], d["all_reduce_s"]
+    c_commit, c_peek = d["comm_round_s"], d["comm_round_peek_s"]
+    gpu = i.accelerator == "gpu"
+    nb = d["reduce_buckets"]
+    t_bwd = BACKWARD_SHARE * t_mb
+    out: Dict[str, dict] = {}
+
+    tail = d["opt_deepspeed_s"] + ag  # DeepSpeed's step after the reduction: AdamW, then all-gather
+    bucket = f"reduce bucket {i.reduce_bucket:.3g} elements = {d['bucket_frac']:.2g} x the parameters"
+    out["zero1"] = {"step": t_c + ar + tail, "mbs": G, "exposed": ar + tail, "note": bucket}
+    x1 = exposed_overlapped_reduce(ar, t_bwd, nb, gpu)
+    out["zero1-overlap"] = {
+        "step": t_c + x1 + tail,
+        "mbs": G,
+        "exposed": x1 + tail,
+        "note": (
+            f"{nb} bucket(s); reduces in the last micro-batch's backward"
+            if gpu
+            else "CPU accelerator: DeepSpeed's streams are no-ops, nothing overlaps"
+        ),
+    }
+    x2 = exposed_overlapped_reduce(ar, t_bwd, nb, gpu)
+    out["zero2"] = {
+        "step": G * (t_mb + x2) + tail,
+        "mbs": G,
+        "exposed": G * x2 + tail,
+        "note": f"an all-reduce after each of the {G} micro-batches",
+    }
+    out["sync"] = {"step": t_c + c_commit, "mbs": G, "exposed": c_commit}
+    out["dpu"] = {"step": max(t_c, c_commit), "mbs": G, "exposed": max(0.0, c_commit - t_c)}
+    if G % 2:
+        na = {"step": None, "mbs": None, "exposed": None, "note": f"needs an even GAS (got {G})"}
+        out["acco"], out["acco-adaptive"] = dict(na), dict(na)
+        return out
+    half = t_c / 2
+    step = max(half, c_peek) + max(half, c_commit)
+    out["acco"] = {"step": step, "mbs": G, "exposed": step - t_c}
+    k = G // 2
+    k1 = adaptive_round_micro_batches(k, c_peek, t_mb)
+    k2 = adaptive_round_micro_batches(k, c_commit, t_mb)
+    out["acco-adaptive"] = {
+        "step": (k1 + k2) * t_mb,
+        "mbs": k1 + k2,
+        "exposed": 0.0,
+        "note": f"rounds of {k1} + {k2} micro-batches (at least {k} each)",
+    }
+    return out
+
+
+def predict(i: PlanInputs) -> Plan:
+    d = _derived(i)
+    W = d["dp_world"]
+    plan = Plan(inputs=asdict(i), derived=d)
+    for name, r in _rows(i, d).items():
+        bufs = memory_buffers(name, i, d)
+        per_param = memory_model.peak(bufs, cpu=i.accelerator == "cpu")
+        mem = per_param * d["params_per_gpu"]
+        sps = W * i.micro_batch * r["mbs"] / r["step"] if r["step"] else None
+        plan.rows.append(
+            Row(
+                contender=name,
+                step_s=r["step"],
+                samples_per_s=sps,
+                micro_batches_per_step=r["mbs"],
+                memory_bytes=mem,
+                memory_bytes_per_param=per_param,
+                memory_held_bytes_per_param=memory_model.held(bufs),
+                exposed_comm_s=r["exposed"],
+                fits=None if i.gpu_memory is None else mem <= i.gpu_memory,
+                note=r.get("note", ""),
+            )
+        )
+    base = plan.row("zero1").samples_per_s
+    for r in plan.rows:
+        r.x_zero1 = r.samples_per_s / base if r.samples_per_s else None
+    return plan

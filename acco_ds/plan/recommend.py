@@ -1,0 +1,87 @@
+"""``acco-plan``'s recommendation: which mode, accumulation and GAS, and why.
+
+Contract: ``recommend(plan, inputs) -> dict`` with ``mode`` (``zero1``, ``zero1-overlap`` or
+``acco``), ``accumulation`` (``fixed`` / ``adaptive``, None for DeepSpeed), ``gas``, ``reason`` (one
+paragraph with the figures) and ``alternative`` (or None). The rules (docs/PLAN.md, "Recommendation"):
+
+1. The baseline is the faster of ZeRO-1 with and without ``overlap_comm``.
+2. ACCO is recommended only where it fits in ``--gpu-memory`` (when given) and gains at least
+   ``MIN_GAIN`` in samples/s over the baseline; otherwise the baseline, with the figure that decided.
+3. When one round's communication fits in half a step's compute, fixed ACCO at the user's GAS hides it
+   (same batch, same math as ZeRO-1 at that GAS). When it does not, adaptive ACCO keeps the GPUs busy
+   and its steps grow; the fixed alternative is the smallest even GAS whose half covers the round.
+DPU is never recommended: it is the stale-gradient baseline ACCO corrects (ACCO.md).
+"""
+
+from __future__ import annotations
+
+import math
+
+from acco_ds.plan.model import Plan, PlanInputs
+
+MIN_GAIN = 1.05
+
+
+def _gib(b: float) -> str:
+    return f"{b / 2**30:.1f} GiB"
+
+
+def recommend(plan: Plan, i: PlanInputs) -> dict:
+    d = plan.derived
+    z1, z1o = plan.row("zero1"), plan.row("zero1-overlap")
+    base = z1o if z1o.samples_per_s > z1.samples_per_s * (1 + 1e-9) else z1
+    base_name = "ZeRO-1 with overlap_comm" if base is z1o else "ZeRO-1"
+    keep = {"mode": base.contender, "accumulation": None, "gas": i.gas, "alternative": None}
+    acco, adaptive = plan.row("acco"), plan.row("acco-adaptive")
+    ratio = d["comm_compute_ratio"]
+    share = 1 - (d["compute_step_s"] / base.step_s)
+    if acco.step_s is None:
+        k = i.gas + 1
+        return keep | {
+            "reason": f"ACCO needs an even GAS (two rounds of GAS/2 per step); with --gas {k} it could be "
+            f"compared: run acco-plan again with --gas {k}.",
+        }
+    if acco.fits is False:
+        return keep | {
+            "reason": f"ACCO's model states need {_gib(acco.memory_bytes)} per GPU, more than --gpu-memory "
+            f"{_gib(i.gpu_memory)} ({base_name}: {_gib(base.memory_bytes)}); activations come on top.",
+        }
+    best_gain = max(acco.samples_per_s, adaptive.samples_per_s) / base.samples_per_s
+    if best_gain < MIN_GAIN:
+        diff = acco.memory_bytes - base.memory_bytes
+        mem = (
+            f"it would need {_gib(diff)} more memory per GPU"
+            if diff > 0
+            else f"its memory per GPU would be {_gib(-diff)} lower"
+        )
+        return keep | {
+            "reason": f"communication is {100 * share:.1f}% of a {base_name} step (comm/compute "
+            f"{ratio:.3f}): ACCO would gain {100 * (best_gain - 1):.1f}% samples/s, below the "
+            f"{100 * (MIN_GAIN - 1):.0f}% worth a switch ({mem}). Stay with DeepSpeed.",
+        }
+    gain_fixed = acco.samples_per_s / base.samples_per_s
+    if d["comm_round_s"] <= d["compute_step_s"] / 2:
+        return {
+            "mode": "acco",
+            "accumulation": "fixed",
+            "gas": i.gas,
+            "reason": f"one round's communication ({1e3 * d['comm_round_s']:.1f} ms) fits in half a step's "
+            f"compute ({1e3 * d['compute_step_s'] / 2:.1f} ms): fixed ACCO hides it at the same batch, "
+            f"{gain_fixed:.2f}x the samples/s of {base_name}.",
+            "alternative": None,
+        }
+    gas_fixed = 2 * math.ceil(d["comm_round_s"] / i.t_micro_batch - 1e-9)
+    grow = adaptive.micro_batches_per_step / i.gas
+    return {
+        "mode": "acco",
+        "accumulation": "adaptive",
+        "gas": i.gas,
+        "reason": f"one round's communication ({1e3 * d['comm_round_s']:.1f} ms) is longer than half a "
+        f"step's compute ({1e3 * d['compute_step_s'] / 2:.1f} ms), so fixed ACCO at GAS {i.gas} waits "
+        f"({gain_fixed:.2f}x {base_name}). Adaptive ACCO keeps computing while it communicates: "
+        f"{adaptive.samples_per_s / base.samples_per_s:.2f}x the samples/s of {base_name}, "
+        f"with steps of about {adaptive.micro_batches_per_step:g} micro-batches per GPU instead of "
+        f"{i.gas} ({grow:.1f}x the batch: check the learning rate and schedule, which follow steps).",
+        "alternative": f"fixed ACCO with --gas {gas_fixed} (deterministic, the same samples/s, "
+        f"{gas_fixed / i.gas:.1f}x the batch)",
+    }
