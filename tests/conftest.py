@@ -10,3 +10,23 @@ visible to this process: the GPU kernel tests use it directly.
 import os
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+import contextlib  # noqa: E402
+import glob  # noqa: E402
+
+import pytest  # noqa: E402
+
+_SHM_PATTERN = "/dev/shm/deepspeed_allreduce_buffer_*"
+
+
+@pytest.fixture(autouse=True)
+def _remove_deepspeed_shm_buffers():
+    """DeepSpeed's CPU communication op creates a 69 MB shared-memory buffer per rank
+    (``/dev/shm/deepspeed_allreduce_buffer_<uid>_<addr>_<port>_<rank>``) and never unlinks it: each
+    launch of the suite would leave its ranks' buffers in RAM (gigabytes over a run). Every test's
+    launched ranks have exited when it returns: remove the buffers that appeared during the test."""
+    before = set(glob.glob(_SHM_PATTERN))
+    yield
+    for path in set(glob.glob(_SHM_PATTERN)) - before:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
