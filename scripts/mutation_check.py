@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Plant known bugs in a scratch copy of the project and check that its own tests catch each one.
 
-    python scripts/mutation_check.py                 # every mutant (about 25 min on 2 CPU cores)
+    python scripts/mutation_check.py                 # every mutant (about 40 min on 2 CPU cores)
     python scripts/mutation_check.py --only M06,M08  # a subset
     python scripts/mutation_check.py --list          # the mutants, without running anything
 
@@ -195,6 +195,30 @@ MUTANTS = [
         "        chunks[me].add_(received)\n",
         "        chunks[me].add_(received, alpha=2.0)\n",
         tuple(TRAJ),
+    ),
+    Mutant(
+        "M19",
+        "the device-side step count also counts skipped commits (late host reads, as on CUDA)",
+        "acco_ds/core/round_job.py",
+        "applied[0].add_((~(skipped | empty)).double())",
+        "applied[0].add_(1.0)",
+        ("tests/test_reliability_nonfinite.py",),
+    ),
+    Mutant(
+        "M20",
+        "tensor parallelism: replicated parameters counted in the norm on every tensor-parallel rank",
+        "acco_ds/core/pipeline.py",
+        "b.set_norm_ranges(flags, count_replicated=tp_rank == 0)",
+        "b.set_norm_ranges(flags, count_replicated=True)",
+        ("tests/test_tensor_parallel.py",),
+    ),
+    Mutant(
+        "M21",
+        "evaluation shows the training weights instead of the committed ones",
+        "acco_ds/core/committed_view.py",
+        "        b.point_params(flat)\n",
+        "        b.point_params()\n",
+        ("tests/test_evaluation.py",),
     ),
 ]
 
