@@ -7,6 +7,15 @@ optimizer/ZeRO section:
 
 - ``zero1``: DeepSpeed ZeRO-1 with its AdamW, buckets as large as the model (one reduce and one
   all-gather per step: the fewest collectives, what DeepSpeed's docs advise for ZeRO-1).
+- ``zero1-overlap``: DeepSpeed ZeRO-1 with ``overlap_comm`` (allowed for stage 1 since DeepSpeed
+  0.13): the gradients are reduced bucket by bucket from the backward hooks of the step's last
+  micro-batch, on DeepSpeed's reduction stream, while the rest of that backward runs. Buckets as
+  DeepSpeed's docs advise for overlap: ``overlap_comm`` with reduce buckets smaller than the
+  gradients (communication "in parcels of smaller buffers"), here a quarter of the model, so the
+  first buckets are reduced while the backward still produces the others; one all-gather bucket
+  as large as the model (the all-gather follows the optimizer step: nothing to overlap it with).
+  On DeepSpeed's CPU accelerator its streams are no-ops, so the reductions run inside the
+  backward but do not overlap it.
 - ``zero2``: DeepSpeed ZeRO-2 with ``overlap_comm`` and ``contiguous_gradients`` on and a reduce
   bucket of a quarter of the model, so the gradient reduction overlaps the backward pass.
 - ``sync`` | ``dpu`` | ``acco``: the ACCO optimizer type on ZeRO-1 with that mode and
@@ -21,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ACCO_MODES = ("acco", "dpu", "sync")
-DS_MODES = ("zero1", "zero2")
+DS_MODES = ("zero1", "zero1-overlap", "zero2")
 ALL_MODES = ACCO_MODES + DS_MODES
 
 
@@ -107,6 +116,15 @@ def build_config(contender: str, k: Knobs) -> dict:
             "reduce_bucket_size": whole,
             "allgather_bucket_size": whole,
         }
+    elif contender == "zero1-overlap":
+        cfg["zero_optimization"] = {
+            "stage": 1,
+            "reduce_scatter": True,
+            "contiguous_gradients": True,
+            "overlap_comm": True,
+            "reduce_bucket_size": _bucket(k.num_params, 4),
+            "allgather_bucket_size": whole,
+        }
     else:
         cfg["zero_optimization"] = {
             "stage": 2,
@@ -147,10 +165,14 @@ def load_user_config(path: str | None, k: Knobs) -> dict | None:
 
 def config_mode(cfg: dict) -> tuple:
     """(contender, accumulation) a DeepSpeed config trains with: an ACCO config gives its mode;
-    anything else gives 'zero<stage>' (or 'ddp' without ZeRO)."""
+    anything else gives 'zero<stage>' ('zero1-overlap' for stage 1 with ``overlap_comm``; 'ddp' without
+    ZeRO)."""
     opt = cfg.get("optimizer") or {}
     if str(opt.get("type", "")).lower() == "acco":
         p = opt.get("params") or {}
         return p.get("mode", "acco"), p.get("accumulation", "fixed")
-    stage = int((cfg.get("zero_optimization") or {}).get("stage", 0))
+    zero = cfg.get("zero_optimization") or {}
+    stage = int(zero.get("stage", 0))
+    if stage == 1 and zero.get("overlap_comm") is True:
+        return "zero1-overlap", "fixed"
     return (f"zero{stage}" if stage else "ddp"), "fixed"
