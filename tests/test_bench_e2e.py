@@ -157,6 +157,8 @@ def test_quick_benchmark_runs(tmp_path):
         sys.executable,
         str(BENCH / "bench_e2e.py"),
         "--quick",
+        "--slow-factor",  # 3x (not 2x): a margin against other jobs slowing the fast rank on shared machines
+        "3",
         "--out",
         str(out),
         "--work",
@@ -186,6 +188,10 @@ def test_quick_benchmark_runs(tmp_path):
     het = raw["analysis"]["hetero"]["rows"]
     assert set(het) == {"zero1", "acco-adaptive"}
     assert het["zero1"]["slow_extra_s"][1] > 0 and het["zero1"]["slow_extra_s"][0] == 0
-    # the slowed rank computes fewer micro-batches than the fast one in adaptive mode
+    # adaptive mode: the slowed rank computes fewer micro-batches than the fast one (ZeRO-1: the same)
+    assert het["acco-adaptive"]["slow_extra_s"][1] > 0
     mb = het["acco-adaptive"]["rank_micro_batches"]
-    assert mb[0] > mb[1]
+    assert het["zero1"]["rank_micro_batches"][0] == het["zero1"]["rank_micro_batches"][1]
+    assert mb[0] > mb[1], (
+        f"adaptive micro-batches per rank {mb}; samples/s per rank {het['acco-adaptive']['rank_samples_per_s']}"
+    )
