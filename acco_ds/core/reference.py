@@ -31,13 +31,30 @@ class RefHyper:
     weight_decay: float
 
 
+@dataclass(frozen=True)
+class RefState:
+    """An AdamW state to start from (e.g. a resumed checkpoint): per group the flat fp32 ``exp_avg`` and
+    ``exp_avg_sq``, and ``step``, the number of steps already applied (Adam's bias correction)."""
+
+    exp_avg: Sequence[torch.Tensor]
+    exp_avg_sq: Sequence[torch.Tensor]
+    step: int
+
+
 class _Adam:
     """AdamW over flat fp32 master vectors, one torch param group per ACCO group."""
 
-    def __init__(self, theta0: Sequence[torch.Tensor], clip: float):
+    def __init__(self, theta0: Sequence[torch.Tensor], clip: float, state: RefState | None = None):
         self.params = [torch.nn.Parameter(t.detach().float().clone()) for t in theta0]
         self.opt = torch.optim.AdamW([{"params": [p]} for p in self.params], foreach=False)
         self.clip = clip
+        if state is not None:
+            for p, m, v in zip(self.params, state.exp_avg, state.exp_avg_sq):
+                self.opt.state[p] = {
+                    "step": torch.tensor(float(state.step)),
+                    "exp_avg": m.detach().float().clone().reshape(p.shape),
+                    "exp_avg_sq": v.detach().float().clone().reshape(p.shape),
+                }
 
     def _apply(self, avg: List[torch.Tensor], hyper: Sequence[RefHyper]) -> bool:
         norm = torch.sqrt(sum(g.double().square().sum() for g in avg)).float()
@@ -112,17 +129,22 @@ def reference_run(
     hypers: Callable[[int], Sequence[RefHyper]],
     clip: float = 0.0,
     compute_dtype: torch.dtype = torch.float32,
+    initial_state: RefState | None = None,
+    first_micro_batch: int = 0,
 ) -> RefRun:
     """The committed parameters, moments and gradient norms after each of ``steps`` steps (``RefRun``).
 
     ``hypers(t)`` gives the per-group AdamW settings of commit t (and of the peek predicting it).
     ``micro_batches_per_round`` is k: in acco one optimizer step takes 2k micro-batches per worker.
+    ``initial_state``: start from these moments and step count at ``theta0`` (a resumed run: ACCO.md's start
+    from a committed state; default: a fresh AdamW). ``first_micro_batch``: the index of every worker's
+    first micro-batch (``grad_fn``'s third argument).
     """
     if mode not in ("acco", "dpu", "sync"):
         raise ValueError(f"mode must be acco, dpu or sync; got {mode!r}")
-    adam = _Adam(theta0, clip)
+    adam = _Adam(theta0, clip, initial_state)
     k, W = micro_batches_per_round, world_size
-    next_mb = [0] * W
+    next_mb = [first_micro_batch] * W
 
     def accumulate(at: List[torch.Tensor]):
         """One round: every worker sums k micro-batch gradients at ``at``; returns (sums, count)."""
