@@ -32,7 +32,7 @@ RNG state, the data order and the engine's own counters are the caller's busines
 from __future__ import annotations
 
 from dataclasses import asdict, fields
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Sequence
 
 import torch
 import torch.distributed as dist
@@ -239,6 +239,93 @@ def restore(pipeline, snap: Dict[str, Any]) -> None:
         b.point_params()
         b.point_grads()
     pipeline.viewing_committed = False
+
+
+@torch.no_grad()
+def resume_from_committed(
+    pipeline,
+    shards: Sequence[Dict[str, torch.Tensor]],
+    step: int,
+    saved: Sequence[Dict[str, Any]] | None = None,
+) -> int:
+    """Restart ``pipeline`` from a committed optimizer state re-sharded to its layout: a checkpoint saved
+    on another world size, with another mode / accumulation / gradient_accumulation_steps, a universal
+    checkpoint, or another optimizer's. Collective. Returns the number of micro-batches discarded.
+
+    ``shards[i]``: group i's fp32 master ("fp32"), "exp_avg" and "exp_avg_sq", this rank's shard in this
+    pipeline's layout; ``step``: the AdamW step count of that state (commits applied, the save's commit in
+    flight included). The run goes on as ACCO.md's start from that state: nothing in flight, no pending
+    gradients, the model at theta, a new prologue round (``ACCOPipeline.restart``).
+
+    ``saved``: every saving rank's :func:`capture` (ACCO checkpoints), in rank order. Then the counters
+    continue: the committed-step count, engine steps and recorded AdamW settings, round index and the
+    global stats come from rank 0 (like :func:`adopt_step_schedule_of_rank0`); the job in flight at the
+    save is counted as if it had been swapped in (a commit is in the master already); then the work that
+    no commit will use is counted as discarded: the g~ kept for the next commit when that job was a peek
+    (acco) and every saving rank's pending micro-batches. The per-rank figures (micro_batches_local,
+    comm_wait_s) of saving rank r go to rank r mod W'. Without ``saved`` (no ACCO state) the committed
+    and engine step counts become ``step``, the recorded AdamW settings start over and the stats of this
+    pipeline are kept."""
+    if len(shards) != len(pipeline.groups):
+        raise SnapshotMismatchError(
+            f"{len(shards)} groups of state for a pipeline of {len(pipeline.groups)} groups"
+        )
+    for b, g in zip(pipeline.groups, shards):
+        for key in ("fp32", "exp_avg", "exp_avg_sq"):
+            if g[key].numel() != b.layout.shard_numel:
+                raise SnapshotMismatchError(
+                    f"{key} shard of {g[key].numel()} elements, the layout has {b.layout.shard_numel}"
+                )
+    drain(pipeline)
+    discarded = 0
+    if saved is not None:
+        s0 = saved[0]
+        for snap in saved:
+            if snap.get("format_version") != FORMAT_VERSION:
+                raise SnapshotMismatchError(
+                    f"ACCO checkpoint state has format_version={snap.get('format_version')}; this acco_ds reads "
+                    f"version {FORMAT_VERSION}."
+                )
+        dev = pipeline.device
+        stats_type = type(pipeline.stats)
+        known = {f.name for f in fields(stats_type)}
+        pipeline.stats = stats_type(**{k: v for k, v in s0["stats"].items() if k in known})
+        pipeline.committed_steps = int(s0["committed_steps"])
+        pipeline.state_step = int(s0["state_step"])
+        pipeline.engine_steps = int(s0["engine_steps"])
+        pipeline.round_index = int(s0["round_index"])
+        pipeline._hyper_history = {int(k): [Hyper(**h) for h in v] for k, v in s0["hyper_history"].items()}
+        pipeline.last_grad_norm = None if s0["last_grad_norm"] is None else s0["last_grad_norm"].to(dev)
+        before = pipeline.stats.micro_batches_discarded
+        if s0["in_flight"] is not None:
+            result = _result_from_plain(s0["in_flight"]["result"], dev)
+            pipeline._account(result)  # the bookkeeping of its swap-in, which will not happen
+            if result.job is Job.PEEK:  # its g~ was kept for the next commit
+                pipeline.stats.micro_batches_discarded += int(s0["tilde_count"].reshape(-1)[0].item())
+        pipeline.stats.micro_batches_discarded += sum(int(s["counter_count"]) for s in saved)
+        pipeline.stats.last_round_counts = []
+        world, rank = pipeline.world_size, pipeline.rank
+        for key in ("micro_batches_local", "comm_wait_s"):
+            mine = [s["stats"][key] for r, s in enumerate(saved) if r % world == rank]
+            setattr(pipeline.stats, key, sum(mine) if mine else type(getattr(pipeline.stats, key))(0))
+        discarded = pipeline.stats.micro_batches_discarded - before
+        if pipeline.state_step != step:
+            raise SnapshotMismatchError(
+                f"the checkpoint's step count {step} disagrees with its ACCO state ({pipeline.state_step} applied "
+                "commits): the files come from different saves."
+            )
+    pipeline.state_step = int(step)
+    if saved is None:
+        pipeline.committed_steps = pipeline.state_step
+        pipeline.engine_steps = pipeline.state_step
+        pipeline._hyper_history = {}
+    pipeline.commits_launched = pipeline.committed_steps
+    pipeline._unread.clear()
+    for b, g in zip(pipeline.groups, shards):
+        b.exp_avg.copy_(g["exp_avg"])
+        b.exp_avg_sq.copy_(g["exp_avg_sq"])
+    pipeline.restart([g["fp32"] for g in shards])
+    return discarded
 
 
 def adopt_step_schedule_of_rank0(pipeline) -> None:

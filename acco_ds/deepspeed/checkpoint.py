@@ -25,6 +25,12 @@ pipeline, the finished job in flight and the slot it gathered into, both paramet
 shards, the gradients of the round being accumulated, the kept g~ and its count, counters, the
 hyper-parameter history, stats) and the optimizer's count of micro-batches since its last step.
 
+Loads: the same world size, mode, accumulation and gradient_accumulation_steps resume exactly, the
+in-flight state too (:func:`load_state_dict`). Any other ACCO checkpoint, DeepSpeed's own ZeRO-1/2
+checkpoints and universal checkpoints resume from their committed state, re-sharded to this run by
+parameter name (:func:`load_committed`, ``reshard``; ``ckpt_guard`` / ``ckpt_preflight`` choose the route
+and check the files first).
+
 Events: ``checkpoint_event_prologue`` (the engine calls it first when saving and loading) drains
 the pipeline (``snapshot.drain``: adaptive ranks agree on the round count, then the job in flight
 is waited for, not swapped in); ``checkpoint_event_epilogue`` has nothing to undo.
@@ -63,19 +69,18 @@ from deepspeed.checkpoint.constants import (
     SINGLE_PARTITION_OF_FP32_GROUPS,
     ZERO_STAGE,
 )
+from deepspeed.runtime.fp16.loss_scaler import LossScaler
 from deepspeed.utils.tensor_fragment import fragment_address
 
-from acco_ds.config import ACCOConfigError
 from acco_ds.core import snapshot
+from acco_ds.deepspeed import reshard
+from acco_ds.deepspeed.ckpt_files import ACCOCheckpointError
 
 logger = logging.getLogger("acco_ds")
 
 ACCO_KEY = "acco"
 _STATE_KEYS = ("master", "exp_avg", "exp_avg_sq")
-
-
-class ACCOCheckpointError(ValueError):
-    """A checkpoint ACCO cannot load here; the message says why and what to do."""
+__all__ = ["ACCOCheckpointError", "state_dict", "load_state_dict", "load_committed", "restart_at_master"]
 
 
 # -- events ------------------------------------------------------------------------------------
@@ -172,7 +177,9 @@ def state_dict(opt) -> Dict[str, Any]:
     snap["groups"] = [{k: v for k, v in g.items() if k not in _STATE_KEYS} for g in groups]
     snap["optimizer"] = {"micro_batches_since_step": opt._micro_batches_since_step}
     return {
-        LOSS_SCALER: opt.loss_scaler,
+        # a static scale of 1 (bf16/fp32), as DeepSpeed's ZeRO-1 saves it: ZeRO-1 reads it back from a universal
+        # checkpoint of this state and fails on None
+        LOSS_SCALER: opt.loss_scaler if opt.loss_scaler is not None else LossScaler(scale=1.0),
         "dynamic_loss_scale": False,
         "overflow": bool(opt.overflow),
         CLIP_GRAD: pipeline.clip,
@@ -192,6 +199,12 @@ def state_dict(opt) -> Dict[str, Any]:
 
 
 # -- load --------------------------------------------------------------------------------------
+_ROUTE_ADVICE = (
+    "engine.load_checkpoint(path) resumes it (re-sharded from the committed state); "
+    "engine.load_checkpoint(path, load_optimizer_states=False) takes its weights only."
+)
+
+
 def _this_rank(opt, state_dict_list) -> Dict[str, Any]:
     if isinstance(state_dict_list, dict):
         return state_dict_list
@@ -200,8 +213,8 @@ def _this_rank(opt, state_dict_list) -> Dict[str, Any]:
     if len(state_dict_list) != world:
         raise ACCOCheckpointError(
             f"the checkpoint holds {len(state_dict_list)} optimizer partitions (data-parallel world size "
-            f"{len(state_dict_list)}), this run has {world} ranks. ACCO resumes only on the world size that "
-            "saved it; load with load_optimizer_states=False (module weights only) to change it."
+            f"{len(state_dict_list)}), this run has {world} ranks: the exact resume of the in-flight state needs "
+            f"the same world size. {_ROUTE_ADVICE}"
         )
     sd = state_dict_list[rank]
     if sd is None:
@@ -217,6 +230,21 @@ def _padded(t: torch.Tensor, numel: int) -> torch.Tensor:
     return out
 
 
+def exact_resume_possible(opt, snap: Dict[str, Any] | None) -> bool:
+    """True when ``snap`` (this rank's "acco" entry of a checkpoint saved on this world size) can be restored
+    bit for bit here: same format, mode, accumulation, gradient_accumulation_steps and group layout. Raises
+    SnapshotMismatchError for a format this acco_ds cannot read."""
+    if snap is None:
+        return False
+    try:
+        snapshot.check_compatible(opt.pipeline, snap)
+    except snapshot.SnapshotMismatchError:
+        if snap.get("format_version") != snapshot.FORMAT_VERSION:
+            raise
+        return False
+    return True
+
+
 def load_state_dict(
     opt,
     state_dict_list,
@@ -226,24 +254,27 @@ def load_state_dict(
     **_ignored,
 ) -> None:
     """Restore what :func:`state_dict` saved (``state_dict_list``: DeepSpeed's list with one entry
-    per rank, only this rank's filled, or this rank's dict). Collective.
+    per rank, only this rank's filled, or this rank's dict), or, with ``checkpoint_folder``, a DeepSpeed
+    universal checkpoint (``"checkpoint": {"load_universal": true}``; see :func:`load_committed`).
+    Collective.
+
+    The exact resume (the in-flight state too) needs the same world size, mode, accumulation and
+    gradient_accumulation_steps; ``engine.load_checkpoint`` routes any other ACCO or ZeRO checkpoint to
+    :func:`load_committed` before DeepSpeed gets here (``ckpt_guard``), so a direct call with one raises.
 
     ``load_optimizer_states=False`` keeps the current moments and restarts the pipeline at the
     checkpoint's fp32 master weights. The fp32 master always comes from the checkpoint (ACCO ignores
     ``zero_optimization.load_from_fp32_weights=false``: rebuilding it from 16-bit weights could not
     resume exactly)."""
     if checkpoint_folder:
-        raise ACCOConfigError(
-            "load_universal_checkpoint=true: ACCO does not read DeepSpeed universal checkpoints (its in-flight "
-            "pipeline state is per rank). Load an ACCO checkpoint saved on the same world size, or load the "
-            "weights only (load_optimizer_states=False / zero_to_fp32.py) and start a new optimizer state."
+        load_committed(
+            opt, open_universal(opt, checkpoint_folder, load_optimizer_states), load_optimizer_states
         )
+        return
     sd = _this_rank(opt, state_dict_list)
     if ACCO_KEY not in sd:
         raise ACCOCheckpointError(
-            "this optimizer checkpoint was not saved by ACCO (no 'acco' entry; DeepSpeed's own ZeRO optimizer "
-            "lays out its state differently). To start ACCO from it, load the weights only: "
-            "engine.load_checkpoint(path, load_optimizer_states=False)."
+            f"this optimizer checkpoint was not saved by ACCO (no 'acco' entry). {_ROUTE_ADVICE}"
         )
     pipeline = opt.pipeline
     saved = sd[ACCO_KEY]
@@ -265,6 +296,113 @@ def load_state_dict(
     opt._micro_batches_since_step = int(saved["optimizer"]["micro_batches_since_step"])
     norm = pipeline.last_grad_norm
     opt._global_grad_norm = None if norm is None else norm.reshape(())
+
+
+# -- the committed state, re-sharded ------------------------------------------------------------
+def param_names(opt) -> List[List[str]]:
+    """The names (``engine.param_names``) of ACCO's parameters, per group in buffer order."""
+    known = getattr(opt.engine, "param_names", None) or {}
+    if any(p not in known for group in opt.bit16_groups for p in group):
+        raise ACCOCheckpointError(
+            "re-sharding a checkpoint needs the parameters' names (engine.param_names): load it through "
+            "engine.load_checkpoint."
+        )
+    return _param_names(opt)
+
+
+def trainable_shapes(opt) -> Dict[str, tuple]:
+    """name -> shape of every parameter ACCO trains."""
+    out = {}
+    for names, b in zip(param_names(opt), opt.pipeline.groups):
+        for name, shape in zip(names, b.layout.shapes):
+            out[name] = tuple(shape)
+    return out
+
+
+def _untrained_entries(opt) -> Dict[str, torch.Tensor]:
+    """The module's frozen parameters and buffers (not trained by ACCO), by name."""
+    module = opt.engine.module
+    trained = {id(p) for group in opt.bit16_groups for p in group}
+    out = {n: p for n, p in module.named_parameters(remove_duplicate=False) if id(p) not in trained}
+    out.update(dict(module.named_buffers()))
+    return out
+
+
+def open_universal(opt, folder: str, load_optimizer_states: bool) -> reshard.UniversalFolder:
+    """The universal checkpoint ``folder`` for this run (checks its files: see reshard.UniversalFolder)."""
+    if getattr(opt.pipeline, "tp_size", 1) > 1:
+        raise ACCOCheckpointError(
+            f"{folder}: ACCO loads universal checkpoints without tensor parallelism only (this run has a "
+            f"tensor-parallel size of {opt.pipeline.tp_size}). Load a ZeRO checkpoint saved with the same "
+            "tensor-parallel size (any data-parallel size)."
+        )
+    names = [n for group in param_names(opt) for n in group]
+    return reshard.UniversalFolder(folder, names, load_optimizer_states, untrained=_untrained_entries(opt))
+
+
+@torch.no_grad()
+def _restore_untrained(opt, source: reshard.UniversalFolder) -> List[str]:
+    """Frozen parameters and buffers from a universal checkpoint, where it holds them with this model's
+    shape (DeepSpeed's own universal load leaves them as the model was built); returns their names."""
+    done = []
+    for name, t in _untrained_entries(opt).items():
+        value = source.untrained_value(name)
+        if value is not None and tuple(value.shape) == tuple(t.shape):
+            t.data.copy_(value.to(dtype=t.dtype, device=t.device))
+            done.append(name)
+    return done
+
+
+def load_committed(opt, source, load_optimizer_states: bool = True) -> None:
+    """Resume from the committed state of ``source`` (``reshard.ZeroPartitions`` of an ACCO or ZeRO
+    checkpoint saved on any world size, or ``reshard.UniversalFolder``), re-sharded to this run by
+    parameter name. Collective.
+
+    The fp32 master, both moments and the step count are taken exactly; the run restarts from them
+    with a new prologue (``snapshot.resume_from_committed``, docs/CHECKPOINTS.md gives the equations):
+    the in-flight work of an ACCO checkpoint (the round in flight, the kept g~, pending gradients) is
+    dropped and counted as discarded. From a universal checkpoint the frozen parameters and buffers it
+    holds are restored too (DeepSpeed does not load the module file of a universal checkpoint). The saved param groups' settings (lr, betas, eps, weight_decay, the
+    LR scheduler's keys) replace this run's when the group counts match, as DeepSpeed's universal load
+    does. ``load_optimizer_states=False`` takes the fp32 master only and keeps the current moments."""
+    pipeline = opt.pipeline
+    names = param_names(opt)
+    exact = isinstance(source, reshard.ZeroPartitions)
+    reshard.check_parameters(trainable_shapes(opt), source.shapes(), source.where, exact=exact)
+    keys = ("fp32",) + (reshard.MOMENTS if load_optimizer_states else ())
+    shards = [reshard.shard_of(source, b.layout, n, b.rank, keys) for b, n in zip(pipeline.groups, names)]
+    if isinstance(source, reshard.UniversalFolder):
+        _restore_untrained(opt, source)
+    if not load_optimizer_states:
+        restart_at_master(opt, [s["fp32"] for s in shards])
+        return
+    step = reshard.common_step(source, [n for group in names for n in group])
+    saved = source.acco_snapshots()
+    discarded = snapshot.resume_from_committed(pipeline, shards, step, saved)
+    groups = source.param_groups()
+    if groups is not None and len(groups) == len(opt.optimizer.param_groups):
+        for ours, theirs in zip(opt.optimizer.param_groups, groups):
+            ours.update({k: v for k, v in theirs.items() if k != "params"})
+    opt.overflow = False
+    opt._micro_batches_since_step = 0
+    norm = pipeline.last_grad_norm
+    opt._global_grad_norm = None if norm is None else norm.reshape(())
+    if pipeline.rank == 0:
+        saved_world = len(saved) if saved is not None else getattr(source, "world_size", None)
+        logger.info(
+            "acco_ds: resumed from the committed state of %s (saved on %s ranks, now %d; step %d); a new prologue "
+            "round starts, %d in-flight micro-batch(es) discarded",
+            source.where,
+            saved_world if saved_world is not None else "?",
+            pipeline.world_size,
+            step,
+            discarded,
+        )
+
+
+def update_lp_params(opt) -> None:
+    """DeepSpeed calls it after a universal load to copy the master into the 16-bit weights:
+    :func:`load_committed` has already gathered the master into the model's parameters."""
 
 
 # -- weights only ------------------------------------------------------------------------------

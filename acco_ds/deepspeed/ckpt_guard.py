@@ -24,8 +24,16 @@ method unchanged.)
 :func:`load_checkpoint` checks, before DeepSpeed reads anything, that every ``*.pt`` file of the tag
 is a complete torch archive (zip central directory present) and raises ACCOCheckpointError naming
 the file otherwise (and naming the tags present when the tag does not exist); a module state dict that does not fit the model becomes an ACCOCheckpointError
-naming the checkpoint. (A world size other than the one that saved is refused by
-``checkpoint.load_state_dict``.)
+naming the checkpoint. Then ``ckpt_preflight.plan_load`` reads what the load needs (every rank's
+optimizer partition, the module weights' names and shapes, or a universal checkpoint's files) and the
+ranks agree: a missing or truncated file, another model or an optimizer without Adam moments is an
+ACCOCheckpointError on every rank before anything is loaded. A checkpoint that cannot be resumed exactly
+(another world size, mode, accumulation or gradient_accumulation_steps, or DeepSpeed's own ZeRO
+optimizer) is loaded from its committed state, re-sharded (``checkpoint.load_committed``), in place of
+DeepSpeed's ``_load_zero_checkpoint`` (which refuses another world size).
+
+Saves also write ``universal_checkpoint_info`` into the model file (unless the module brings its own),
+which DeepSpeed's ``ds_to_universal.py`` requires; the load takes it out of the returned client state.
 """
 
 from __future__ import annotations
@@ -33,11 +41,18 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import zipfile
 
 import torch.distributed as dist
+from deepspeed.checkpoint.constants import (
+    UNIVERSAL_CHECKPOINT_INFO,
+    UNIVERSAL_CHECKPOINT_VERSION_KEY,
+    UNIVERSAL_CHECKPOINT_VERSION_VALUE,
+)
 
-from acco_ds.deepspeed.checkpoint import ACCOCheckpointError
+from acco_ds.core.snapshot import SnapshotMismatchError
+from acco_ds.deepspeed import checkpoint
+from acco_ds.deepspeed.ckpt_files import ACCOCheckpointError, is_complete
+from acco_ds.deepspeed.ckpt_preflight import plan_load
 
 STAGING_SUFFIX = ".acco-partial"
 REPLACED_SUFFIX = ".acco-replaced"
@@ -93,7 +108,11 @@ def save_checkpoint(
     engine, original, save_dir, tag=None, client_state=None, save_latest=True, exclude_frozen_parameters=False
 ):
     """``DeepSpeedEngine.save_checkpoint`` made crash-safe (module docstring). Collective."""
-    client_state = client_state if client_state is not None else {}
+    client_state = dict(client_state) if client_state is not None else {}
+    if getattr(engine.module, UNIVERSAL_CHECKPOINT_INFO, None) is None:
+        client_state.setdefault(
+            UNIVERSAL_CHECKPOINT_INFO, {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE}
+        )
     if engine.checkpoint_engine.is_decoupled():
         return original(
             engine,
@@ -168,9 +187,7 @@ def check_files(load_dir: str, tag: str) -> None:
         if not name.endswith(".pt") or not os.path.isfile(path):
             continue
         size = os.path.getsize(path)
-        with open(path, "rb") as f:
-            head = f.read(4)
-        if size == 0 or (head[:2] == b"PK" and not _complete_zip(path)):
+        if not is_complete(path):
             raise ACCOCheckpointError(
                 f"checkpoint file {path} is truncated ({size} bytes, no complete torch archive): the save that "
                 f"wrote it was interrupted or the copy is incomplete. Load another tag (the 'latest' file in "
@@ -178,22 +195,46 @@ def check_files(load_dir: str, tag: str) -> None:
             )
 
 
-def _complete_zip(path: str) -> bool:
-    try:
-        with zipfile.ZipFile(path) as z:
-            end = max((i.header_offset + i.compress_size for i in z.infolist()), default=0)
-        return end <= os.path.getsize(path)
-    except (zipfile.BadZipFile, OSError, ValueError):
-        return False
+def _agree(engine, error: Exception | None) -> None:
+    """Raise on every rank when any rank found a problem (its own message, or the first rank's)."""
+    group = getattr(getattr(engine.optimizer, "pipeline", None), "control_group", None)
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        if error is not None:
+            raise error
+        return
+    found = [None] * dist.get_world_size(group)
+    dist.all_gather_object(found, None if error is None else f"{type(error).__name__}: {error}", group=group)
+    if error is not None:
+        raise error
+    for rank, msg in enumerate(found):
+        if msg is not None:
+            raise ACCOCheckpointError(f"data-parallel rank {rank} cannot load the checkpoint: {msg}")
 
 
 def load_checkpoint(engine, original, load_dir, tag=None, **kwargs):
-    """``DeepSpeedEngine.load_checkpoint`` with the checks of the module docstring. Collective."""
-    resolved = _resolve_tag(engine, load_dir, tag)
-    if resolved is not None:
-        check_files(load_dir, resolved)
+    """``DeepSpeedEngine.load_checkpoint`` with the checks and routes of the module docstring. Collective."""
+    plan, error = None, None
     try:
-        return original(engine, load_dir, tag=tag, **kwargs)
+        resolved = _resolve_tag(engine, load_dir, tag)
+        if resolved is not None:
+            check_files(load_dir, resolved)
+            keys = ("load_module_strict", "load_optimizer_states", "load_module_only", "custom_load_fn")
+            plan = plan_load(engine, load_dir, resolved, **{k: kwargs[k] for k in keys if k in kwargs})
+    except (ACCOCheckpointError, SnapshotMismatchError) as err:
+        error = err
+    _agree(engine, error)
+    if plan is not None and plan.route == "committed":
+        source = plan.source
+
+        def _load_zero_checkpoint(load_dir, tag, load_optimizer_states=True):
+            checkpoint.load_committed(engine.optimizer, source, load_optimizer_states)
+            return True
+
+        engine._load_zero_checkpoint = (
+            _load_zero_checkpoint  # this call only (DeepSpeed's refuses another world size)
+        )
+    try:
+        out = original(engine, load_dir, tag=tag, **kwargs)
     except RuntimeError as err:
         if "Error(s) in loading state_dict" not in str(err):
             raise
@@ -203,3 +244,9 @@ def load_checkpoint(engine, original, load_dir, tag=None, **kwargs):
             f"checkpoint {os.path.join(load_dir, str(resolved))} holds another model than this engine's "
             f"(parameter names or shapes differ): {str(err).strip()}. Allowed: a checkpoint saved from this model."
         ) from err
+    finally:
+        engine.__dict__.pop("_load_zero_checkpoint", None)
+    path, client_state = out
+    if isinstance(client_state, dict) and getattr(engine.module, UNIVERSAL_CHECKPOINT_INFO, None) is None:
+        client_state.pop(UNIVERSAL_CHECKPOINT_INFO, None)
+    return path, client_state
