@@ -4,7 +4,9 @@ config (``--deepspeed``) says ``"type": "ACCO"``. Started by the ``deepspeed`` l
 Model: a tiny Llama built from a config (2 layers, tied input/output embeddings), no download;
 data: deterministic random token sequences (no tokenizer). Rank 0 writes ``result.pt`` in
 ``--output_dir``: the trainer's log history, the committed fp32 parameters at the end
-(``safe_get_full_fp32_param``), and ACCO's stats.
+(``safe_get_full_fp32_param``) and when training started (after a resume), and ACCO's stats. At the end
+the model is exported with ``trainer.save_model`` (``final``) and ``engine.save_16bit_model`` plus its
+config (``export16``).
 """
 
 from __future__ import annotations
@@ -89,6 +91,23 @@ class CommittedEvalLoss(TrainerCallback):
         self.losses.append((state.global_step, sum(losses) / len(losses)))
 
 
+class CommittedAtStart(TrainerCallback):
+    """The committed fp32 weights when training starts, i.e. right after ``resume_from_checkpoint`` loaded
+    them (collective: every rank runs the callback)."""
+
+    def __init__(self):
+        self.trainer = None
+        self.weights = None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        engine = self.trainer.model_wrapped
+        self.weights = {
+            n: safe_get_full_fp32_param(p).clone()
+            for n, p in engine.module.named_parameters()
+            if p.requires_grad
+        }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--output_dir", required=True)
@@ -97,6 +116,7 @@ def main() -> None:
     ap.add_argument("--save_steps", type=int, default=3)
     ap.add_argument("--resume_from_checkpoint", default=None)
     ap.add_argument("--eval_steps", type=int, default=0, help="evaluate every N steps (0: never)")
+    ap.add_argument("--gradient_accumulation_steps", type=int, default=2)
     ap.add_argument("--local_rank", type=int, default=-1)
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -105,7 +125,7 @@ def main() -> None:
         output_dir=args.output_dir,
         deepspeed=args.deepspeed,
         per_device_train_batch_size=2,
-        gradient_accumulation_steps=2,
+        gradient_accumulation_steps=args.gradient_accumulation_steps,
         max_steps=args.max_steps,
         save_strategy="steps",
         save_steps=args.save_steps,
@@ -124,15 +144,15 @@ def main() -> None:
         per_device_eval_batch_size=EVAL_BATCH,
     )
     model = tiny_llama()
-    callback = CommittedEvalLoss()
+    callback, at_start = CommittedEvalLoss(), CommittedAtStart()
     trainer = Trainer(
         model=model,
         args=training_args,
         train_dataset=Tokens(),
         eval_dataset=EVAL if args.eval_steps else None,
-        callbacks=[callback],
+        callbacks=[callback, at_start],
     )
-    callback.trainer = trainer
+    callback.trainer = at_start.trainer = trainer
     trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     engine = trainer.model_wrapped
     names = [n for n, p in engine.module.named_parameters() if p.requires_grad]
@@ -140,6 +160,10 @@ def main() -> None:
         n: safe_get_full_fp32_param(p).clone() for n, p in engine.module.named_parameters() if n in names
     }
     trainer.save_model(os.path.join(args.output_dir, "final"))
+    export = os.path.join(args.output_dir, "export16")  # DeepSpeed's own export, with the model's config
+    engine.save_16bit_model(export)
+    if torch.distributed.get_rank() == 0:
+        engine.module.config.save_pretrained(export)
     if torch.distributed.get_rank() == 0:
         torch.save(
             {
@@ -149,6 +173,8 @@ def main() -> None:
                 "optimizer_type": type(engine.optimizer).__name__,
                 "global_step": trainer.state.global_step,
                 "committed_eval_losses": callback.losses,
+                "committed_at_start": at_start.weights,
+                "world_size": torch.distributed.get_world_size(),
             },
             os.path.join(args.output_dir, "result.pt"),
         )
