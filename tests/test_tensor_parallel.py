@@ -83,6 +83,10 @@ def runs(tmp_path_factory):
             "config": config(acco("acco", accumulation="adaptive"), 2, CLIP),
         }
     )
+    tp += [
+        {"name": f"ckpt_{m}", "steps": STEPS, "save_after": 2, "config": config(acco(m), 2, CLIP)}
+        for m in ("sync", "dpu", "acco")
+    ]
     dp = [{"name": m, "steps": STEPS, "config": config(acco(m), 1, CLIP)} for m in ("acco", "dpu")]
     return launch(tmp, 4, tp), launch(tmp, 2, dp)
 
@@ -157,3 +161,26 @@ def test_adaptive_tensor_parallel_groups_end_rounds_together(runs):
     for f in finals[1:]:
         for name, w in finals[0].items():
             assert torch.equal(f[name], w), name
+
+
+@pytest.mark.parametrize("mode", ["sync", "dpu", "acco"])
+def test_checkpoint_resume_is_exact_at_tp2_dp2(runs, mode):
+    tp, _ = runs
+    for rank, res in enumerate(tp[f"ckpt_{mode}"]):
+        for name, want in res["final_uninterrupted"].items():
+            assert torch.equal(res["final_resumed"][name], want), f"{mode} rank {rank} {name}"
+
+
+@pytest.mark.parametrize("mode", ["dpu", "acco"])
+def test_autotp_export_holds_the_committed_weights(runs, mode):
+    """AutoTP's consolidated export (what HF/accelerate save for a tensor-parallel model), taken while acco
+    holds its estimate, is the committed model, full size; transformers reloads it; and training went on
+    exactly (the resumed run, which never exported, ends at the same weights: checked above)."""
+    tp, _ = runs
+    res = tp[f"ckpt_{mode}"][0]
+    if mode == "acco":
+        assert res["model_holds_at_export"] == "estimate"
+    for name, want in res["committed_at_export"].items():
+        got = res["export"][name]
+        assert got.shape == want.shape and torch.equal(got, want), name
+        assert torch.equal(res["reloaded"][name], want), name

@@ -64,3 +64,15 @@ class EvaluationView:
             self.explicit = was_explicit
             if not was_viewing and self.pipeline.viewing_committed:
                 show_compute(self.pipeline)
+
+
+def consolidated_committed(engine, original, *args, **kwargs):
+    """DeepSpeed's AutoTP export (``engine._consolidated_16bit_state_dict``, which HF and accelerate call to
+    save a tensor-parallel model) gathers each split parameter's slices by re-assigning ``param.data``, then
+    splits it again into new tensors: run it on the committed weights, then make the parameters views into
+    ACCO's buffers again (the views the export replaced). Collective, like the original."""
+    view = engine.optimizer._view
+    with view.committed():
+        out = original(engine, *args, **kwargs)
+        show_committed(view.pipeline)  # the export replaced the views: the committed ones, again
+    return out

@@ -6,7 +6,8 @@ DeepSpeed has no registry for third-party optimizers. ``register()`` wraps five 
 and turns off the engine's own gradient all-reduce for that engine; ``save_checkpoint`` and
 ``load_checkpoint`` of an ACCO engine go through ``ckpt_guard`` (a save interrupted at any point
 leaves ``latest`` on a complete checkpoint; truncated files and another model fail clearly);
-``train(mode)`` of an ACCO engine also shows the committed weights in eval mode
+``train(mode)`` of an ACCO engine also shows the committed weights in eval mode, and
+``_consolidated_16bit_state_dict`` (AutoTP's full-model export) gathers the committed weights
 (``evaluation``). Any
 other optimizer goes through DeepSpeed's original methods unchanged. Patching the class covers
 every way an engine is built: ``deepspeed.initialize``, the HF Trainer and accelerate.
@@ -108,6 +109,17 @@ def register() -> None:
             self.optimizer._view.on_engine_mode(bool(mode))
         return out
 
+    original_consolidated = DeepSpeedEngine._consolidated_16bit_state_dict
+
+    @functools.wraps(original_consolidated)
+    def _consolidated_16bit_state_dict(self, *args, **kwargs):
+        if not _is_acco_engine(self):
+            return original_consolidated(self, *args, **kwargs)
+        from acco_ds.deepspeed.evaluation import consolidated_committed
+
+        return consolidated_committed(self, original_consolidated, *args, **kwargs)
+
+    DeepSpeedEngine._consolidated_16bit_state_dict = _consolidated_16bit_state_dict
     DeepSpeedEngine.train = train
     DeepSpeedEngine._is_supported_optimizer = _is_supported_optimizer
     DeepSpeedEngine._configure_optimizer = _configure_optimizer

@@ -256,12 +256,67 @@ def run_scenario(sc: dict) -> dict:
     return out
 
 
+def run_checkpoint_scenario(sc: dict, out_dir: str) -> dict:
+    """Train ``steps`` engine steps, saving a checkpoint after ``save_after`` and exporting the full model
+    (AutoTP's consolidated state dict) right after the save, while acco holds the estimate; then a second
+    engine loads the checkpoint and trains the remaining steps on the same data. Returns every rank's final
+    slices of both runs, the export and the committed full parameters at the export, and (rank 0) the
+    export reloaded through transformers' save_pretrained / from_pretrained."""
+    cfg, gas = sc["config"], sc["config"]["gradient_accumulation_steps"]
+    ckpt = os.path.join(out_dir, sc["name"] + "_ckpt")
+
+    def engine_and_names():
+        engine, _, _, _ = deepspeed.initialize(model=tiny_llama(), config=cfg, model_parameters=None)
+        return engine, [(n, p) for n, p in engine.module.named_parameters() if p.requires_grad]
+
+    def train(engine, first_step, last_step, dp_rank):
+        for step in range(first_step, last_step):
+            for j in range(gas):
+                x = micro_batch(dp_rank, step * gas + j)
+                engine.backward(engine(input_ids=x, labels=x).loss)
+                engine.step()
+
+    out = {}
+    engine, named = engine_and_names()
+    dp_rank = dist.get_rank(engine.seq_data_parallel_group)
+    meta = {n: p.ds_autotp_universal_checkpoint_meta["partition_dim"] for n, p in named
+            if getattr(p, "ds_autotp_universal_checkpoint_meta", None)
+            and not p.ds_autotp_universal_checkpoint_meta["replicated"]}  # fmt: skip
+    tp_group = groups.get_tensor_model_parallel_group()
+    train(engine, 0, sc["save_after"], dp_rank)
+    engine.save_checkpoint(ckpt, tag="t")
+    out["model_holds_at_export"] = engine.optimizer.pipeline.model_holds
+    export = engine._consolidated_16bit_state_dict()
+    committed = full_over_tp({n: safe_get_full_fp32_param(p).clone() for n, p in named}, meta, tp_group)
+    if dist.get_rank() == 0:
+        out["export"] = {k: v.clone() for k, v in export.items()}
+        out["committed_at_export"] = committed
+        hf_dir = os.path.join(out_dir, sc["name"] + "_hf")
+        model = tiny_llama()
+        model.load_state_dict(export)
+        model.save_pretrained(hf_dir)
+        reloaded = LlamaForCausalLM.from_pretrained(hf_dir)
+        out["reloaded"] = {n: p.detach().clone() for n, p in reloaded.named_parameters()}
+    train(engine, sc["save_after"], sc["steps"], dp_rank)
+    engine.optimizer.finish()
+    out["final_uninterrupted"] = {n: safe_get_full_fp32_param(p).clone() for n, p in named}
+    engine.optimizer.pipeline.close()
+
+    resumed, named = engine_and_names()
+    resumed.load_checkpoint(ckpt, tag="t")
+    train(resumed, sc["save_after"], sc["steps"], dp_rank)
+    resumed.optimizer.finish()
+    out["final_resumed"] = {n: safe_get_full_fp32_param(p).clone() for n, p in named}
+    resumed.optimizer.pipeline.close()
+    return out
+
+
 def main() -> None:
     args = rank_start.scenario_parser().parse_args()
     rank_start.init_rank()
     results = {}
     for sc in rank_start.load_scenarios(args.scenarios):
-        mine = run_scenario(sc)
+        mine = run_checkpoint_scenario(sc, args.out) if "save_after" in sc else run_scenario(sc)
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, mine)
         results[sc["name"]] = everyone
