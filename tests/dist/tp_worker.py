@@ -311,12 +311,34 @@ def run_checkpoint_scenario(sc: dict, out_dir: str) -> dict:
     return out
 
 
+def run_load_scenario(sc: dict) -> dict:
+    """Load a checkpoint written by another layout (``load_from``, tag "t") and return the committed
+    parameters, rebuilt over the tensor-parallel group."""
+    engine, _, _, _ = deepspeed.initialize(model=tiny_llama(), config=sc["config"], model_parameters=None)
+    named = [(n, p) for n, p in engine.module.named_parameters() if p.requires_grad]
+    meta = {n: p.ds_autotp_universal_checkpoint_meta["partition_dim"] for n, p in named
+            if getattr(p, "ds_autotp_universal_checkpoint_meta", None)
+            and not p.ds_autotp_universal_checkpoint_meta["replicated"]}  # fmt: skip
+    engine.load_checkpoint(sc["load_from"], tag="t")
+    tp_group = groups.get_tensor_model_parallel_group()
+    out = {
+        "committed": full_over_tp({n: safe_get_full_fp32_param(p).clone() for n, p in named}, meta, tp_group)
+    }
+    engine.optimizer.pipeline.close()
+    return out
+
+
 def main() -> None:
     args = rank_start.scenario_parser().parse_args()
     rank_start.init_rank()
     results = {}
     for sc in rank_start.load_scenarios(args.scenarios):
-        mine = run_checkpoint_scenario(sc, args.out) if "save_after" in sc else run_scenario(sc)
+        if "save_after" in sc:
+            mine = run_checkpoint_scenario(sc, args.out)
+        elif "load_from" in sc:
+            mine = run_load_scenario(sc)
+        else:
+            mine = run_scenario(sc)
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, mine)
         results[sc["name"]] = everyone
