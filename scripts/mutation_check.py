@@ -118,10 +118,10 @@ MUTANTS = [
     ),
     Mutant(
         "M09",
-        "the peek's bias correction uses the current step count instead of the predicted step's",
-        "acco_ds/core/round_job.py",
-        "            step=step,\n",
-        "            step=step if job is Job.COMMIT else max(1, step - 1),\n",
+        "a job's bias corrections use the applied step count instead of the step it computes",
+        "acco_ds/core/pipeline.py",
+        "h.weight_decay, applied + 1)",
+        "h.weight_decay, max(applied, 1))",
         tuple(TRAJ),
     ),
     Mutant(
@@ -160,8 +160,8 @@ MUTANTS = [
         "M14",
         "the LR schedule is read one step ahead",
         "acco_ds/core/pipeline.py",
-        "hypers=self._hypers_for(self.state_step),",
-        "hypers=self._hypers_for(self.state_step + 1),",
+        "for h in self._hypers_for(applied)]",
+        "for h in self._hypers_for(applied + 1)]",
         tuple(TRAJ),
     ),
     Mutant(
