@@ -1,20 +1,23 @@
 """End-to-end benchmark on a bandwidth-limited link (BENCHMARKS.md section 2), with heterogeneous
-workers.
+workers, over several seeds, under both framings of the comm-bound claim.
 
-    python benchmarks/bench_e2e.py            # the full sweep (about 75 min on 2 CPU cores)
-    python benchmarks/bench_e2e.py --quick    # one rate, few steps (what the tests run)
+    python benchmarks/bench_e2e.py            # the sweep: 4 rates x 6 contenders x 3 seeds (about 80 min on 2 cores)
+    python benchmarks/bench_e2e.py --quick    # one rate, few steps, one seed (what the tests run)
 
 All ranks of a run share one link: a private network namespace (``unshare -n``) whose loopback is
 rate-limited with ``tc`` (needs root and iproute2; without them the benchmark says so and exits
 with status 2 - it never fakes the link with sleeps). For every link rate of the sweep, in the
-same invocation and with the same model, data, batch, dtype, threads and seed: a comm-only probe
-(T_comm of one round), then DeepSpeed ZeRO-1 (AdamW), DeepSpeed ZeRO-2 (overlap_comm), and
-acco_ds sync, dpu, acco fixed, acco adaptive, each ``--repeats`` times interleaved. The
-compute-only bound (the same training loop with the communication removed:
-``e2e_runs.run_compute_only``) runs at the start, after every repetition of every rate, and at
+same invocation and with the same model, data, batch, dtype and threads: a comm-only probe
+(T_comm of one round), then every contender once per seed, interleaved (seed 0: every contender,
+then seed 1, ...): DeepSpeed ZeRO-1 (AdamW), ZeRO-1 with ``overlap_comm``, ZeRO-2 (on request),
+acco_ds sync, dpu, acco fixed, acco adaptive. The seed fixes the initialisation and the data
+order, the same for every contender, so the loss figures of a seed are paired; the seeds double
+as the throughput repeats. Then adaptive ACCO at the token budget of the fixed contenders (framing
+b: ``e2e_runs.budget_schedule``). The compute-only bound (the same training loop with the
+communication removed: ``e2e_runs.run_compute_only``) runs at the start, after every rate and at
 the end; its highest figure is the reference. Then the heterogeneous case: one rank made
-``--slow-factor`` times slower by real extra compute per micro-batch, ZeRO-1 against ACCO.
-Writes ``<prefix>.md`` (table, machine, versions, date), ``<prefix>.json`` (raw) and
+``--slow-factor`` times slower by real extra compute per micro-batch, ZeRO-1 against ACCO, every
+seed. Writes ``<prefix>.md`` (tables, machine, versions, date), ``<prefix>.json`` (raw) and
 ``<prefix>_*.png`` into ``--out`` and prints the table last. Definitions of every column:
 ``benchmarks/e2e_report.py``.
 
@@ -27,11 +30,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import shlex
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -41,25 +42,45 @@ import e2e_env  # noqa: E402
 import e2e_plots  # noqa: E402
 import e2e_report  # noqa: E402
 import e2e_runs  # noqa: E402
+import e2e_sweep  # noqa: E402
 import e2e_table  # noqa: E402
 
 from acco_ds.cli.dsconfig import build_config  # noqa: E402
 from acco_ds.cli.job import acco_registered  # noqa: E402
-from acco_ds.cli.launch import LaunchError  # noqa: E402
 from acco_ds.cli.metrics import machine_info  # noqa: E402
 from acco_ds.models import GPTConfig, TinyGPT  # noqa: E402
 
-FULL_RATES = "none,400mbit,200mbit,100mbit,50mbit"
+DEFAULT_RATES = "none,400mbit,200mbit,50mbit"
 ALL = ",".join(e2e_runs.CONTENDERS)
+DEFAULT_CONTENDERS = ",".join(c for c in e2e_runs.CONTENDERS if c != "zero2")
+DS_LABELS = ("zero1", "zero1-overlap", "zero2")
+
+_log = e2e_sweep.logger("bench_e2e")
+
+
+def _seeds(text: str) -> list:
+    try:
+        seeds = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--seeds {text!r}: comma-separated integers, e.g. 0,1,2") from None
+    if not seeds or len(set(seeds)) != len(seeds):
+        raise argparse.ArgumentTypeError(f"--seeds {text!r}: at least one seed, none twice")
+    return seeds
 
 
 def parse(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="one rate, few steps, fewer contenders (the test)")
     ap.add_argument(
-        "--rates", default=None, help=f"comma-separated tc rates or 'none' (default: {FULL_RATES})"
+        "--quick", action="store_true", help="one rate, few steps, one seed, 2 contenders (the test)"
     )
-    ap.add_argument("--contenders", default=None, help=f"comma-separated subset of {ALL} (default: all)")
+    ap.add_argument(
+        "--rates", default=None, help=f"comma-separated tc rates or 'none' (default: {DEFAULT_RATES})"
+    )
+    ap.add_argument(
+        "--contenders",
+        default=None,
+        help=f"comma-separated subset of {ALL}, or 'all' (default: {DEFAULT_CONTENDERS})",
+    )
     ap.add_argument("--steps", type=int, default=None, help="optimizer steps per run (default 40, quick 6)")
     ap.add_argument(
         "--warmup", type=int, default=None, help="steps left out of the timings (default 5, quick 2)"
@@ -68,7 +89,13 @@ def parse(argv=None) -> argparse.Namespace:
     ap.add_argument("--grad-accum", type=int, default=4)
     ap.add_argument("--world-size", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank, every contender")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--seeds",
+        type=_seeds,
+        default=None,
+        help="comma-separated seeds, each run by every contender (default 0,1,2; quick 0). Loss verdicts "
+        "need >= 3; the seeds double as the throughput repeats",
+    )
     ap.add_argument("--n-layer", type=int, default=4)
     ap.add_argument("--n-head", type=int, default=4)
     ap.add_argument("--d-model", type=int, default=128)
@@ -85,10 +112,9 @@ def parse(argv=None) -> argparse.Namespace:
     )
     ap.add_argument("--hetero-contenders", default="zero1,acco,acco-adaptive")
     ap.add_argument(
-        "--repeats",
-        type=int,
-        default=None,
-        help="runs of each contender, interleaved; the best is kept (default 2, quick 1): shared machines are noisy",
+        "--no-budget",
+        action="store_true",
+        help="skip adaptive ACCO's runs at the token budget (framing b then shows no adaptive row)",
     )
     ap.add_argument(
         "--nice",
@@ -101,11 +127,14 @@ def parse(argv=None) -> argparse.Namespace:
     ap.add_argument("--work", default=None, help="scratch folder of the runs (default: a new temp folder)")
     ap.add_argument("--from-json", default=None, help="re-render the table and plots from a saved raw JSON")
     a = ap.parse_args(argv)
-    a.rates = (a.rates or ("200mbit" if a.quick else FULL_RATES)).split(",")
+    a.rates = (a.rates or ("200mbit" if a.quick else DEFAULT_RATES)).split(",")
     for r in a.rates:
-        e2e_env.check_rate(r)
-    default_c = "zero1,acco-adaptive" if a.quick else ALL
-    a.contenders = (a.contenders or default_c).split(",")
+        try:
+            e2e_env.check_rate(r)
+        except ValueError as err:
+            ap.error(f"--rates: {err}")
+    default_c = "zero1,acco-adaptive" if a.quick else DEFAULT_CONTENDERS
+    a.contenders = (ALL if a.contenders == "all" else (a.contenders or default_c)).split(",")
     a.hetero_contenders = a.hetero_contenders.split(",")
     if a.quick and a.hetero_contenders == ["zero1", "acco", "acco-adaptive"]:
         a.hetero_contenders = ["zero1", "acco-adaptive"]
@@ -116,15 +145,9 @@ def parse(argv=None) -> argparse.Namespace:
     a.warmup = a.warmup if a.warmup is not None else (2 if a.quick else 5)
     if a.steps < a.warmup + 3:
         ap.error(f"--steps {a.steps} must exceed --warmup {a.warmup} by at least 3 to time anything")
-    a.repeats = a.repeats or (1 if a.quick else 2)
-    if a.repeats < 1:
-        ap.error(f"--repeats must be >= 1, got {a.repeats}")
+    a.seeds = a.seeds or ([0] if a.quick else [0, 1, 2])
     a.prefix = a.prefix or ("e2e_quick" if a.quick else "e2e")
     return a
-
-
-def _log(msg: str) -> None:
-    print(f"[bench_e2e {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
 def _drop_unavailable(a, failed: list) -> None:
@@ -133,117 +156,25 @@ def _drop_unavailable(a, failed: list) -> None:
     ok, why = acco_registered()
     if ok:
         return
-    keep = ("zero1", "zero2")
     for tag, labels in (("", a.contenders), ("-hetero", a.hetero_contenders)):
         for label in labels:
-            if label not in keep:
-                _fail(failed, label, "all rates" if not tag else "heterogeneous", f"not run: {why}")
-    a.contenders = [c for c in a.contenders if c in keep]
-    a.hetero_contenders = [c for c in a.hetero_contenders if c in keep]
-
-
-def _fail(failed: list, label: str, where: str, why: str) -> None:
-    """Record a contender (or reference run) that could not run; ``main`` exits non-zero naming it."""
-    failed.append({"label": label, "where": where, "why": why})
-    _log(f"FAILED {label} ({where}): {why}")
-
-
-def _best(runs: list) -> dict:
-    """The repetition with the highest samples/s (the least disturbed by other jobs on a shared
-    machine), with every repetition's samples/s and load kept beside it."""
-    best = dict(max(runs, key=lambda s: s["samples_per_s"]))
-    best["repeats"] = [
-        {
-            "samples_per_s": s["samples_per_s"],
-            "step_time_s": s["step_time_s"],
-            "load": [s["load_before"], s["load_after"]],
-        }
-        for s in runs
-    ]
-    return best
-
-
-def _round_robin(
-    setup,
-    labels: list,
-    rate: str,
-    repeats: int,
-    failed: list,
-    slow=None,
-    tag: str = "",
-    after_repeat=None,
-) -> dict:
-    """Every contender ``repeats`` times, interleaved (a, b, c, a, b, c, ...), best of each; then
-    ``after_repeat(rep)`` after each repetition (the compute-only bound's draws). A repeat that
-    fails twice is recorded in ``failed`` (the contender is then reported with the repeats that
-    ran, or not at all) and the sweep goes on."""
-    done: dict = {label: [] for label in labels}
-    for rep in range(repeats):
-        for label in labels:
-            s, err = _attempt(
-                lambda label=label, rep=rep: e2e_runs.run_contender(setup, label, rate, slow, f"{tag}/r{rep}")
-            )
-            if s is None:
-                where = f"{rate}{tag} repeat {rep + 1}/{repeats}"
-                _fail(failed, label, where, f"failed twice ({err}; see {setup.work})")
-                continue
-            done[label].append(s)
-            _log(
-                f"{rate}{tag} {label} (repeat {rep + 1}/{repeats}): {s['step_time_s']:.3f} s/step, "
-                f"{s['samples_per_s']:.1f} samples/s, per rank {[round(x, 1) for x in s['rank_samples_per_s']]}, "
-                f"val {s['val_loss']:.4f}, load {s['load_before']:.1f}->{s['load_after']:.1f}"
-            )
-        if after_repeat is not None:
-            after_repeat(rep)
-    return {label: _best(runs) for label, runs in done.items() if runs}
-
-
-def _attempt(run) -> tuple:
-    """``(run(), None)``, retried once when the ranks fail (e.g. killed by the OOM killer on a
-    shared machine) or their records cannot be summarised (ValueError, e.g. no optimizer step
-    logged); ``(None, why)`` when both attempts fail (``why``: see ``_why``)."""
-    why = ""
-    for attempt in (1, 2):
-        try:
-            return run(), None
-        except (LaunchError, ValueError) as err:
-            why = _why(err) if isinstance(err, LaunchError) else f"{type(err).__name__}: {err}"
-            _log(f"run failed (attempt {attempt}/2): {why}")
-    return None, why
-
-
-RANK_PREFIX = re.compile(r"^\[rank\d+\]:? ?")
-ERROR_LINE = re.compile(r"^([\w.]+(?:Error|Exception|Exit)\b.*)$")
-
-
-def _why(err: LaunchError) -> str:
-    """The launch failure in one line: its first line, plus the last exception the ranks' log tail
-    shows (with its indented continuation lines: what a planted bug or a bad option raised), else
-    the tail's last line."""
-    lines = [x for x in str(err).splitlines() if x.strip() and not x.startswith("command:")]
-    if len(lines) < 2:
-        return lines[0] if lines else "unknown failure"
-    tail = [RANK_PREFIX.sub("", x) for x in lines[1:]]
-    hits = [i for i, x in enumerate(tail) if ERROR_LINE.match(x)]
-    if not hits:
-        return f"{lines[0]} {tail[-1].strip()}"
-    i = hits[-1]
-    more = []
-    for x in tail[i + 1 :]:
-        if not x.startswith((" ", "\t")):
-            break
-        more.append(x.strip())
-    return " ".join([lines[0], tail[i].strip(), *more])
+            if label not in DS_LABELS:
+                where = "all rates" if not tag else "heterogeneous"
+                e2e_sweep.fail(failed, label, where, f"not run: {why}", _log)
+    a.contenders = [c for c in a.contenders if c in DS_LABELS]
+    a.hetero_contenders = [c for c in a.hetero_contenders if c in DS_LABELS]
 
 
 def _compute_only(setup, results: dict, failed: list, tag: str) -> None:
-    s, err = _attempt(lambda: e2e_runs.run_compute_only(setup, tag))
+    s, err = e2e_sweep.attempt(lambda: e2e_runs.run_compute_only(setup, tag), _log)
     if s is None:
-        _fail(failed, "compute-only", tag.lstrip("-"), f"failed twice ({err}; see {setup.work})")
+        e2e_sweep.fail(
+            failed, "compute-only", tag.lstrip("-"), f"failed twice ({err}; see {setup.work})", _log
+        )
         return
     results["compute"].append(s)
     _log(
-        f"compute-only{tag}: {s['samples_per_s']:.1f} samples/s (sum of the ranks' "
+        f"compute-only{tag}: {s['samples_per_s']:.1f} samples/s (sum of the replicas' "
         f"{[round(x, 1) for x in s['rank_samples_per_s']]}), t_mb {[round(t, 4) for t in s['t_mb']]}, "
         f"load {s['load_before']:.1f}->{s['load_after']:.1f}"
     )
@@ -267,7 +198,7 @@ def run_all(a) -> dict:
         grad_accum=a.grad_accum,
         world=a.world_size,
         threads=a.threads,
-        seed=a.seed,
+        seed=a.seeds[0],
         bf16=a.bf16,
         nice=a.nice,
     )
@@ -275,11 +206,12 @@ def run_all(a) -> dict:
         "command": shlex.join([sys.executable, *sys.argv]) if sys.argv else "bench_e2e",
         "machine": machine_info(),
         "setup": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(setup).items()},
-        "repeats": a.repeats,
+        "seeds": a.seeds,
+        "repeats": len(a.seeds),
         "bound_loop": " ".join(e2e_runs.BOUND_LOOP),
         "ds_settings": {
             c: build_config(c, setup.knobs("fixed"))["zero_optimization"]
-            for c in ("zero1", "zero2")
+            for c in DS_LABELS
             if c in a.contenders + a.hetero_contenders
         },
         "rates": {},
@@ -288,7 +220,7 @@ def run_all(a) -> dict:
     }
     for label, zero in results["ds_settings"].items():
         _log(f"{label} settings: {json.dumps(zero)}")
-    _log(f"work folder {work}; model {setup.n_params / 1e6:.2f}M params")
+    _log(f"work folder {work}; model {setup.n_params / 1e6:.2f}M params; seeds {a.seeds}")
 
     def bound(tag: str) -> None:
         _compute_only(setup, results, failed, tag)
@@ -297,27 +229,31 @@ def run_all(a) -> dict:
     if not results["compute"]:
         return results  # nothing to measure against; main reports the failure
     for rate in a.rates:
-        comm, err = _attempt(lambda rate=rate: e2e_runs.run_comm_probe(setup, rate))
+        comm, err = e2e_sweep.attempt(lambda rate=rate: e2e_runs.run_comm_probe(setup, rate), _log)
         if comm is None:
             why = (
                 f"the comm-only probe at {rate} failed twice ({err}; see {setup.work}): not run at this rate"
             )
             for label in a.contenders:
-                _fail(failed, label, rate, why)
+                e2e_sweep.fail(failed, label, rate, why, _log)
             continue
         parts = ", ".join(f"{k[:-2]} {comm[k]:.3f}" for k in ("rs_ag_s", "ar_ag_s", "p2p_ag_s") if k in comm)
         _log(f"{rate}: T_comm {comm['t_comm_s']:.3f} s ({parts})")
-        results["rates"][rate] = {
-            "comm": comm,
-            "runs": _round_robin(
-                setup,
-                a.contenders,
-                rate,
-                a.repeats,
-                failed,
-                after_repeat=None if a.quick else lambda rep, rate=rate: bound(f"-{rate}-r{rep}"),
-            ),
-        }
+
+        def one(label, seed, rate=rate):
+            return e2e_runs.run_contender(setup, label, rate, None, f"/s{seed}", seed)
+
+        rounds = e2e_sweep.seed_rounds(one, a.contenders, a.seeds, failed, rate, _log)
+        block = dict(e2e_sweep.rate_block(rounds), comm=comm)
+        if not a.no_budget and "acco-adaptive" in rounds:
+
+            def at_budget(seed, schedule, rate=rate):
+                return e2e_runs.run_contender(setup, "acco-adaptive", rate, None, f"/s{seed}", seed, schedule)
+
+            block["budget"] = e2e_sweep.budget_runs(setup, block, rate, failed, _log, at_budget)
+        results["rates"][rate] = block
+        if not a.quick:
+            bound(f"-{rate}")
     if not a.quick:
         bound("-end")
     if a.hetero_rate != "off" and a.hetero_contenders and a.slow_factor > 1:
@@ -330,20 +266,23 @@ def run_all(a) -> dict:
         _log(
             f"heterogeneous: link {rate}, rank {a.slow_rank} +{1000 * extra:.1f} ms of compute per micro-batch"
         )
-        runs = _round_robin(setup, a.hetero_contenders, rate, a.repeats, failed, slow=slow, tag="-hetero")
-        results["hetero"] = {
-            "rate": rate,
-            "slow_rank": a.slow_rank,
-            "slow_factor": a.slow_factor,
-            "extra_s": extra,
-            "runs": runs,
-        }
+
+        def slowed(label, seed, rate=rate):
+            return e2e_runs.run_contender(setup, label, rate, slow, f"-hetero/s{seed}", seed)
+
+        rounds = e2e_sweep.seed_rounds(slowed, a.hetero_contenders, a.seeds, failed, f"{rate}-hetero", _log)
+        results["hetero"] = dict(
+            e2e_sweep.rate_block(rounds),
+            rate=rate,
+            slow_rank=a.slow_rank,
+            slow_factor=a.slow_factor,
+            extra_s=extra,
+        )
     return results
 
 
 def failure_summary(results: dict) -> str:
-    """One line per run that could not run (empty when every run did), naming the contender."""
-    return "\n".join(f"  {f['label']} ({f['where']}): {f['why']}" for f in results.get("failed", []))
+    return e2e_sweep.failure_summary(results)
 
 
 def report(results: dict, out: Path, prefix: str) -> str:

@@ -2,7 +2,7 @@
 
 ``plot_all(results, analysis, out_dir, prefix)`` writes:
 - ``<prefix>_throughput.png``: samples/s per contender against the link rate (the compute-only
-  bound as a line), and the steps/s ratio to ZeRO-1;
+  bound as a line), and the steps/s ratio to ZeRO-1 (best-of-seeds figures);
 - ``<prefix>_loss.png``: training loss (trailing average) against wall time, one panel per rate;
 - ``<prefix>_hetero.png``: samples/s per rank and overall in the heterogeneous case.
 Returns the paths written.
@@ -17,7 +17,7 @@ import e2e_env
 from acco_ds.cli.metrics import smoothed_loss
 
 
-def _plt():
+def pyplot():
     import matplotlib
 
     matplotlib.use("Agg")
@@ -26,34 +26,40 @@ def _plt():
     return plt
 
 
-def _throughput(results, an, path):
-    plt = _plt()
+def throughput_axes(a, b, results: dict, an: dict) -> None:
+    """Samples/s per contender against the link rate (the compute-only bound as a line) into axes
+    ``a``, the steps/s ratio to ZeRO-1 into ``b`` (best-of-seeds figures). Also bench_topology's."""
     rates = sorted(an["tables"], key=e2e_env.rate_mbit)
     xs = list(range(len(rates)))
     labels = sorted(
         {lbl for t in an["tables"].values() for lbl in t},
         key=lambda x: list(an["tables"][rates[0]]).index(x) if x in an["tables"][rates[0]] else 99,
     )
-    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
     for lbl in labels:
         pts = [(x, an["tables"][r][lbl]) for x, r in zip(xs, rates) if lbl in an["tables"][r]]
         a.plot([p[0] for p in pts], [p[1]["samples_per_s"] for p in pts], marker="o", label=lbl)
         b.plot([p[0] for p in pts], [p[1]["x_steps"] or 0 for p in pts], marker="o", label=lbl)
     a.axhline(an["compute_only"]["samples_per_s"], color="k", ls="--", label="compute-only bound")
     b.axhline(1.5, color="grey", ls=":", label="fixed-ACCO limit 1.5x")
-    for ax, title in ((a, "samples/s (all ranks)"), (b, "optimizer steps/s / ZeRO-1's")):
+    for ax, title in ((a, "samples/s (all replicas, best of seeds)"), (b, "optimizer steps/s / ZeRO-1's")):
         ax.set_xticks(xs, [f"{r}\n{results['rates'][r]['comm']['t_comm_s']:.2f}s" for r in rates])
         ax.set_xlabel("link rate (T_comm of one round)")
         ax.set_title(title)
         ax.grid(alpha=0.3)
     a.legend(fontsize=8)
+
+
+def _throughput(results, an, path):
+    plt = pyplot()
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
+    throughput_axes(a, b, results, an)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
 def _loss(results, an, path):
-    plt = _plt()
+    plt = pyplot()
     rates = sorted(results["rates"], key=e2e_env.rate_mbit)
     fig, axes = plt.subplots(1, len(rates), figsize=(4 * len(rates), 3.8), squeeze=False)
     for ax, rate in zip(axes[0], rates):
@@ -80,7 +86,7 @@ def _loss(results, an, path):
 
 
 def _hetero(an, path):
-    plt = _plt()
+    plt = pyplot()
     h = an["hetero"]
     labels = list(h["rows"])
     world = len(next(iter(h["rows"].values()))["rank_samples_per_s"])

@@ -1,11 +1,17 @@
 """The runs of bench_e2e: one contender at one link rate, the compute-only bound, the comm-only probe.
 
 Contract: every run is launched with the DeepSpeed launcher exactly as ``acco-train`` launches
-its ranks (``acco_ds.cli.launch``), inside the throttled namespace of ``e2e_env.wrap(rate)``, with
-the same model, data, seed, micro-batch, accumulation, dtype and threads per rank for every
-contender (``Setup``). Each run's files go to ``<work>/<rate>[-hetero]/r<repeat>/<label>/``
-(the compute-only bound's to ``<work>/compute<tag>/rank<r>/``); the functions return the merged figures (``acco_ds.cli.metrics``) plus the load average of the
-machine before and after the run (these machines are shared: a high load flags a noisy figure).
+its ranks (``acco_ds.cli.launch``), inside the throttled namespace of ``e2e_env.wrap(rate)`` (or
+by the ``run`` given to ``launch_and_summarize``: bench_topology's two nodes), with the same
+model, data, micro-batch, accumulation, dtype and threads per rank for every contender
+(``Setup``), and the seed given (it fixes the initialisation and the data order: the same seed
+gives every contender the same micro-batches in the same order). Each run's files go to
+``<work>/<rate>[-hetero]/s<seed>/<label>/`` (runs at the token budget: ``.../<label>-budget/``;
+the compute-only bound's to ``<work>/compute<tag>/rank<r>/`` or ``replica<r>/``); the functions
+return the merged figures (``acco_ds.cli.metrics``) plus the load average of the machine before
+and after the run (these machines are shared: a high load flags a noisy figure). With tensor
+parallelism (``Setup.tp`` > 1) the records are those of one rank per data-parallel replica (its
+tensor-parallel peers repeat them) and ``peak_mem_mib`` lists every rank.
 A run that finished is saved as ``bench_run.json`` (``comm.json`` for the probe) and reused when
 the same work folder is given again, so an interrupted sweep resumes.
 """
@@ -41,6 +47,7 @@ def _port() -> int:
 # contender label -> (mode, accumulation)
 CONTENDERS = {
     "zero1": ("zero1", "fixed"),
+    "zero1-overlap": ("zero1-overlap", "fixed"),
     "zero2": ("zero2", "fixed"),
     "sync": ("sync", "fixed"),
     "dpu": ("dpu", "fixed"),
@@ -69,23 +76,66 @@ class Setup:
     warmup_lr_steps: int = 10
     timeout_s: float = 1200.0
     nice: int = 0  # scheduling priority of every run's ranks (same for every contender)
+    tp: int = 1  # tensor-parallel size (AutoTP; world / tp data-parallel replicas)
+    eval_windows: int = 128
 
-    def knobs(self, accumulation: str) -> dsconfig.Knobs:
+    @property
+    def dp_world(self) -> int:
+        return self.world // self.tp
+
+    def knobs(
+        self, accumulation: str, steps: int | None = None, warmup_lr: int | None = None
+    ) -> dsconfig.Knobs:
+        """The DeepSpeed knobs; ``steps``/``warmup_lr`` set another LR schedule (budget runs)."""
         return dsconfig.Knobs(
             micro_batch=self.micro_batch,
             grad_accum=self.grad_accum,
             world_size=self.world,
             lr=self.lr,
             min_lr=self.min_lr,
-            warmup_steps=self.warmup_lr_steps,
-            total_steps=self.steps,
+            warmup_steps=self.warmup_lr_steps if warmup_lr is None else warmup_lr,
+            total_steps=self.steps if steps is None else steps,
             bf16=self.bf16,
             accumulation=accumulation,
             num_params=self.n_params,
+            tp=self.tp,
         )
 
+    @property
+    def budget_samples(self) -> int:
+        """The token budget of framing (b): the samples a fixed-accumulation contender computes in
+        ``steps`` optimizer steps (steps x GAS x micro-batch x data-parallel replicas)."""
+        return self.steps * self.grad_accum * self.micro_batch * self.dp_world
 
-def _spec(setup: Setup, run_dir: Path, label: str, mode: str, acc: str, cfg: dict, slow: dict) -> RunSpec:
+
+def budget_schedule(setup: Setup, samples_per_step: float) -> dict:
+    """Adaptive ACCO's run at the token budget: ``steps`` = the budget over the global samples per
+    optimizer step it made at that link in its ``setup.steps``-step run of the same seed (at least
+    3), with the LR schedule (linear warm-up, cosine decay) compressed to those steps: warm-up
+    ``round(warmup_lr_steps x steps / setup.steps)`` (at least 1, below ``steps``), decay to the
+    last step. So its schedule ends inside the budget instead of being cut off in warm-up."""
+    budget = setup.budget_samples
+    steps = max(3, round(budget / samples_per_step)) if samples_per_step > 0 else setup.steps
+    warm = min(steps - 1, max(1, round(setup.warmup_lr_steps * steps / setup.steps)))
+    return {
+        "budget_samples": budget,
+        "samples_per_step": samples_per_step,
+        "steps": steps,
+        "warmup_lr_steps": warm,
+    }
+
+
+def _spec(
+    setup: Setup,
+    run_dir: Path,
+    label: str,
+    mode: str,
+    acc: str,
+    cfg: dict,
+    slow: dict,
+    seed: int | None = None,
+    steps: int | None = None,
+) -> RunSpec:
     return RunSpec(
         name=label,
         mode=mode,
@@ -93,15 +143,16 @@ def _spec(setup: Setup, run_dir: Path, label: str, mode: str, acc: str, cfg: dic
         run_dir=str(run_dir),
         model=setup.model,
         ds_config=cfg,
-        steps=setup.steps,
+        steps=setup.steps if steps is None else steps,
         micro_batch=setup.micro_batch,
         grad_accum=setup.grad_accum,
-        seed=setup.seed,
+        seed=setup.seed if seed is None else seed,
         threads=setup.threads,
-        eval_windows=128,
+        eval_windows=setup.eval_windows,
         progress=False,
         slow_rank=slow.get("rank", -1),
         slow_extra_s=slow.get("extra_s"),
+        tp=setup.tp,
     )
 
 
@@ -121,20 +172,22 @@ def _run_spec(setup: Setup, spec: RunSpec, rate: str, world: int | None = None) 
     )
 
 
-def _launch(setup: Setup, spec: RunSpec, rate: str) -> dict:
-    """Run one spec (or reuse ``bench_run.json`` of a run that finished in this work folder: an
-    interrupted sweep resumes where it stopped when given the same ``--work``)."""
+def launch_and_summarize(setup: Setup, spec: RunSpec, rate: str, run=None) -> dict:
+    """Run one spec with ``run(setup, spec, rate)`` (default: all ranks in the throttled namespace
+    of ``rate``) and return its figures; or reuse ``bench_run.json`` of a run that finished in this
+    work folder (an interrupted sweep resumes where it stopped when given the same ``--work``)."""
     run_dir = Path(spec.run_dir)
     cached = run_dir / "bench_run.json"
     if cached.exists():
         return json.loads(cached.read_text())
     load0 = os.getloadavg()[0]
     t = time.perf_counter()
-    _run_spec(setup, spec, rate)
+    (run or _run_spec)(setup, spec, rate)
     wall = time.perf_counter() - t
     logs, ranks = read_ranks(run_dir, setup.world)
-    records = merge_ranks(logs, setup.micro_batch)
-    s = summarize(records, ranks, warmup=setup.warmup, micro_batch=setup.micro_batch)
+    records = merge_ranks(logs[:: setup.tp], setup.micro_batch)
+    s = summarize(records, ranks[:: setup.tp], warmup=setup.warmup, micro_batch=setup.micro_batch)
+    s["peak_mem_mib"] = [r["peak_mem_mib"] for r in ranks]
     s.update(
         label=spec.name,
         rate=rate,
@@ -148,12 +201,41 @@ def _launch(setup: Setup, spec: RunSpec, rate: str) -> dict:
     return s
 
 
-def run_contender(setup: Setup, label: str, rate: str, slow: dict | None = None, tag: str = "") -> dict:
-    """One training run of ``label`` (a key of CONTENDERS) on a link of ``rate``."""
+def contender_spec(
+    setup: Setup,
+    label: str,
+    rate: str,
+    slow: dict | None = None,
+    tag: str = "",
+    seed: int | None = None,
+    schedule: dict | None = None,
+) -> RunSpec:
+    """The spec of one run of ``label`` (a key of CONTENDERS); ``schedule`` (``budget_schedule``):
+    a run at the token budget, its steps and LR schedule set by it (folder ``<label>-budget``)."""
     mode, acc = CONTENDERS[label]
-    cfg = dsconfig.build_config(mode, setup.knobs(acc))
-    run_dir = setup.work / f"{rate}{tag}" / label
-    return _launch(setup, _spec(setup, run_dir, label, mode, acc, cfg, slow or {}), rate)
+    steps = warm = None
+    if schedule:
+        steps, warm = schedule["steps"], schedule["warmup_lr_steps"]
+    cfg = dsconfig.build_config(mode, setup.knobs(acc, steps, warm))
+    run_dir = setup.work / f"{rate}{tag}" / (f"{label}-budget" if schedule else label)
+    return _spec(setup, run_dir, label, mode, acc, cfg, slow or {}, seed, steps)
+
+
+def run_contender(
+    setup: Setup,
+    label: str,
+    rate: str,
+    slow: dict | None = None,
+    tag: str = "",
+    seed: int | None = None,
+    schedule: dict | None = None,
+) -> dict:
+    """One training run of ``label`` on a link of ``rate`` (all ranks in one throttled namespace)."""
+    spec = contender_spec(setup, label, rate, slow, tag, seed, schedule)
+    s = launch_and_summarize(setup, spec, rate)
+    if schedule:
+        s["schedule"] = schedule
+    return s
 
 
 # The loop of the compute-only bound: acco_ds in dpu mode (one round per optimizer step, the round's
@@ -161,35 +243,48 @@ def run_contender(setup: Setup, label: str, rate: str, slow: dict | None = None,
 BOUND_LOOP = ("dpu", "fixed")
 
 
+def bound_steps(setup: Setup) -> int:
+    """Optimizer steps of a compute-only run: the contenders' steps, but at least 3 x warm-up + 6,
+    so that on a loaded machine, where one replica can run 1.5x slower than the other, the window
+    in which every replica is past its warm-up and none has finished still holds several steps
+    (the bound is a rate: a longer run only sharpens it)."""
+    return max(setup.steps, 3 * setup.warmup + 6)
+
+
 def run_compute_only(setup: Setup, tag: str) -> dict:
     """The compute-only bound: the training loop of the contenders with the communication removed.
 
-    Every rank r runs as its own one-rank acco_ds job (``BOUND_LOOP``): the same worker, DeepSpeed
-    engine, model, micro-batches of rank r, accumulation, dtype, threads and LR schedule, the same
+    Every data-parallel replica r runs as its own acco_ds job (``BOUND_LOOP``) of ``setup.tp``
+    ranks (one rank without tensor parallelism; with it, the replica's tensor-parallel group keeps
+    its collectives, on the loopback of a private namespace, as on one node): the same worker,
+    DeepSpeed engine, model, micro-batches of replica r, accumulation, dtype, threads and LR
+    schedule (over ``bound_steps`` steps), the same
     ``loss = engine(x, y); engine.backward(loss); engine.step()`` loop with the gradients
     accumulated into ACCO's flat buffer, and at each round end ACCO's round job on its
     communication thread (the sharded AdamW over the whole model - a shard of W ranks is 1/W of
-    it - and the reduce-scatter / all-gather of a one-rank group, which move no byte between
-    ranks). The W jobs run concurrently (all ranks share the machine as in a contender run) and
-    start training together through a start gate. Bound = the sum over ranks of each rank's
-    samples/s over the window where every rank is past its warm-up and none has finished: each
-    rank at its own pace, so a rank the machine slows does not cap the others (a merged figure
-    "global samples / slowest rank's time" would be W x the slowest rank, which adaptive
+    it - and the reduce-scatter / all-gather of a one-replica group, which move no byte between
+    replicas). The jobs run concurrently (all ranks share the machine as in a contender run) and
+    start training together through a start gate. Bound = the sum over replicas of each one's
+    samples/s over the window where every replica is past its warm-up and none has finished: each
+    at its own pace, so a replica the machine slows does not cap the others (a merged figure
+    "global samples / slowest replica's time" would be W x the slowest one, which adaptive
     accumulation legitimately beats). Returns the summary with ``samples_per_s`` (the bound),
-    ``rank_samples_per_s``, ``t_mb`` (median seconds of one micro-batch per rank) and the ranks'
-    records."""
+    ``rank_samples_per_s`` (per replica), ``t_mb`` (median seconds of one micro-batch per replica)
+    and the replicas' records."""
     run_dir = setup.work / f"compute{tag}"
     cached = run_dir / "bench_run.json"
     if cached.exists():
         return json.loads(cached.read_text())
     mode, acc = BOUND_LOOP
-    knobs = dataclasses.replace(setup.knobs(acc), world_size=1)
+    steps = bound_steps(setup)
+    knobs = dataclasses.replace(setup.knobs(acc, steps), world_size=setup.tp)
     cfg = dsconfig.build_config(mode, knobs)
     gate = run_dir / "gate"
     shutil.rmtree(gate, ignore_errors=True)
     specs = []
-    for r in range(setup.world):
-        spec = _spec(setup, run_dir / f"rank{r}", f"compute-only-rank{r}", mode, acc, cfg, {})
+    for r in range(setup.dp_world):
+        name = f"replica{r}" if setup.tp > 1 else f"rank{r}"
+        spec = _spec(setup, run_dir / name, f"compute-only-{name}", mode, acc, cfg, {}, steps=steps)
         spec.data_offset, spec.start_gate, spec.gate_count, spec.eval_windows = r, str(gate), setup.world, 16
         specs.append(spec)
     load0 = os.getloadavg()[0]
@@ -197,20 +292,22 @@ def run_compute_only(setup: Setup, tag: str) -> dict:
 
     def one(spec: RunSpec) -> None:
         try:
-            _run_spec(setup, spec, "none", world=1)
+            _run_spec(setup, spec, "none", world=setup.tp)
         except BaseException:
             gate.mkdir(parents=True, exist_ok=True)
             (gate / "abort").touch()  # the other jobs stop waiting at the gate
             raise
 
-    with ThreadPoolExecutor(setup.world) as pool:
+    with ThreadPoolExecutor(len(specs)) as pool:
         for f in [pool.submit(one, spec) for spec in specs]:
             f.result()
-    s = bound_figures([read_ranks(spec.run_dir, 1)[0][0] for spec in specs], setup.warmup, setup.micro_batch)
+    logs = [read_ranks(spec.run_dir, setup.tp)[0][0] for spec in specs]  # each replica's first rank
+    s = bound_figures(logs, setup.warmup, setup.micro_batch)
+    jobs = f"one-replica jobs of {setup.tp} ranks" if setup.tp > 1 else "one-rank jobs"
     s.update(
         label="compute-only",
         rate="none",
-        loop=f"{mode} {acc}, one-rank jobs",
+        loop=f"{mode} {acc}, {jobs}",
         launch_wall_s=time.perf_counter() - t,
         load_before=load0,
         load_after=os.getloadavg()[0],

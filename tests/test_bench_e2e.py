@@ -1,6 +1,8 @@
 """benchmarks/bench_e2e.py: the throttled-link benchmark keeps working (its --quick run), refuses to
 run without a real throttle instead of faking one, exits non-zero naming any contender that could
-not run, and its compute-only bound sums the ranks' own rates."""
+not run, its compute-only bound sums the ranks' own rates, the same seed gives every contender the
+same data order, and its loss verdicts are paired by seed and made against the seeds' spread, under
+both framings (same steps, same token budget)."""
 
 from __future__ import annotations
 
@@ -18,9 +20,12 @@ sys.path.insert(0, str(BENCH))
 
 import e2e_env  # noqa: E402
 import e2e_runs  # noqa: E402
+import e2e_seeds  # noqa: E402
+import torch  # noqa: E402
 
 from acco_ds.cli.launch import LaunchError  # noqa: E402
 from acco_ds.cli.metrics import merge_ranks, summarize  # noqa: E402
+from acco_ds.data import load_corpus, stream  # noqa: E402
 
 
 def test_rates_are_checked_and_wrapped():
@@ -66,11 +71,20 @@ def test_bound_sums_the_ranks_own_rates():
         e2e_runs.bound_figures([_log(80.0, steps=4), _log(80.0)], warmup=2, micro_batch=8)
 
 
-def _run_summary(label: str, rate: str, ms_per_mb: float) -> dict:
+def _run_summary(
+    label: str, rate: str, ms_per_mb: float, val: float = 2.9, steps: int = 8, gas: int = 4
+) -> dict:
     """What e2e_runs returns for a finished run, from synthetic rank records."""
-    logs = [_log(ms_per_mb), _log(ms_per_mb)]
+    logs = [_log(ms_per_mb, steps, gas), _log(ms_per_mb, steps, gas)]
+    train_s = steps * gas * ms_per_mb / 1000
     ranks = [
-        {"train_s": 3.0, "val_loss": 2.9, "peak_mem_mib": 500.0, "micro_batches_local": 32, "stats": {}}
+        {
+            "train_s": train_s,
+            "val_loss": val,
+            "peak_mem_mib": 500.0,
+            "micro_batches_local": steps * gas,
+            "stats": {},
+        }
         for _ in logs
     ]
     records = merge_ranks(logs, 8)
@@ -81,17 +95,25 @@ def _run_summary(label: str, rate: str, ms_per_mb: float) -> dict:
     return s
 
 
+# synthetic val loss of a (contender, seed): acco's paired gaps to ZeRO-1 are +0.5%, +1.0%, +1.5%
+VAL = {"zero1": [2.80, 2.90, 2.85], "acco": [2.814, 2.929, 2.89275], "acco-adaptive": [2.79, 2.88, 2.80]}
+
+
 @pytest.fixture
 def fake_runs(monkeypatch):
     """bench_e2e with its launches replaced by synthetic results; ``launched`` lists the contender
-    launches and ``failing`` the labels whose launches raise LaunchError."""
+    launches (label, tag, at the budget) and ``failing`` the labels whose launches raise
+    LaunchError. Adaptive ACCO computes twice the micro-batches per step of the others."""
     launched, failing = [], set()
 
-    def contender(setup, label, rate, slow=None, tag=""):
-        launched.append((label, tag))
+    def contender(setup, label, rate, slow=None, tag="", seed=None, schedule=None):
+        launched.append((label, tag, schedule is not None))
         if label in failing:
             raise LaunchError("the ranks exited with status 1 (log: x):\nunknown option")
-        return _run_summary(label, rate, 90.0)
+        val = VAL.get(label, [2.9] * 3)[seed % 3]
+        adaptive = label == "acco-adaptive"
+        steps = schedule["steps"] if schedule else setup.steps
+        return _run_summary(label, rate, 90.0 if label == "zero1" else 60.0, val, steps, 8 if adaptive else 4)
 
     def compute(setup, tag):
         s = e2e_runs.bound_figures([_log(80.0), _log(80.0)], setup.warmup, setup.micro_batch)
@@ -116,17 +138,15 @@ def test_a_contender_that_cannot_run_fails_the_benchmark(fake_runs, tmp_path, ca
     err = capsys.readouterr().err
     assert rc == 1
     assert "acco-adaptive" in err and "could not run" in err and "unknown option" in err
-    assert launched.count(("acco-adaptive", "/r0")) == 2  # retried once, then recorded
+    assert launched.count(("acco-adaptive", "/s0", False)) == 2  # retried once, then recorded
     raw = json.loads((out / "e2e_quick.json").read_text())
     assert "zero1" in raw["results"]["rates"]["200mbit"]["runs"]
     assert {f["label"] for f in raw["results"]["failed"]} == {"acco-adaptive"}
-    assert [f["where"] for f in raw["results"]["failed"]] == [
-        "200mbit repeat 1/1",
-        "200mbit-hetero repeat 1/1",
-    ]
+    assert [f["where"] for f in raw["results"]["failed"]] == ["200mbit seed 0", "200mbit-hetero seed 0"]
     md = (out / "e2e_quick.md").read_text()
-    assert "## Runs that could not run" in md and "| acco-adaptive | 200mbit repeat 1/1 |" in md
-    assert "| every contender and reference run ran | 2 could not: acco-adaptive | MISSED |" in md
+    assert "## Runs that could not run" in md and "| acco-adaptive | 200mbit seed 0 |" in md
+    line = "| every contender and reference run ran | 2 could not: acco-adaptive | MISSED | 2 could not: acco-adaptive | MISSED |"
+    assert line in md
 
 
 def test_unregistered_acco_fails_the_benchmark(fake_runs, monkeypatch, tmp_path, capsys):
@@ -139,10 +159,137 @@ def test_unregistered_acco_fails_the_benchmark(fake_runs, monkeypatch, tmp_path,
     rc = bench_e2e.main(
         ["--quick", "--steps", "8", "--out", str(tmp_path / "r"), "--work", str(tmp_path / "w")]
     )
-    assert rc == 1 and {label for label, _ in launched} == {"zero1"}
+    assert rc == 1 and {label for label, *_ in launched} == {"zero1"}
     err = capsys.readouterr().err
     assert "acco-adaptive (all rates): not run: import acco_ds failed: boom" in err
     assert "acco-adaptive (heterogeneous)" in err
+
+
+def test_seeds_are_paired_and_verdicts_made_against_their_spread(fake_runs, tmp_path):
+    """Three seeds, every contender once per seed, interleaved; loss figures paired by seed; the
+    acco gap (+0.5/+1.0/+1.5%) is met at 2% and 'not shown' at 1.2%; framing (b) runs adaptive ACCO
+    at the token budget with its LR schedule compressed to the steps that budget buys."""
+    import bench_e2e
+    import e2e_report
+
+    launched, _ = fake_runs
+    out = tmp_path / "results"
+    argv = ["--rates", "200mbit", "--contenders", "zero1,acco,acco-adaptive", "--seeds", "0,1,2"]
+    argv += [
+        "--steps",
+        "8",
+        "--warmup",
+        "2",
+        "--hetero-rate",
+        "off",
+        "--out",
+        str(out),
+        "--work",
+        str(tmp_path / "w"),
+    ]
+    assert bench_e2e.main(argv) == 0
+    fixed = [(label, tag) for label, tag, budget in launched if not budget]
+    assert fixed == [(c, f"/s{s}") for s in range(3) for c in ("zero1", "acco", "acco-adaptive")]
+    raw = json.loads((out / "e2e.json").read_text())
+    block = raw["results"]["rates"]["200mbit"]
+    assert [r["seed"] for r in block["seeds"]["acco"]] == [0, 1, 2]
+    assert len(block["runs"]["acco"]["repeats"]) == 3  # the seeds double as the throughput repeats
+    row = raw["analysis"]["tables"]["200mbit"]["acco"]
+    gap = row["paired"]["val_gap"]
+    assert gap["values"] == pytest.approx([0.005, 0.010, 0.015])  # paired by seed, not by sorted value
+    assert e2e_seeds.verdict_within(gap, -0.02, 0.02) == "met"
+    assert e2e_seeds.verdict_within(gap, -0.012, 0.012).startswith("not shown")
+    assert e2e_seeds.verdict_within(gap, -0.004, 0.004) == "MISSED"
+    # framing (b): the budget is the fixed contenders' samples; adaptive makes twice the samples per
+    # step, so it runs half the steps (4) at the budget, with warm-up round(10 x 4 / 8) capped below 4
+    budget = [(label, tag) for label, tag, b in launched if b]
+    assert budget == [("acco-adaptive", f"/s{s}") for s in range(3)]
+    brow = raw["analysis"]["budget"]["200mbit"]
+    assert brow["samples"] == 8 * 4 * 8 * 2
+    ad = brow["rows"]["acco-adaptive"]
+    assert ad["steps"]["values"] == [4, 4, 4] and ad["samples"]["values"] == [512] * 3
+    assert ad["schedule"][0] == {
+        "budget_samples": 512,
+        "samples_per_step": 128.0,
+        "steps": 4,
+        "warmup_lr_steps": 3,
+    }
+    assert brow["rows"]["zero1"]["steps"]["values"] == [8, 8, 8]
+    md = (out / "e2e.md").read_text()
+    assert "## Framing (a)" in md and "## Framing (b)" in md and "(3 seeds)" in md
+    assert "| acco fixed val loss within 2% of ZeRO-1 (same samples) |" in md
+    goals = {g["goal"]: g for g in raw["analysis"]["goals"]}
+    assert goals["acco fixed val loss within 2% of ZeRO-1 (same samples)"]["a"][1] == "met"
+    assert (
+        "+1.00% [+0.50%, +1.50%] (3 seeds)"
+        in goals["acco fixed val loss within 2% of ZeRO-1 (same samples)"]["a"][0]
+    )
+    # a planted unpaired analysis (seeds shuffled) would change the gaps: the pairing is by seed key
+    shuffled = dict(block, seeds=dict(block["seeds"], acco=block["seeds"]["acco"][::-1]))
+    comp = e2e_report.compute_only(raw["results"])
+    again = e2e_report.analyse_rate(shuffled, comp, 4, 2)["acco"]["paired"]["val_gap"]
+    assert again["values"] == pytest.approx([0.005, 0.010, 0.015])
+
+
+def test_budget_schedule_ends_inside_the_budget():
+    setup = e2e_runs.Setup(
+        work=Path("w"), model={}, n_params=1, steps=40, warmup=5, micro_batch=8, grad_accum=4, world=2,
+        threads=1, seed=0, bf16=False,
+    )  # fmt: skip
+    assert setup.budget_samples == 2560
+    # 50 Mbit in the committed sweep: adaptive made 15616 samples in 40 steps
+    sch = e2e_runs.budget_schedule(setup, 15616 / 40)
+    assert sch["steps"] == 7 and sch["warmup_lr_steps"] == 2
+    knobs = setup.knobs("adaptive", sch["steps"], sch["warmup_lr_steps"])
+    assert (knobs.total_steps, knobs.warmup_steps) == (7, 2)
+    assert e2e_runs.budget_schedule(setup, 2560 / 40)["steps"] == 40  # the fixed contenders' own pace
+    assert e2e_runs.budget_schedule(setup, 10**6)["steps"] == 3  # never fewer than 3 steps
+
+
+def test_the_same_seed_gives_every_contender_the_same_data_order(tmp_path):
+    """The specs bench_e2e launches carry the seed they are given, for every contender, the
+    heterogeneous and the budget runs alike, and the data loader the worker reads them with
+    (``acco_ds.data.stream(train, context, micro_batch, spec.seed, rank + spec.data_offset)``) then
+    gives every contender the same micro-batches in the same order; another seed another order."""
+    corpus = load_corpus()
+    setup = e2e_runs.Setup(
+        work=tmp_path, model={"context": 32}, n_params=1000, steps=8, warmup=2, micro_batch=4, grad_accum=2,
+        world=2, threads=1, seed=0, bf16=False,
+    )  # fmt: skip
+    sch = e2e_runs.budget_schedule(setup, 40.0)
+    orders = {}
+    for seed in (0, 1, 2):
+        specs = [
+            e2e_runs.contender_spec(setup, c, "200mbit", None, f"/s{seed}", seed) for c in e2e_runs.CONTENDERS
+        ]
+        specs.append(e2e_runs.contender_spec(setup, "acco-adaptive", "200mbit", None, f"/s{seed}", seed, sch))
+        specs.append(
+            e2e_runs.contender_spec(setup, "zero1", "200mbit", {"rank": 1, "extra_s": 0.1}, "-hetero", seed)
+        )
+        assert {(s.seed, s.data_offset, s.tp, s.micro_batch) for s in specs} == {(seed, 0, 1, 4)}
+        for rank in range(setup.world):
+            per = []
+            for spec in specs:
+                it = stream(corpus.train, 32, spec.micro_batch, spec.seed, rank // spec.tp + spec.data_offset)
+                per.append(torch.stack([next(it)[0] for _ in range(12)]))
+            assert all(torch.equal(per[0], x) for x in per[1:])
+            orders[seed, rank] = per[0]
+    assert not torch.equal(orders[0, 0], orders[1, 0]) and not torch.equal(orders[1, 0], orders[2, 0])
+    assert not torch.equal(orders[0, 0], orders[0, 1])  # the ranks read different data
+
+
+def test_seed_statistics():
+    s = e2e_seeds.spread([1.0, 2.0, 3.0])
+    assert (s["n"], s["mean"], s["min"], s["max"]) == (3, 2.0, 1.0, 3.0) and s["sd"] == pytest.approx(1.0)
+    assert e2e_seeds.fmt(s, ".1f") == "2.0 [1.0, 3.0] (3 seeds)"
+    assert e2e_seeds.verdict_at_most(s, 3.0) == "met" and e2e_seeds.verdict_at_most(s, 1.5) == "MISSED"
+    assert e2e_seeds.verdict_at_most(s, 2.5).startswith("not shown")
+    never = e2e_seeds.spread([0.7, float("inf"), 0.6])  # a seed that never reached the target
+    assert never["n_inf"] == 1 and e2e_seeds.verdict_at_most(never, 0.75) == "MISSED"
+    assert "not reached" in e2e_seeds.fmt(never, ".2f")
+    one = e2e_seeds.spread([0.01])
+    assert e2e_seeds.verdict_within(one, -0.02, 0.02).startswith("indicative: met (1 seed")
+    assert e2e_seeds.paired({0: 1.0, 1: 2.0}, {1: 4.0, 2: 8.0}, lambda a, b: a / b) == {1: 0.5}
 
 
 def test_quick_benchmark_runs(tmp_path):
@@ -183,8 +330,18 @@ def test_quick_benchmark_runs(tmp_path):
     assert set(runs) == {"zero1", "acco-adaptive"}
     assert runs["zero1"]["steps"] == 6 and runs["zero1"]["samples_per_s"] > 0
     assert runs["acco-adaptive"]["steps"] == 6 and runs["acco-adaptive"]["samples_per_s"] > 0
-    goals = {g[0]: g[2] for g in raw["analysis"]["goals"]}
+    assert raw["results"]["seeds"] == [0] and len(rate["seeds"]["zero1"]) == 1
+    goals = {g["goal"]: g for g in raw["analysis"]["goals"]}
     assert "acco adaptive samples/s >= 90% of compute-only at every rate" in goals
+    # framing (b): adaptive at the budget of 6 x 4 x 8 x 2 samples, in the steps that budget buys
+    ad = raw["analysis"]["budget"]["200mbit"]["rows"]["acco-adaptive"]
+    assert raw["analysis"]["budget"]["200mbit"]["samples"] == 384
+    (run,) = rate["budget"]["runs"]
+    if run["how"] == "budget run":  # adaptive computed more than 5% over the budget in its 6 steps
+        assert (
+            run["steps"] == run["schedule"]["steps"] < 6 and run["samples"] < runs["acco-adaptive"]["samples"]
+        )
+    assert ad["val"]["n"] == 1 and "## Framing (b)" in md
     het = raw["analysis"]["hetero"]["rows"]
     assert set(het) == {"zero1", "acco-adaptive"}
     assert het["zero1"]["slow_extra_s"][1] > 0 and het["zero1"]["slow_extra_s"][0] == 0
