@@ -76,8 +76,9 @@ def test_console_script_is_declared():
 
 # -- the equations -----------------------------------------------------------------------------------
 # 2 nodes x 8 GPUs, tp 2: 4 data-parallel ranks per node, W = 8; 8B parameters -> 4B per GPU, bf16:
-# B = 8e9 bytes. Reduce-scatter: intra 3/4 x 8e9 / 100e9 = 0.06 s, inter (n=2) 1/2 x 8e9 / 50e9 =
-# 0.08 s -> 0.14 s; all-gather 0.14 s; all-reduce 0.28 s. Shard 4e9/8 = 5e8 parameters at 2e12 B/s:
+# B = 8e9 bytes. Reduce-scatter: intra 3/4 x 8e9 / 100e9 = 0.06 s, inter (n=2) 1/2 x 8e9 / (50e9 / 2)
+# = 0.16 s (the node's 2 data-parallel groups, one per tensor-parallel rank, share its network)
+# -> 0.22 s; all-gather 0.22 s; all-reduce 0.44 s. Shard 4e9/8 = 5e8 parameters at 2e12 B/s:
 # commit 28 B -> 7 ms, peek 16 B -> 4 ms, DeepSpeed 40 B -> 10 ms. t_mb 50 ms, GAS 4: t_c = 0.2 s.
 COMM_BOUND = PlanInputs(
     params=8e9,
@@ -95,15 +96,15 @@ COMM_BOUND = PlanInputs(
     reduce_bucket=5e8,
 )
 HAND = {
-    "zero1": 0.2 + 0.28 + 0.010 + 0.14,
-    # 8 buckets, backward 2/3 x 50 ms: exposed max(0.28/8, 0.28 - 0.05 x 2/3 x 7/8)
-    "zero1-overlap": 0.2 + (0.28 - 0.05 * 2 / 3 * 7 / 8) + 0.010 + 0.14,
-    "zero2": 4 * (0.05 + 0.28 - 0.05 * 2 / 3 * 7 / 8) + 0.010 + 0.14,
-    "sync": 0.2 + 0.14 + 0.007 + 0.14,
-    "dpu": max(0.2, 0.287),
-    "acco": max(0.1, 0.284) + max(0.1, 0.287),
-    # rounds of ceil(0.284 / 0.05) = 6 and ceil(0.287 / 0.05) = 6 micro-batches
-    "acco-adaptive": 12 * 0.05,
+    "zero1": 0.2 + 0.44 + 0.010 + 0.22,
+    # 8 buckets, backward 2/3 x 50 ms: exposed max(0.44/8, 0.44 - 0.05 x 2/3 x 7/8)
+    "zero1-overlap": 0.2 + (0.44 - 0.05 * 2 / 3 * 7 / 8) + 0.010 + 0.22,
+    "zero2": 4 * (0.05 + 0.44 - 0.05 * 2 / 3 * 7 / 8) + 0.010 + 0.22,
+    "sync": 0.2 + 0.22 + 0.007 + 0.22,
+    "dpu": max(0.2, 0.447),
+    "acco": max(0.1, 0.444) + max(0.1, 0.447),
+    # rounds of ceil(0.444 / 0.05) = 9 and ceil(0.447 / 0.05) = 9 micro-batches
+    "acco-adaptive": 18 * 0.05,
 }
 
 
@@ -111,13 +112,13 @@ def test_each_contender_against_a_hand_computed_case():
     plan = predict(COMM_BOUND)
     d = plan.derived
     assert d["dp_world"] == 8 and d["params_per_gpu"] == 4e9
-    assert d["rs_phases"] == pytest.approx({"intra_s": 0.06, "inter_s": 0.08})
-    assert d["all_reduce_s"] == pytest.approx(0.28)
+    assert d["rs_phases"] == pytest.approx({"intra_s": 0.06, "inter_s": 0.16})
+    assert d["all_reduce_s"] == pytest.approx(0.44)
     assert d["opt_commit_s"] == pytest.approx(0.007) and d["opt_peek_s"] == pytest.approx(0.004)
-    assert d["comm_compute_ratio"] == pytest.approx(0.287 / 0.2)
+    assert d["comm_compute_ratio"] == pytest.approx(0.447 / 0.2)
     for name in CONTENDERS:
         assert plan.row(name).step_s == pytest.approx(HAND[name], rel=1e-12), name
-    assert plan.row("acco-adaptive").micro_batches_per_step == 12
+    assert plan.row("acco-adaptive").micro_batches_per_step == 18
     # adaptive never waits: samples/s is the compute-only rate W x micro-batch / t_mb
     assert plan.row("acco-adaptive").samples_per_s == pytest.approx(8 * 2 / 0.05)
     assert plan.row("acco").samples_per_s == pytest.approx(8 * 2 * 4 / HAND["acco"])
@@ -146,7 +147,7 @@ def test_latency_terms_and_a_compute_bound_case():
 def test_cpu_accelerator_overlaps_nothing_in_deepspeed():
     cpu = predict(PlanInputs(**{**COMM_BOUND.__dict__, "accelerator": "cpu"}))
     assert cpu.row("zero1-overlap").step_s == pytest.approx(cpu.row("zero1").step_s)
-    assert cpu.row("zero2").step_s == pytest.approx(4 * (0.05 + 0.28) + 0.15)
+    assert cpu.row("zero2").step_s == pytest.approx(4 * (0.05 + 0.44) + 0.23)
     assert cpu.row("acco").step_s == pytest.approx(HAND["acco"])  # acco_ds overlaps with a thread
 
 
@@ -271,11 +272,11 @@ def _rec(**kw):
 
 
 def test_recommendation_follows_the_rules():
-    r = _rec(t_micro_batch=0.5)  # round's comm 0.287 s < half of 2 s: fixed ACCO hides it
+    r = _rec(t_micro_batch=0.5)  # round's comm 0.447 s < half of 2 s: fixed ACCO hides it
     assert (r["mode"], r["accumulation"], r["gas"]) == ("acco", "fixed", 4) and "fits in half" in r["reason"]
-    r = _rec()  # comm 0.287 s > 0.1 s: adaptive, fixed alternative with the GAS that covers the round
+    r = _rec()  # comm 0.447 s > 0.1 s: adaptive, fixed alternative with the GAS that covers the round
     assert (r["mode"], r["accumulation"]) == ("acco", "adaptive")
-    assert "--gas 12" in r["alternative"]  # 2 x ceil(0.287 / 0.05)
+    assert "--gas 18" in r["alternative"]  # 2 x ceil(0.447 / 0.05)
     r = _rec(t_micro_batch=50.0)  # communication negligible
     assert r["mode"].startswith("zero1") and "below the 5%" in r["reason"]
     r = _rec(gpu_memory=10 * 2**30)  # ACCO's model states (4e9 x ~8 B) do not fit

@@ -158,8 +158,10 @@ def adaptive_round_micro_batches(k: int, comm_s: float, t_mb: float) -> int:
 def _derived(i: PlanInputs) -> dict:
     D, C = DTYPE_SIZE[i.param_dtype], DTYPE_SIZE[i.comm_dtype]
     W = i.dp_world
+    # the tp tensor-parallel ranks of a node each run their own data-parallel collectives at the
+    # same time, through the same network: each data-parallel group gets bw_node / tp of it
     topo = Topology(
-        i.nodes, i.gpus_per_node // i.tp, i.intra_bw, i.intra_latency, i.inter_bw, i.inter_latency
+        i.nodes, i.gpus_per_node // i.tp, i.intra_bw, i.intra_latency, i.inter_bw / i.tp, i.inter_latency
     )
     n_g = i.params_per_gpu
     nbytes = n_g * C
