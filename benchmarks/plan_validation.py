@@ -1,6 +1,6 @@
 """acco-plan's predictions against what was measured on this machine, and against the paper's ratios.
 
-    python benchmarks/plan_validation.py                      # reads benchmarks/results/{e2e.json,memory.json,kernels_cpu.md}
+    python benchmarks/plan_validation.py                      # reads benchmarks/results/{e2e,topology,memory}.json, kernels_cpu.md
     python benchmarks/plan_validation.py --note "..."         # a line for the Notes section (kept in the JSON)
     python benchmarks/plan_validation.py --from-json benchmarks/results/plan_validation.json   # re-render
 
@@ -135,6 +135,11 @@ def parse(argv=None) -> argparse.Namespace:
     )
     ap.add_argument(
         "--kernels", default=str(res / "kernels_cpu.md"), help="bench_kernels' table (stream bandwidth)"
+    )
+    ap.add_argument(
+        "--topology",
+        default=str(res / "topology.json"),
+        help="bench_topology's raw JSON (skipped if absent)",
     )
     ap.add_argument("--out", default=str(res), help="folder of plan_validation.md / .json")
     ap.add_argument("--prefix", default="plan_validation")
@@ -271,6 +276,86 @@ def validate_e2e(e2e: dict, hbm: float) -> dict:
         "rows": rows,
         "hetero": hetero,
         "hetero_rate": h["rate"] if h else None,
+    }
+
+
+def validate_topology(topo: dict, hbm: float) -> dict:
+    """bench_topology's runs: 2 nodes x ``tp`` ranks, tensor parallelism inside a node, data
+    parallelism (W = 2) across. Calibration, measured separately from the runs: the micro-batch time
+    of its compute-only bound (each node's replica alone, its tensor-parallel all-reduces inside the
+    micro-batch) and, per rate, its comm-only probe, which times both data-parallel groups at once
+    over the one link: the node's bandwidth is then ``tp x (W-1)/W x slice bytes / t`` (each group
+    gets ``bw_node / tp`` in the model)."""
+    import e2e_report
+
+    res = topo["results"]
+    setup = res["setup"]
+    tp, slice_numel = setup["tp"], setup["n_params"]
+    comp = e2e_report.compute_only(res)
+    t_mb = comp["t_mb_mean"]
+    ds = res.get("ds_settings", {})
+    dt = "bf16" if setup.get("bf16") else "fp32"
+    rows, calib = [], []
+    for rate, block in res["rates"].items():
+        c = block["comm"]
+        W = c["dp_world"]
+        t_rs = c.get("p2p_s") or c["rs_s"]
+        node_bw = tp * (W - 1) / W * c["bytes"] / t_rs
+        calib.append(
+            {
+                "rate": rate,
+                "probe_rs_s": t_rs,
+                "probe_ag_s": c["ag_s"],
+                "node_bw": node_bw,
+                "bw_from_tc_rate": None if rate == "none" else units.parse_bandwidth(rate),
+            }
+        )
+        for label, run in block["runs"].items():
+            if label not in CONTENDERS or not isinstance(run, dict) or "step_time_s" not in run:
+                continue
+            bucket = (ds.get(label) or {}).get("reduce_bucket_size") or slice_numel
+            inputs = PlanInputs(
+                params=slice_numel * tp,  # the plan divides by tp: each rank's slice
+                t_micro_batch=t_mb,
+                micro_batch=setup["micro_batch"],
+                gas=setup["grad_accum"],
+                nodes=W,
+                gpus_per_node=tp,
+                tp=tp,
+                param_dtype=dt,
+                comm_dtype=dt,
+                inter_bw=node_bw,
+                inter_latency=0.0,
+                hbm_bw=hbm,
+                accelerator="cpu",
+                reduce_bucket=bucket,
+            )
+            p = predict(inputs).row(label)
+            rows.append(
+                {
+                    "rate": rate,
+                    "contender": label,
+                    "measured_step_s": run["step_time_s"],
+                    "predicted_step_s": p.step_s,
+                    "step_err": _err(p.step_s, run["step_time_s"]),
+                    "measured_samples_per_s": run["samples_per_s"],
+                    "predicted_samples_per_s": p.samples_per_s,
+                    "samples_err": _err(p.samples_per_s, run["samples_per_s"]),
+                    "measured_mb_per_step": run["samples"] / run["steps"] / W / setup["micro_batch"],
+                    "predicted_mb_per_step": p.micro_batches_per_step,
+                }
+            )
+    m = res["machine"]
+    return {
+        "source": {"date": m.get("date"), "command": res.get("command"), "acco_ds": m.get("acco_ds")},
+        "t_mb_s": t_mb,
+        "t_mb_ranks_s": list(comp["t_mb"]),
+        "tp": tp,
+        "slice_params": slice_numel,
+        "model_params": res.get("model_params"),
+        "setup": {k: setup[k] for k in ("micro_batch", "grad_accum", "world", "steps", "warmup")},
+        "calibration": calib,
+        "rows": rows,
     }
 
 
@@ -434,6 +519,38 @@ def render(v: dict) -> str:
                 f"| {r['contender']} | {r['measured_step_s']:.3f} | {pred} | {_pct(r['step_err'])} "
                 f"| {_ok(r['step_err'])} | {r['why']} |"
             )
+    t = v.get("topology")
+    L += ["", "## Step time, bench_topology (two nodes, tensor parallelism inside a node)", ""]
+    if not t:
+        L.append("No bench_topology results were found: not compared.")
+    else:
+        tw = [r for r in t["rows"] if r["step_err"] is not None and abs(r["step_err"]) <= TOLERANCE]
+        L += [
+            f"bench_topology sweep of {t['source']['date']} (`{t['source']['command']}`): 2 nodes x TP "
+            f"{t['tp']}, data-parallel world 2 across the link; {t['slice_params']:,} parameters per rank "
+            f"(of {t['model_params']:,}). Calibration: one micro-batch {1e3 * t['t_mb_s']:.1f} ms (the "
+            "compute-only bound, tensor-parallel all-reduces included; replicas "
+            + ", ".join(f"{1e3 * x:.1f}" for x in t["t_mb_ranks_s"])
+            + " ms); the node's bandwidth from the comm-only probe (both data-parallel groups at once): "
+            + ", ".join(
+                f"{c['rate']} {_bw(c['node_bw'])} (tc rate {_bw(c['bw_from_tc_rate'])})"
+                for c in t["calibration"]
+            )
+            + f". {len(tw)} of {len(t['rows'])} within +-{100 * TOLERANCE:.0f}%.",
+            "",
+            "| link | contender | measured s/step | predicted | error | within | measured samples/s | predicted "
+            "| error | micro-batches/step/rank measured / predicted |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for r in t["rows"]:
+            mbs = ""
+            if r["contender"] == "acco-adaptive":
+                mbs = f"{r['measured_mb_per_step']:.2f} / {r['predicted_mb_per_step']:g}"
+            L.append(
+                f"| {r['rate']} | {r['contender']} | {r['measured_step_s']:.3f} | {r['predicted_step_s']:.3f} "
+                f"| {_pct(r['step_err'])} | {_ok(r['step_err'])} | {r['measured_samples_per_s']:.1f} "
+                f"| {r['predicted_samples_per_s']:.1f} | {_pct(r['samples_err'])} | {mbs} |"
+            )
     mem = v.get("memory")
     L += ["", "## Memory per rank, bench_memory", ""]
     if not mem:
@@ -501,7 +618,7 @@ def main(argv=None) -> int:
         v["notes"] = v.get("notes", []) + a.note
     else:
         hbm, hbm_source = stream_bw(Path(a.kernels))
-        mem_path = Path(a.memory)
+        mem_path, topo_path = Path(a.memory), Path(a.topology)
         v = {
             "meta": {
                 "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
@@ -510,6 +627,9 @@ def main(argv=None) -> int:
                 "hbm_source": hbm_source,
             },
             "e2e": validate_e2e(json.loads(Path(a.e2e).read_text()), hbm),
+            "topology": validate_topology(json.loads(topo_path.read_text()), hbm)
+            if topo_path.is_file()
+            else None,
             "memory": validate_memory(json.loads(mem_path.read_text())) if mem_path.is_file() else None,
             "paper": validate_paper(),
             "notes": a.note,
