@@ -1,0 +1,334 @@
+"""Two-node topology benchmark (issue 14 item 6): tensor parallelism inside a node, ACCO's data
+parallelism across nodes, over a rate-limited inter-node link.
+
+    python benchmarks/bench_topology.py            # the sweep: 3 inter-node rates x 5 contenders x 3 seeds (about 60 min on 2 cores)
+    python benchmarks/bench_topology.py --quick    # one rate, few steps, one seed, ZeRO-1 vs ACCO (what the test runs)
+
+The two "nodes" are two network namespaces this benchmark creates and removes afterwards
+(``topology_net.TwoNodes``): a veth pair joins them, limited by ``tc`` on both ends at the
+inter-node rate, with 10.77.0.1/24 and 10.77.0.2/24 on its ends, addresses that exist only inside
+those namespaces. Each node runs ``--tp`` ranks, which talk to each other over the node's own
+unlimited loopback (they bind the node's address: Linux routes it over ``lo``). A run is started
+as on a cluster without ssh: one DeepSpeed launcher per node inside its namespace, with
+``--hostfile``, ``--no_ssh``, ``--node_rank`` and the master address on the link
+(``topology_runs``). The contenders train ``acco-train``'s worker with ``--tp`` and a Llama built
+from a transformers config (DeepSpeed AutoTP inside a node), same model, batch, LR schedule and
+data for every one: DeepSpeed ZeRO-1 AdamW + AutoTP (overlap_comm off and on), acco_ds sync, ACCO
+fixed, ACCO adaptive (and dpu on request). Measured as bench_e2e measures (its modules, imported):
+per rate, a comm-only probe (one round's data-parallel communication of each rank's slice, both
+data-parallel groups at once), every contender once per seed (the seeds pair the loss figures
+and double as the throughput repeats), adaptive ACCO at the fixed contenders' token budget; the
+compute-only bound (each node's replica alone, its tensor-parallel collectives kept) at the start,
+after each rate and at the end. Writes ``<prefix>.md``, ``<prefix>.json`` (raw; ``--from-json``
+re-renders) and ``<prefix>.png`` into ``--out``.
+
+Exit status: 0 when every run ran; 1 when some run could not run (the others are still written);
+2 when this machine cannot build the two-node network (no root, no iproute2): it never fakes the
+link.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import signal
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE), str(HERE.parent)]
+
+import e2e_env  # noqa: E402
+import e2e_runs  # noqa: E402
+import e2e_sweep  # noqa: E402
+import topology_net  # noqa: E402
+import topology_report  # noqa: E402
+import topology_runs  # noqa: E402
+
+from acco_ds.cli.dsconfig import build_config  # noqa: E402
+from acco_ds.cli.job import acco_registered  # noqa: E402
+from acco_ds.cli.metrics import machine_info  # noqa: E402
+
+DEFAULT_RATES = "400mbit,200mbit,50mbit"
+CONTENDERS = ("zero1", "zero1-overlap", "sync", "dpu", "acco", "acco-adaptive")
+DEFAULT_CONTENDERS = "zero1,zero1-overlap,sync,acco,acco-adaptive"
+DS_LABELS = ("zero1", "zero1-overlap")
+
+_log = e2e_sweep.logger("bench_topology")
+
+
+def parse(argv=None) -> argparse.Namespace:
+    import bench_e2e
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument(
+        "--quick", action="store_true", help="one rate, 6 steps, one seed, zero1 + acco (the test)"
+    )
+    ap.add_argument("--rates", default=None, help=f"inter-node tc rates or 'none' (default: {DEFAULT_RATES})")
+    ap.add_argument(
+        "--contenders", default=None, help=f"subset of {','.join(CONTENDERS)} (default: {DEFAULT_CONTENDERS})"
+    )
+    ap.add_argument("--steps", type=int, default=None, help="optimizer steps per run (default 30, quick 6)")
+    ap.add_argument(
+        "--warmup", type=int, default=None, help="steps left out of the timings (default 5, quick 2)"
+    )
+    ap.add_argument("--seeds", type=bench_e2e._seeds, default=None, help="default 0,1,2; quick 0")
+    ap.add_argument("--tp", type=int, default=2, help="ranks per node = tensor-parallel size (AutoTP)")
+    ap.add_argument("--micro-batch", type=int, default=4)
+    ap.add_argument("--grad-accum", type=int, default=4)
+    ap.add_argument("--n-layer", type=int, default=2)
+    ap.add_argument("--n-head", type=int, default=4)
+    ap.add_argument("--d-model", type=int, default=128)
+    ap.add_argument("--context", type=int, default=64)
+    ap.add_argument("--bf16", action="store_true", help="bf16 parameters and communication (default fp32)")
+    ap.add_argument(
+        "--warmup-lr-steps", type=int, default=None, help="LR warm-up steps (default: a quarter of --steps)"
+    )
+    ap.add_argument(
+        "--probe-reps",
+        type=int,
+        default=None,
+        help="calls per timing window of the comm probe (default 3, quick 2)",
+    )
+    ap.add_argument("--no-budget", action="store_true", help="skip adaptive ACCO's runs at the token budget")
+    ap.add_argument("--nice", type=int, default=0, help="niceness of every run's ranks (the same for all)")
+    ap.add_argument("--out", default=str(HERE / "results"), help="folder of the table, JSON and plot")
+    ap.add_argument(
+        "--prefix", default=None, help="file name prefix (default topology, quick: topology_quick)"
+    )
+    ap.add_argument("--work", default=None, help="scratch folder of the runs (default: a new temp folder)")
+    ap.add_argument("--from-json", default=None, help="re-render the table and plot from a saved raw JSON")
+    a = ap.parse_args(argv)
+    a.rates = (a.rates or ("200mbit" if a.quick else DEFAULT_RATES)).split(",")
+    for r in a.rates:
+        try:
+            e2e_env.check_rate(r)
+        except ValueError as err:
+            ap.error(f"--rates: {err}")
+    a.contenders = (a.contenders or ("zero1,acco" if a.quick else DEFAULT_CONTENDERS)).split(",")
+    for c in a.contenders:
+        if c not in CONTENDERS:
+            ap.error(f"unknown contender {c!r}; choose from {','.join(CONTENDERS)}")
+    if a.tp < 2:
+        ap.error(f"--tp must be >= 2 (tensor parallelism inside a node), got {a.tp}")
+    for flag, n in (("--n-head", a.n_head),):
+        if n % a.tp:
+            ap.error(f"--tp {a.tp} must divide {flag} ({n}): AutoTP splits the attention heads")
+    if "acco" in a.contenders and a.grad_accum % 2:
+        ap.error(f"acco needs an even --grad-accum (two rounds of GAS/2 per step), got {a.grad_accum}")
+    a.steps = a.steps or (6 if a.quick else 30)
+    a.warmup = a.warmup if a.warmup is not None else (2 if a.quick else 5)
+    if a.steps < a.warmup + 3:
+        ap.error(f"--steps {a.steps} must exceed --warmup {a.warmup} by at least 3 to time anything")
+    a.warmup_lr_steps = a.warmup_lr_steps or max(1, a.steps // 4)
+    a.seeds = a.seeds or ([0] if a.quick else [0, 1, 2])
+    a.probe_reps = a.probe_reps or (2 if a.quick else 3)
+    a.no_budget = a.no_budget or a.quick
+    a.prefix = a.prefix or ("topology_quick" if a.quick else "topology")
+    return a
+
+
+def _model(a) -> dict:
+    from acco_ds.models import HFModelConfig
+
+    return HFModelConfig(
+        arch="llama", n_layer=a.n_layer, n_head=a.n_head, d_model=a.d_model, context=a.context
+    ).to_dict()
+
+
+def _network(net) -> dict:
+    n0, n1 = net.names
+    return {
+        "names": list(net.names),
+        "addresses": list(topology_net.ADDRS),
+        "description": (
+            f"two network namespaces ({n0}, {n1}) joined by a veth pair {topology_net.IFNAMES[0]} "
+            f"{topology_net.ADDRS[0]}/24 - {topology_net.IFNAMES[1]} {topology_net.ADDRS[1]}/24, both ends limited by "
+            "`tc qdisc replace dev <end> root tbf rate <rate> burst 256kb latency 200ms` (the inter-node link); "
+            "the ranks of a node reach each other at the node's own address, over its unlimited loopback"
+        ),
+        "launch": (
+            "one launcher per node inside its namespace: `ip netns exec <node> python -m deepspeed.launcher.runner "
+            "--hostfile H --no_ssh --node_rank <r> --master_addr 10.77.0.1 --master_port P --module "
+            "acco_ds.cli.worker --spec S` (hostfile: node0 slots=T / node1 slots=T), GLOO_SOCKET_IFNAME = the "
+            "node's end of the link"
+        ),
+    }
+
+
+def _bound(setup, results: dict, failed: list, tag: str) -> None:
+    s, err = e2e_sweep.attempt(lambda: e2e_runs.run_compute_only(setup, tag), _log)
+    if s is None:
+        e2e_sweep.fail(
+            failed, "compute-only", tag.lstrip("-"), f"failed twice ({err}; see {setup.work})", _log
+        )
+        return
+    results["compute"].append(s)
+    _log(
+        f"compute-only{tag}: {s['samples_per_s']:.1f} samples/s (replicas {[round(x, 1) for x in s['rank_samples_per_s']]}), "
+        f"t_mb {[round(t, 4) for t in s['t_mb']]}"
+    )
+
+
+def run_all(a, net) -> dict:
+    """Every run of the sweep inside the two nodes ``net``; a run that fails twice is recorded in
+    ``results["failed"]`` and the sweep goes on."""
+    from acco_ds.models import model_num_params
+
+    failed: list = []
+    ok, why = acco_registered()
+    if not ok:
+        for label in [c for c in a.contenders if c not in DS_LABELS]:
+            e2e_sweep.fail(failed, label, "all rates", f"not run: {why}", _log)
+        a.contenders = [c for c in a.contenders if c in DS_LABELS]
+    model = _model(a)
+    work = Path(a.work or tempfile.mkdtemp(prefix="acco_bench_topology_"))
+    setup = e2e_runs.Setup(
+        work=work,
+        model=model,
+        n_params=model_num_params(model),
+        steps=a.steps,
+        warmup=a.warmup,
+        micro_batch=a.micro_batch,
+        grad_accum=a.grad_accum,
+        world=2 * a.tp,
+        threads=1,
+        seed=a.seeds[0],
+        bf16=a.bf16,
+        nice=a.nice,
+        tp=a.tp,
+        warmup_lr_steps=a.warmup_lr_steps,
+        eval_windows=64,
+    )
+    results = {
+        "command": shlex.join([sys.executable, *sys.argv]) if sys.argv else "bench_topology",
+        "machine": machine_info(),
+        "network": _network(net),
+        "model_params": setup.n_params,
+        "seeds": a.seeds,
+        "bound_loop": " ".join(e2e_runs.BOUND_LOOP),
+        "rates": {},
+        "compute": [],
+        "failed": failed,
+    }
+    _log(f"work folder {work}; nodes {net.names}; model {setup.n_params / 1e6:.2f}M params; seeds {a.seeds}")
+
+    probes = {}
+
+    def probe(rate: str) -> dict | None:
+        net.set_rate(rate)
+        comm, err = e2e_sweep.attempt(
+            lambda: topology_runs.run_comm_probe(setup, net, rate, a.probe_reps), _log
+        )
+        if comm is None:
+            why = (
+                f"the comm-only probe at {rate} failed twice ({err}; see {setup.work}): not run at this rate"
+            )
+            for label in a.contenders:
+                e2e_sweep.fail(failed, label, rate, why, _log)
+        probes[rate] = comm
+        return comm
+
+    first = probe(a.rates[0])
+    if first:  # the rank's tensor-parallel slice: what its data-parallel buffers hold and a round moves
+        setup.n_params = max(first["slice_numel"])
+    results["setup"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(setup).items()}
+    results["ds_settings"] = {
+        c: build_config(c, setup.knobs("fixed"))["zero_optimization"] for c in DS_LABELS if c in a.contenders
+    }
+    for label, zero in results["ds_settings"].items():
+        _log(f"{label} settings: {json.dumps(zero)}")
+    if not first:
+        return results  # no slice, no link: nothing to run (the failure is recorded)
+    _bound(setup, results, failed, "-start")
+    if not results["compute"]:
+        return results
+    for rate in a.rates:
+        comm = probes.get(rate) or probe(rate)
+        if comm is None:
+            continue
+        net.set_rate(rate)
+        _log(
+            f"{rate}: T_comm {comm['t_comm_s']:.3f} s per round ({comm['numel']:,} parameters per rank; "
+            f"qdisc {net.qdisc(0)})"
+        )
+
+        def one(label, seed, rate=rate):
+            return topology_runs.run_contender(setup, net, label, rate, seed, f"/s{seed}")
+
+        rounds = e2e_sweep.seed_rounds(one, a.contenders, a.seeds, failed, rate, _log)
+        block = dict(e2e_sweep.rate_block(rounds), comm=comm)
+        if not a.no_budget and "acco-adaptive" in rounds:
+
+            def at_budget(seed, schedule, rate=rate):
+                return topology_runs.run_contender(
+                    setup, net, "acco-adaptive", rate, seed, f"/s{seed}", schedule
+                )
+
+            block["budget"] = e2e_sweep.budget_runs(setup, block, rate, failed, _log, at_budget)
+        results["rates"][rate] = block
+        if not a.quick:
+            _bound(setup, results, failed, f"-{rate}")
+    return results
+
+
+def report(results: dict, out: Path, prefix: str) -> str:
+    an = topology_report.analyse(results)
+    out.mkdir(parents=True, exist_ok=True)
+    md = topology_report.render(results, an)
+    (out / f"{prefix}.md").write_text(md)
+    (out / f"{prefix}.json").write_text(
+        json.dumps({"results": results, "analysis": an}, indent=1, default=str)
+    )
+    written = [out / f"{prefix}.md", out / f"{prefix}.json"]
+    if an["tables"]:
+        topology_report.plot(results, an, out / f"{prefix}.png")
+        written.append(out / f"{prefix}.png")
+    return md + "\n" + "\n".join(f"wrote {p}" for p in written)
+
+
+def _sigterm(signum, frame):
+    raise SystemExit(128 + signum)  # unwinds through TwoNodes.__exit__: the namespaces are removed
+
+
+def main(argv=None) -> int:
+    a = parse(argv)
+    if a.from_json:
+        results = json.loads(Path(a.from_json).read_text())["results"]
+        print(report(results, Path(a.out), a.prefix))
+        return 0
+    why = topology_net.unavailable()
+    if why:
+        print(
+            f"bench_topology: cannot build the two-node network on this machine: {why}. The benchmark needs a "
+            "real rate-limited link between two network namespaces and does not fake one; stopping.",
+            file=sys.stderr,
+        )
+        return 2
+    stale = topology_net.remove_stale()
+    if stale:
+        _log(f"removed namespaces left by runs that no longer exist: {stale}")
+    previous = signal.signal(signal.SIGTERM, _sigterm)
+    try:
+        with topology_net.TwoNodes() as net:
+            results = run_all(a, net)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    if results["compute"] and results["rates"]:
+        print(report(results, Path(a.out), a.prefix))
+    failures = e2e_sweep.failure_summary(results)
+    if failures:
+        labels = sorted({f["label"] for f in results["failed"]})
+        print(
+            f"bench_topology: {len(results['failed'])} run(s) could not run ({', '.join(labels)}); the results of "
+            f"the others are in {a.out}:\n{failures}",
+            file=sys.stderr,
+        )
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
