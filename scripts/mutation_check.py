@@ -158,10 +158,13 @@ MUTANTS = [
     ),
     Mutant(
         "M14",
-        "the LR schedule is read one step ahead",
+        # "one step ahead" (applied + 1) is an equivalent mutant since the device-side hyper table:
+        # the history never holds a step the engine has not reached, so the lookup falls back to
+        # the same entry; one step behind is not equivalent
+        "the LR schedule is read one step behind (a commit uses the previous step's LR)",
         "acco_ds/core/pipeline.py",
         "for h in self._hypers_for(applied)]",
-        "for h in self._hypers_for(applied + 1)]",
+        "for h in self._hypers_for(max(applied - 1, 0))]",
         tuple(TRAJ),
     ),
     Mutant(
