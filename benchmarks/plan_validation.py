@@ -169,6 +169,25 @@ def _err(pred, meas):
     return None if pred is None or not meas else pred / meas - 1
 
 
+def step_row(rate: str, label: str, run: dict, p, dp_world: int, micro_batch: int) -> dict:
+    """One measured run beside acco-plan's row ``p`` for it: step time, samples/s, micro-batches per
+    step per data-parallel rank."""
+    mbs = run["samples"] / run["steps"] / dp_world / micro_batch if run["steps"] else None
+    return {
+        "rate": rate,
+        "contender": label,
+        "measured_step_s": run["step_time_s"],
+        "predicted_step_s": p.step_s,
+        "step_err": _err(p.step_s, run["step_time_s"]),
+        "measured_samples_per_s": run["samples_per_s"],
+        "predicted_samples_per_s": p.samples_per_s,
+        "samples_err": _err(p.samples_per_s, run["samples_per_s"]),
+        "measured_mb_per_step": mbs,
+        "predicted_mb_per_step": p.micro_batches_per_step,
+        "repeats": [x.get("samples_per_s") for x in run.get("repeats", [])],
+    }
+
+
 def e2e_inputs(setup: dict, t_mb: float, bw: float, hbm: float, bucket: float) -> PlanInputs:
     dt = "bf16" if setup.get("bf16") else "fp32"
     return PlanInputs(
@@ -218,24 +237,8 @@ def validate_e2e(e2e: dict, hbm: float) -> dict:
             if label not in CONTENDERS or not isinstance(run, dict) or "step_time_s" not in run:
                 continue
             bucket = (ds.get(label) or {}).get("reduce_bucket_size") or setup["n_params"]
-            plan = predict(e2e_inputs(setup, t_mb, bw, hbm, bucket))
-            p = plan.row(label)
-            mbs = run["samples"] / run["steps"] / W / setup["micro_batch"] if run["steps"] else None
-            rows.append(
-                {
-                    "rate": rate,
-                    "contender": label,
-                    "measured_step_s": run["step_time_s"],
-                    "predicted_step_s": p.step_s,
-                    "step_err": _err(p.step_s, run["step_time_s"]),
-                    "measured_samples_per_s": run["samples_per_s"],
-                    "predicted_samples_per_s": p.samples_per_s,
-                    "samples_err": _err(p.samples_per_s, run["samples_per_s"]),
-                    "measured_mb_per_step": mbs,
-                    "predicted_mb_per_step": p.micro_batches_per_step,
-                    "repeats": [x.get("samples_per_s") for x in run.get("repeats", [])],
-                }
-            )
+            p = predict(e2e_inputs(setup, t_mb, bw, hbm, bucket)).row(label)
+            rows.append(step_row(rate, label, run, p, W, setup["micro_batch"]))
     hetero = []
     h = res.get("hetero")
     if h:
@@ -331,20 +334,7 @@ def validate_topology(topo: dict, hbm: float) -> dict:
                 reduce_bucket=bucket,
             )
             p = predict(inputs).row(label)
-            rows.append(
-                {
-                    "rate": rate,
-                    "contender": label,
-                    "measured_step_s": run["step_time_s"],
-                    "predicted_step_s": p.step_s,
-                    "step_err": _err(p.step_s, run["step_time_s"]),
-                    "measured_samples_per_s": run["samples_per_s"],
-                    "predicted_samples_per_s": p.samples_per_s,
-                    "samples_err": _err(p.samples_per_s, run["samples_per_s"]),
-                    "measured_mb_per_step": run["samples"] / run["steps"] / W / setup["micro_batch"],
-                    "predicted_mb_per_step": p.micro_batches_per_step,
-                }
-            )
+            rows.append(step_row(rate, label, run, p, W, setup["micro_batch"]))
     m = res["machine"]
     return {
         "source": {"date": m.get("date"), "command": res.get("command"), "acco_ds": m.get("acco_ds")},
@@ -450,6 +440,25 @@ def _bw(b) -> str:
     return f"{b * 8 / 1e9:.3g} Gbit/s" if b * 8 >= 1e9 else f"{b * 8 / 1e6:.3g} Mbit/s"
 
 
+def step_table(rows: list) -> list:
+    """The Markdown lines of a step-time comparison (rows of ``step_row``)."""
+    L = [
+        "| link | contender | measured s/step | predicted | error | within | measured samples/s | predicted "
+        "| error | micro-batches/step/rank measured / predicted |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        mbs = ""
+        if r["contender"] == "acco-adaptive":
+            mbs = f"{r['measured_mb_per_step']:.2f} / {r['predicted_mb_per_step']:g}"
+        L.append(
+            f"| {r['rate']} | {r['contender']} | {r['measured_step_s']:.3f} | {r['predicted_step_s']:.3f} "
+            f"| {_pct(r['step_err'])} | {_ok(r['step_err'])} | {r['measured_samples_per_s']:.1f} "
+            f"| {r['predicted_samples_per_s']:.1f} | {_pct(r['samples_err'])} | {mbs} |"
+        )
+    return L
+
+
 def render(v: dict) -> str:
     e, meta = v["e2e"], v["meta"]
     rows = e["rows"]
@@ -487,19 +496,8 @@ def render(v: dict) -> str:
         f"## Step time, bench_e2e ({len(within)} of {len(within) + len(misses)} within +-"
         f"{100 * TOLERANCE:.0f}%)",
         "",
-        "| link | contender | measured s/step | predicted | error | within | measured samples/s | predicted "
-        "| error | micro-batches/step/rank measured / predicted |",
-        "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for r in rows:
-        mbs = ""
-        if r["contender"] == "acco-adaptive":
-            mbs = f"{r['measured_mb_per_step']:.2f} / {r['predicted_mb_per_step']:g}"
-        L.append(
-            f"| {r['rate']} | {r['contender']} | {r['measured_step_s']:.3f} | {r['predicted_step_s']:.3f} "
-            f"| {_pct(r['step_err'])} | {_ok(r['step_err'])} | {r['measured_samples_per_s']:.1f} "
-            f"| {r['predicted_samples_per_s']:.1f} | {_pct(r['samples_err'])} | {mbs} |"
-        )
+    L += step_table(rows)
     if misses:
         L += ["", "Misses (measured minus predicted):", ""]
         for r in misses:
@@ -538,19 +536,8 @@ def render(v: dict) -> str:
             )
             + f". {len(tw)} of {len(t['rows'])} within +-{100 * TOLERANCE:.0f}%.",
             "",
-            "| link | contender | measured s/step | predicted | error | within | measured samples/s | predicted "
-            "| error | micro-batches/step/rank measured / predicted |",
-            "|---|---|---|---|---|---|---|---|---|---|",
         ]
-        for r in t["rows"]:
-            mbs = ""
-            if r["contender"] == "acco-adaptive":
-                mbs = f"{r['measured_mb_per_step']:.2f} / {r['predicted_mb_per_step']:g}"
-            L.append(
-                f"| {r['rate']} | {r['contender']} | {r['measured_step_s']:.3f} | {r['predicted_step_s']:.3f} "
-                f"| {_pct(r['step_err'])} | {_ok(r['step_err'])} | {r['measured_samples_per_s']:.1f} "
-                f"| {r['predicted_samples_per_s']:.1f} | {_pct(r['samples_err'])} | {mbs} |"
-            )
+        L += step_table(t["rows"])
     mem = v.get("memory")
     L += ["", "## Memory per rank, bench_memory", ""]
     if not mem:
