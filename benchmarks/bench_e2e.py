@@ -281,10 +281,6 @@ def run_all(a) -> dict:
     return results
 
 
-def failure_summary(results: dict) -> str:
-    return e2e_sweep.failure_summary(results)
-
-
 def report(results: dict, out: Path, prefix: str) -> str:
     an = e2e_report.analyse(results)
     out.mkdir(parents=True, exist_ok=True)
@@ -317,16 +313,7 @@ def main(argv=None) -> int:
     results = run_all(a)
     if results["compute"]:
         print(report(results, Path(a.out), a.prefix))
-    failures = failure_summary(results)
-    if failures:
-        labels = sorted({f["label"] for f in results["failed"]})
-        print(
-            f"bench_e2e: {len(results['failed'])} run(s) could not run ({', '.join(labels)}); the results of the "
-            f"others are in {a.out}:\n{failures}",
-            file=sys.stderr,
-        )
-        return 1
-    return 0
+    return e2e_sweep.exit_status("bench_e2e", results, a.out)
 
 
 if __name__ == "__main__":

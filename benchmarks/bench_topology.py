@@ -318,16 +318,7 @@ def main(argv=None) -> int:
         signal.signal(signal.SIGTERM, previous)
     if results["compute"] and results["rates"]:
         print(report(results, Path(a.out), a.prefix))
-    failures = e2e_sweep.failure_summary(results)
-    if failures:
-        labels = sorted({f["label"] for f in results["failed"]})
-        print(
-            f"bench_topology: {len(results['failed'])} run(s) could not run ({', '.join(labels)}); the results of "
-            f"the others are in {a.out}:\n{failures}",
-            file=sys.stderr,
-        )
-        return 1
-    return 0
+    return e2e_sweep.exit_status("bench_topology", results, a.out)
 
 
 if __name__ == "__main__":

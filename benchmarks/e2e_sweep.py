@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import re
 import statistics
+import sys
 import time
 from typing import Callable
 
@@ -127,6 +128,21 @@ def one_line(err: LaunchError) -> str:
 def failure_summary(results: dict) -> str:
     """One line per run that could not run (empty when every run did), naming the contender."""
     return "\n".join(f"  {f['label']} ({f['where']}): {f['why']}" for f in results.get("failed", []))
+
+
+def exit_status(name: str, results: dict, out) -> int:
+    """1 after naming on stderr every run that could not run (the others' results are in ``out``),
+    0 when every run ran."""
+    failures = failure_summary(results)
+    if not failures:
+        return 0
+    labels = sorted({f["label"] for f in results["failed"]})
+    print(
+        f"{name}: {len(results['failed'])} run(s) could not run ({', '.join(labels)}); the results of the "
+        f"others are in {out}:\n{failures}",
+        file=sys.stderr,
+    )
+    return 1
 
 
 def rate_block(rounds: dict) -> dict:
