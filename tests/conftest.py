@@ -17,6 +17,7 @@ import glob  # noqa: E402
 import pytest  # noqa: E402
 
 _SHM_PATTERN = "/dev/shm/deepspeed_allreduce_buffer_*"
+_SHM_AT_START = set(glob.glob(_SHM_PATTERN))
 
 
 @pytest.fixture(autouse=True)
@@ -24,9 +25,10 @@ def _remove_deepspeed_shm_buffers():
     """DeepSpeed's CPU communication op creates a 69 MB shared-memory buffer per rank
     (``/dev/shm/deepspeed_allreduce_buffer_<uid>_<addr>_<port>_<rank>``) and never unlinks it: each
     launch of the suite would leave its ranks' buffers in RAM (gigabytes over a run). Every test's
-    launched ranks have exited when it returns: remove the buffers that appeared during the test."""
-    before = set(glob.glob(_SHM_PATTERN))
+    launched ranks have exited when it returns (also those of module-scoped fixtures, which launch
+    before this fixture starts): remove every buffer that appeared since the session started
+    (unlinking one an in-process engine still maps leaves its mapping valid)."""
     yield
-    for path in set(glob.glob(_SHM_PATTERN)) - before:
+    for path in set(glob.glob(_SHM_PATTERN)) - _SHM_AT_START:
         with contextlib.suppress(OSError):
             os.unlink(path)
