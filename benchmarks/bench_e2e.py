@@ -165,21 +165,6 @@ def _drop_unavailable(a, failed: list) -> None:
     a.hetero_contenders = [c for c in a.hetero_contenders if c in DS_LABELS]
 
 
-def _compute_only(setup, results: dict, failed: list, tag: str) -> None:
-    s, err = e2e_sweep.attempt(lambda: e2e_runs.run_compute_only(setup, tag), _log)
-    if s is None:
-        e2e_sweep.fail(
-            failed, "compute-only", tag.lstrip("-"), f"failed twice ({err}; see {setup.work})", _log
-        )
-        return
-    results["compute"].append(s)
-    _log(
-        f"compute-only{tag}: {s['samples_per_s']:.1f} samples/s (sum of the replicas' "
-        f"{[round(x, 1) for x in s['rank_samples_per_s']]}), t_mb {[round(t, 4) for t in s['t_mb']]}, "
-        f"load {s['load_before']:.1f}->{s['load_after']:.1f}"
-    )
-
-
 def run_all(a) -> dict:
     """Every run of the sweep. A run that fails twice is recorded in ``results["failed"]`` and the
     sweep goes on without it (``main`` then exits non-zero naming it); only a sweep left with no
@@ -223,7 +208,7 @@ def run_all(a) -> dict:
     _log(f"work folder {work}; model {setup.n_params / 1e6:.2f}M params; seeds {a.seeds}")
 
     def bound(tag: str) -> None:
-        _compute_only(setup, results, failed, tag)
+        e2e_sweep.compute_bound(setup, results, failed, tag, _log)
 
     bound("-start")
     if not results["compute"]:

@@ -158,20 +158,6 @@ def _network(net) -> dict:
     }
 
 
-def _bound(setup, results: dict, failed: list, tag: str) -> None:
-    s, err = e2e_sweep.attempt(lambda: e2e_runs.run_compute_only(setup, tag), _log)
-    if s is None:
-        e2e_sweep.fail(
-            failed, "compute-only", tag.lstrip("-"), f"failed twice ({err}; see {setup.work})", _log
-        )
-        return
-    results["compute"].append(s)
-    _log(
-        f"compute-only{tag}: {s['samples_per_s']:.1f} samples/s (replicas {[round(x, 1) for x in s['rank_samples_per_s']]}), "
-        f"t_mb {[round(t, 4) for t in s['t_mb']]}"
-    )
-
-
 def run_all(a, net) -> dict:
     """Every run of the sweep inside the two nodes ``net``; a run that fails twice is recorded in
     ``results["failed"]`` and the sweep goes on."""
@@ -242,7 +228,7 @@ def run_all(a, net) -> dict:
         _log(f"{label} settings: {json.dumps(zero)}")
     if not first:
         return results  # no slice, no link: nothing to run (the failure is recorded)
-    _bound(setup, results, failed, "-start")
+    e2e_sweep.compute_bound(setup, results, failed, "-start", _log)
     if not results["compute"]:
         return results
     for rate in a.rates:
@@ -270,7 +256,7 @@ def run_all(a, net) -> dict:
             block["budget"] = e2e_sweep.budget_runs(setup, block, rate, failed, _log, at_budget)
         results["rates"][rate] = block
         if not a.quick:
-            _bound(setup, results, failed, f"-{rate}")
+            e2e_sweep.compute_bound(setup, results, failed, f"-{rate}", _log)
     return results
 
 

@@ -130,6 +130,21 @@ def failure_summary(results: dict) -> str:
     return "\n".join(f"  {f['label']} ({f['where']}): {f['why']}" for f in results.get("failed", []))
 
 
+def compute_bound(setup, results: dict, failed: list, tag: str, log) -> None:
+    """One run of the compute-only bound (``e2e_runs.run_compute_only``), appended to
+    ``results["compute"]``; failing twice, recorded in ``failed``."""
+    s, err = attempt(lambda: e2e_runs.run_compute_only(setup, tag), log)
+    if s is None:
+        fail(failed, "compute-only", tag.lstrip("-"), f"failed twice ({err}; see {setup.work})", log)
+        return
+    results["compute"].append(s)
+    log(
+        f"compute-only{tag}: {s['samples_per_s']:.1f} samples/s (sum of the replicas' "
+        f"{[round(x, 1) for x in s['rank_samples_per_s']]}), t_mb {[round(t, 4) for t in s['t_mb']]}, "
+        f"load {s['load_before']:.1f}->{s['load_after']:.1f}"
+    )
+
+
 def exit_status(name: str, results: dict, out) -> int:
     """1 after naming on stderr every run that could not run (the others' results are in ``out``),
     0 when every run ran."""
