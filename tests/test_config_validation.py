@@ -22,8 +22,8 @@ from hypothesis import strategies as st
 
 import acco_ds  # noqa: F401  (registers "ACCO")
 from acco_ds.config import ALLOWED, ACCOConfig, ACCOConfigError
-from acco_ds.deepspeed.register import ALLOW_UNTESTED_ENV, check_deepspeed_version
 from acco_ds.deepspeed.validate import check_engine_config
+from acco_ds.deepspeed.version import ALLOW_UNTESTED_ENV, check_deepspeed_version
 from tests.dist import toy
 from tests.dist.inproc import ensure_single_rank_group
 

@@ -28,7 +28,7 @@ from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoin
 
 import acco_ds  # noqa: F401
 from acco_ds.deepspeed.checkpoint import ACCOCheckpointError
-from acco_ds.deepspeed.ckpt_guard import STAGING_SUFFIX
+from acco_ds.deepspeed.checkpoint.guard import STAGING_SUFFIX
 from tests.dist import toy
 from tests.dist.inproc import ensure_single_rank_group
 from tests.launch import REPO, deepspeed_cmd, free_port, rank_env

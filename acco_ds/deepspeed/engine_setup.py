@@ -1,4 +1,4 @@
-"""Build the ACCO optimizer inside ``DeepSpeedEngine._configure_optimizer`` (see register.py), and turn off
+"""Build the ACCO optimizer inside ``DeepSpeedEngine._configure_optimizer`` (register.py calls it), and turn off
 what in the engine would synchronise the device every micro-batch (the throughput timer's syncs)."""
 
 from __future__ import annotations
@@ -9,8 +9,9 @@ import threading
 import deepspeed
 
 from acco_ds.config import ACCOConfig
-from acco_ds.deepspeed.register import check_deepspeed_version
+from acco_ds.deepspeed.optimizer import ACCOZeroOptimizer
 from acco_ds.deepspeed.validate import check_engine_config, model_parallel_group
+from acco_ds.deepspeed.version import check_deepspeed_version
 
 logger = logging.getLogger("acco_ds")
 
@@ -19,8 +20,6 @@ def configure_acco(engine, client_optimizer, model_parameters) -> None:
     """Set ``engine.optimizer`` (the ACCO ZeRO optimizer), ``engine.basic_optimizer`` (a real
     torch Optimizer over the fp32 master shards, for LR schedulers) and switch off the engine's
     own gradient all-reduce: ACCO reduces the gradients on its communication stream."""
-    from acco_ds.deepspeed.optimizer import ACCOZeroOptimizer
-
     check_deepspeed_version(deepspeed.__version__)
     cfg = ACCOConfig.from_params(engine.optimizer_params())
     check_engine_config(engine, client_optimizer, cfg)

@@ -4,7 +4,7 @@ DeepSpeed has no registry for third-party optimizers. ``register()`` wraps five 
 (idempotently): ``_is_supported_optimizer`` accepts "acco" in any case, and
 ``_configure_optimizer`` builds the ACCO optimizer for such a config (with no client optimizer)
 and turns off the engine's own gradient all-reduce for that engine; ``save_checkpoint`` and
-``load_checkpoint`` of an ACCO engine go through ``ckpt_guard`` (a save interrupted at any point
+``load_checkpoint`` of an ACCO engine go through ``checkpoint.guard`` (a save interrupted at any point
 leaves ``latest`` on a complete checkpoint; truncated files and another model fail clearly);
 ``train(mode)`` of an ACCO engine also shows the committed weights in eval mode, and
 ``_consolidated_16bit_state_dict`` (AutoTP's full-model export) gathers the committed weights
@@ -16,40 +16,17 @@ every way an engine is built: ``deepspeed.initialize``, the HF Trainer and accel
 from __future__ import annotations
 
 import functools
-import os
 
-from acco_ds.config import ACCOConfigError
+from acco_ds.deepspeed.checkpoint import guard
+from acco_ds.deepspeed.engine_setup import configure_acco
+from acco_ds.deepspeed.evaluation import consolidated_committed
 
 OPTIMIZER_NAME = "acco"
-TESTED_DEEPSPEED = ((0, 19, 8), (0, 20, 0))  # [low, high)
-ALLOW_UNTESTED_ENV = "ACCO_DS_ALLOW_UNTESTED_DEEPSPEED"
 _PATCHED_FLAG = "_acco_ds_patched"
 
 
 def is_acco_name(name) -> bool:
     return isinstance(name, str) and name.lower() == OPTIMIZER_NAME
-
-
-def _version_tuple(text: str) -> tuple:
-    parts = []
-    for piece in text.split("+")[0].split(".")[:3]:
-        digits = "".join(ch for ch in piece if ch.isdigit())
-        parts.append(int(digits or 0))
-    return tuple(parts + [0] * (3 - len(parts)))
-
-
-def check_deepspeed_version(version: str) -> None:
-    """Raise unless ``version`` is in the tested range (or the override variable is set)."""
-    low, high = TESTED_DEEPSPEED
-    if low <= _version_tuple(version) < high or os.environ.get(ALLOW_UNTESTED_ENV) == "1":
-        return
-    fmt = ".".join
-    lo, hi = fmt(map(str, low)), fmt(map(str, high))
-    raise ACCOConfigError(
-        f"deepspeed=={version}: acco_ds patches DeepSpeed internals and is tested with DeepSpeed >= {lo} and "
-        f"< {hi}. Allowed: pip install 'deepspeed>={lo},<{hi}', or set {ALLOW_UNTESTED_ENV}=1 to try "
-        "this version at your own risk."
-    )
 
 
 def _is_acco_engine(engine) -> bool:
@@ -75,8 +52,6 @@ def register() -> None:
     def _configure_optimizer(self, client_optimizer, model_parameters):
         if not is_acco_name(self._config.optimizer_name):
             return original_configure(self, client_optimizer, model_parameters)
-        from acco_ds.deepspeed.engine_setup import configure_acco
-
         return configure_acco(self, client_optimizer, model_parameters)
 
     original_save = DeepSpeedEngine.save_checkpoint
@@ -86,19 +61,13 @@ def register() -> None:
     def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True, **kwargs):  # noqa: B006
         if not _is_acco_engine(self):
             return original_save(self, save_dir, tag, client_state, save_latest, **kwargs)
-        from acco_ds.deepspeed import ckpt_guard
-
-        return ckpt_guard.save_checkpoint(
-            self, original_save, save_dir, tag, client_state, save_latest, **kwargs
-        )
+        return guard.save_checkpoint(self, original_save, save_dir, tag, client_state, save_latest, **kwargs)
 
     @functools.wraps(original_load)
     def load_checkpoint(self, load_dir, tag=None, **kwargs):
         if not _is_acco_engine(self):
             return original_load(self, load_dir, tag, **kwargs)
-        from acco_ds.deepspeed import ckpt_guard
-
-        return ckpt_guard.load_checkpoint(self, original_load, load_dir, tag, **kwargs)
+        return guard.load_checkpoint(self, original_load, load_dir, tag, **kwargs)
 
     original_train = DeepSpeedEngine.train
 
@@ -115,8 +84,6 @@ def register() -> None:
     def _consolidated_16bit_state_dict(self, *args, **kwargs):
         if not _is_acco_engine(self):
             return original_consolidated(self, *args, **kwargs)
-        from acco_ds.deepspeed.evaluation import consolidated_committed
-
         return consolidated_committed(self, original_consolidated, *args, **kwargs)
 
     DeepSpeedEngine._consolidated_16bit_state_dict = _consolidated_16bit_state_dict

@@ -24,12 +24,12 @@ method unchanged.)
 :func:`load_checkpoint` checks, before DeepSpeed reads anything, that every ``*.pt`` file of the tag
 is a complete torch archive (zip central directory present) and raises ACCOCheckpointError naming
 the file otherwise (and naming the tags present when the tag does not exist); a module state dict that does not fit the model becomes an ACCOCheckpointError
-naming the checkpoint. Then ``ckpt_preflight.plan_load`` reads what the load needs (every rank's
+naming the checkpoint. Then ``preflight.plan_load`` reads what the load needs (every rank's
 optimizer partition, the module weights' names and shapes, or a universal checkpoint's files) and the
 ranks agree: a missing or truncated file, another model or an optimizer without Adam moments is an
 ACCOCheckpointError on every rank before anything is loaded. A checkpoint that cannot be resumed exactly
 (another world size, mode, accumulation or gradient_accumulation_steps, or DeepSpeed's own ZeRO
-optimizer) is loaded from its committed state, re-sharded (``checkpoint.load_committed``), in place of
+optimizer) is loaded from its committed state, re-sharded (``zero_state.load_committed``), in place of
 DeepSpeed's ``_load_zero_checkpoint`` (which refuses another world size).
 
 Saves also write ``universal_checkpoint_info`` into the model file (unless the module brings its own),
@@ -50,9 +50,9 @@ from deepspeed.checkpoint.constants import (
 )
 
 from acco_ds.core.snapshot import SnapshotMismatchError
-from acco_ds.deepspeed import checkpoint
-from acco_ds.deepspeed.ckpt_files import ACCOCheckpointError, is_complete
-from acco_ds.deepspeed.ckpt_preflight import plan_load
+from acco_ds.deepspeed.checkpoint import zero_state
+from acco_ds.deepspeed.checkpoint.files import ACCOCheckpointError, is_complete
+from acco_ds.deepspeed.checkpoint.preflight import plan_load
 
 STAGING_SUFFIX = ".acco-partial"
 REPLACED_SUFFIX = ".acco-replaced"
@@ -227,7 +227,7 @@ def load_checkpoint(engine, original, load_dir, tag=None, **kwargs):
         source = plan.source
 
         def _load_zero_checkpoint(load_dir, tag, load_optimizer_states=True):
-            checkpoint.load_committed(engine.optimizer, source, load_optimizer_states)
+            zero_state.load_committed(engine.optimizer, source, load_optimizer_states)
             return True
 
         engine._load_zero_checkpoint = (

@@ -9,7 +9,7 @@ A checkpoint's committed state is, per trainable parameter, its fp32 master weig
   stripped), so the ranks' slices, concatenated in rank order, are the group's parameters in the
   order of the model file's ``param_shapes``; rank r's moments hold the same elements first (then
   padding). Reading a parameter's range touches only the slices of the ranks that hold it (the files
-  are memory-mapped, see ``ckpt_files``).
+  are memory-mapped, see ``checkpoint.files``).
 - :class:`UniversalFolder`: a DeepSpeed universal checkpoint (``ds_to_universal.py``):
   ``zero/<name>/{fp32,exp_avg,exp_avg_sq,step}.pt``, each holding the full parameter.
 
@@ -37,7 +37,7 @@ from deepspeed.checkpoint.constants import (
     SINGLE_PARTITION_OF_FP32_GROUPS,
 )
 
-from acco_ds.deepspeed.ckpt_files import ACCOCheckpointError, load_lazy, require_file
+from acco_ds.deepspeed.checkpoint.files import ACCOCheckpointError, load_lazy, require_file
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 WEIGHTS_ONLY_ADVICE = (

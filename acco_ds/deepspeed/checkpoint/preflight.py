@@ -1,18 +1,18 @@
 """What ``engine.load_checkpoint`` will read, checked before DeepSpeed changes anything, and how it loads.
 
-:func:`plan_load` reads the tag's files without changing the run (memory-mapped, see ``ckpt_files``) and
+:func:`plan_load` reads the tag's files without changing the run (memory-mapped, see ``checkpoint.files``) and
 returns the route of the load, or raises ACCOCheckpointError naming the file and what is wrong: a missing
 or truncated file, a checkpoint of another model (parameter names or shapes), an optimizer without Adam
 moments, partitions of different saves. Routes:
 
 - ``exact``: an ACCO checkpoint saved on this world size with this mode, accumulation and
   gradient_accumulation_steps: DeepSpeed's own path, bit-exact resume of the in-flight state
-  (``checkpoint.load_state_dict``).
+  (``zero_state.load_state_dict``).
 - ``committed``: any other ZeRO-1/2 checkpoint (ACCO's on another world size or with other settings,
   DeepSpeed's own ZeRO-1/2 AdamW): the committed state is re-sharded from every rank's file
-  (``checkpoint.load_committed``); ``plan.source`` holds the opened files.
+  (``zero_state.load_committed``); ``plan.source`` holds the opened files.
 - ``universal``: ``"checkpoint": {"load_universal": true}``: DeepSpeed hands the folder to
-  ``checkpoint.load_state_dict``, which re-shards it the same way.
+  ``zero_state.load_state_dict``, which re-shards it the same way.
 - ``weights``: ``load_optimizer_states=False`` or ``load_module_only=True``: the module weights only.
 """
 
@@ -26,8 +26,8 @@ from typing import Any, Dict
 import torch
 from deepspeed.checkpoint.constants import OPTIMIZER_STATE_DICT, PARAM_SHAPES
 
-from acco_ds.deepspeed import checkpoint, reshard
-from acco_ds.deepspeed.ckpt_files import ACCOCheckpointError, load_lazy
+from acco_ds.deepspeed.checkpoint import reshard, zero_state
+from acco_ds.deepspeed.checkpoint.files import ACCOCheckpointError, load_lazy
 
 
 @dataclass
@@ -75,8 +75,8 @@ def plan_load(
     model_file = engine._get_ckpt_name(load_dir, tag)
     model = load_lazy(model_file, "the module weights and the engine's state")
     if engine.load_universal_checkpoint():
-        source = checkpoint.open_universal(opt, folder, load_optimizer_states and not load_module_only)
-        reshard.check_parameters(checkpoint.trainable_shapes(opt), source.shapes(), folder, exact=False)
+        source = zero_state.open_universal(opt, folder, load_optimizer_states and not load_module_only)
+        reshard.check_parameters(zero_state.trainable_shapes(opt), source.shapes(), folder, exact=False)
         return LoadPlan("universal")
     if os.path.isdir(os.path.join(folder, "zero")) and not glob.glob(os.path.join(folder, "*zero_pp_rank_*")):
         raise ACCOCheckpointError(
@@ -105,13 +105,13 @@ def plan_load(
             f"{model_file} holds no '{PARAM_SHAPES}': not a ZeRO checkpoint of DeepSpeed"
         )
     saved_shapes = {name: tuple(shape) for group in shapes for name, shape in group.items()}
-    reshard.check_parameters(checkpoint.trainable_shapes(opt), saved_shapes, folder, exact=True)
+    reshard.check_parameters(zero_state.trainable_shapes(opt), saved_shapes, folder, exact=True)
     rank = opt.pipeline.rank
     states: dict = {}
     if world == opt.pipeline.world_size:  # the exact resume reads this rank's partition only
         states[rank] = load_lazy(files[rank], f"the optimizer partition of rank {rank}")
         own = states[rank].get(OPTIMIZER_STATE_DICT) if isinstance(states[rank], dict) else None
-        if isinstance(own, dict) and checkpoint.exact_resume_possible(opt, own.get(checkpoint.ACCO_KEY)):
+        if isinstance(own, dict) and zero_state.exact_resume_possible(opt, own.get(zero_state.ACCO_KEY)):
             return LoadPlan("exact", world)
     for r, path in enumerate(files):
         if r not in states:

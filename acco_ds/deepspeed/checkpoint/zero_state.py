@@ -28,7 +28,7 @@ hyper-parameter history, stats) and the optimizer's count of micro-batches since
 Loads: the same world size, mode, accumulation and gradient_accumulation_steps resume exactly, the
 in-flight state too (:func:`load_state_dict`). Any other ACCO checkpoint, DeepSpeed's own ZeRO-1/2
 checkpoints and universal checkpoints resume from their committed state, re-sharded to this run by
-parameter name (:func:`load_committed`, ``reshard``; ``ckpt_guard`` / ``ckpt_preflight`` choose the route
+parameter name (:func:`load_committed`, ``reshard``; ``checkpoint.guard`` / ``checkpoint.preflight`` choose the route
 and check the files first).
 
 Events: ``checkpoint_event_prologue`` (the engine calls it first when saving and loading) drains
@@ -73,8 +73,8 @@ from deepspeed.runtime.fp16.loss_scaler import LossScaler
 from deepspeed.utils.tensor_fragment import fragment_address
 
 from acco_ds.core import snapshot
-from acco_ds.deepspeed import reshard
-from acco_ds.deepspeed.ckpt_files import ACCOCheckpointError
+from acco_ds.deepspeed.checkpoint import reshard
+from acco_ds.deepspeed.checkpoint.files import ACCOCheckpointError
 
 logger = logging.getLogger("acco_ds")
 
@@ -260,7 +260,7 @@ def load_state_dict(
 
     The exact resume (the in-flight state too) needs the same world size, mode, accumulation and
     gradient_accumulation_steps; ``engine.load_checkpoint`` routes any other ACCO or ZeRO checkpoint to
-    :func:`load_committed` before DeepSpeed gets here (``ckpt_guard``), so a direct call with one raises.
+    :func:`load_committed` before DeepSpeed gets here (``checkpoint.guard``), so a direct call with one raises.
 
     ``load_optimizer_states=False`` keeps the current moments and restarts the pipeline at the
     checkpoint's fp32 master weights. The fp32 master always comes from the checkpoint (ACCO ignores
