@@ -64,7 +64,8 @@ def test_build_ext_inplace_without_the_modules(tmp_path, cuda):
     assert "installing without it" in out  # the CPU module's build failed (CXX=/bin/false) and was skipped
     assert not (build_lib / "acco_ds" / stale_name).exists(), "a stale build output would be installed"
     assert (tree / "acco_ds" / stale_name).read_bytes() == b"an earlier in-place build"
-    assert not list((tree / "acco_ds").glob(f"_adamw_cpu*{EXT_SUFFIX}"))
+    for cpu_module in ("_adamw_cpu", "_accumulate_cpu"):
+        assert not list((tree / "acco_ds").glob(f"{cpu_module}*{EXT_SUFFIX}"))
 
 
 def test_forced_build_still_fails_loudly(tmp_path):
@@ -80,6 +81,12 @@ def test_pip_install_editable_without_the_modules(tmp_path):
     subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)],
                    check=True, timeout=120)  # fmt: skip
     py = venv / "bin" / "python"
+    # --system-site-packages shows the BASE interpreter's packages; when the tests run inside a virtual
+    # environment, pip, setuptools, wheel and pybind11 are in that environment instead: make it visible too.
+    inner = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                           check=True, capture_output=True, text=True).stdout.strip()  # fmt: skip
+    ours = {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}
+    Path(inner, "_acco_ds_test_parent_env.pth").write_text("\n".join(sorted(ours)) + "\n")
     cmd = [str(py), "-m", "pip", "install", "--no-deps", "--no-build-isolation", "--no-index", "-e", "."]
     r, out = _run(cmd, tree, _env())
     assert r.returncode == 0, out[-4000:]
