@@ -1,7 +1,13 @@
 """Build of acco_ds: the package is pure Python; the kernels in csrc/ are optional compiled modules.
 
-- ``acco_ds._adamw_cpu``: g++ (or $CXX), OpenMP, pybind11 only (no libtorch).
-- ``acco_ds._adamw_cuda``: nvcc for sm_80 and sm_90 (+ PTX for newer GPUs), cudart linked statically.
+csrc/ is laid out by kernel: csrc/common (rules every kernel shares: the bf16 rounding, dtype codes, the CPU
+ISA choice, the ABI version), csrc/adamw, csrc/accumulate. The modules (``MODULES``), named for what they hold:
+
+- ``acco_ds._adamw_cpu``: the CPU AdamW launcher and the CPU harness of the CUDA AdamW body; g++ (or $CXX),
+  OpenMP, pybind11 only (no libtorch).
+- ``acco_ds._accumulate_cpu``: the CPU gradient accumulate / cast-copy launcher; the same toolchain.
+- ``acco_ds._adamw_cuda``: the CUDA AdamW launcher; nvcc for sm_80 and sm_90 (+ PTX for newer GPUs), cudart
+  linked statically.
 
 Both are built with ninja when it is on PATH (otherwise the same commands run one by one). Environment:
 
@@ -38,9 +44,19 @@ from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 ROOT = Path(__file__).resolve().parent
-CSRC = ROOT / "csrc" / "adamw"
-HEADERS = ["adamw_math.h", "adamw_kernel_body.h", "adamw_launch.h"]
-# No -march=native (the module must run on any x86-64: adamw_cpu.cpp picks AVX-512/AVX2 at runtime), no
+CSRC = ROOT / "csrc"  # the include root: sources include "common/bf16.h", "adamw/adamw_math.h", ...
+
+MODULES = {
+    # module: (toolchain, [(source under csrc/, extra compiler flags), ...])
+    "acco_ds._adamw_cpu": (
+        "cpu",
+        [("adamw/bindings.cpp", ["-DACCO_BIND_CPU"]), ("adamw/adamw_cpu.cpp", []),
+         ("adamw/cuda_body_harness.cpp", [])],
+    ),
+    "acco_ds._accumulate_cpu": ("cpu", [("accumulate/bindings.cpp", []), ("accumulate/accumulate_cpu.cpp", [])]),
+    "acco_ds._adamw_cuda": ("cuda", [("adamw/adamw_cuda.cu", []), ("adamw/bindings.cpp", ["-DACCO_BIND_CUDA"])]),
+}  # fmt: skip
+# No -march=native (the modules must run on any x86-64: csrc/common/cpu.h picks AVX-512/AVX2 at load), no
 # -ffast-math (IEEE results, close to torch), no FMA contraction (the same fp32 operations on every ISA).
 CXX_FLAGS = ["-O3", "-std=c++17", "-fPIC", "-fvisibility=hidden", "-ffp-contract=off", "-fno-math-errno"]
 CXX_FLAGS += ["-Wall", "-Wextra"]
@@ -122,6 +138,16 @@ def _includes() -> list[str]:
     return [f"-I{pybind11.get_include()}", f"-I{sysconfig.get_paths()['include']}", f"-I{CSRC}"]
 
 
+def _headers() -> list[Path]:
+    """Every header under csrc/: each compile step depends on all of them (a few, small)."""
+    return sorted(CSRC.rglob("*.h"))
+
+
+def _object(build_dir: Path, src: str) -> Path:
+    """The object file of csrc/``src`` ("adamw/bindings.cpp" -> adamw_bindings.o)."""
+    return build_dir / (Path(src).with_suffix("").as_posix().replace("/", "_") + ".o")
+
+
 class NinjaBuild:
     """A tiny ninja file writer: compile rules per source, one link; falls back to running commands in order."""
 
@@ -177,9 +203,10 @@ class AccoBuildExt(build_ext):
         """Build ``ext``; False when it was skipped (its module is then not installed)."""
         target = Path(self.get_ext_fullpath(ext.name)).resolve()
         build_dir = Path(self.build_temp).resolve() / ext.name
-        if ext.name.endswith("_cpu"):
-            return self._build_cpu(target, build_dir)
-        return self._build_cuda(target, build_dir)
+        toolchain, sources = MODULES[ext.name]
+        if toolchain == "cpu":
+            return self._build_cpu(target, build_dir, sources)
+        return self._build_cuda(target, build_dir, sources)
 
     def _drop_stale_output(self, ext: Extension) -> None:
         """A module not built in this run must not be installed from an older build left in the build folder;
@@ -199,18 +226,15 @@ class AccoBuildExt(build_ext):
             raise RuntimeError(f"no C++ compiler found (CXX={os.environ.get('CXX')!r}, no g++/c++ on PATH)")
         return cxx
 
-    def _build_cpu(self, target: Path, build_dir: Path) -> bool:
+    def _build_cpu(self, target: Path, build_dir: Path, sources: list) -> bool:
         cxx = self._cxx()
         nb = NinjaBuild(build_dir)
         flags = CXX_FLAGS + ["-fopenmp"] + _includes()
-        headers = [CSRC / h for h in HEADERS]
+        headers = _headers()
         objs = [
-            nb.add(build_dir / "bindings.o", [CSRC / "bindings.cpp", *headers],
-                   [cxx, *flags, "-DACCO_BIND_CPU", "-c", str(CSRC / "bindings.cpp"), "-o", str(build_dir / "bindings.o")]),
-            nb.add(build_dir / "adamw_cpu.o", [CSRC / "adamw_cpu.cpp", *headers],
-                   [cxx, *flags, "-c", str(CSRC / "adamw_cpu.cpp"), "-o", str(build_dir / "adamw_cpu.o")]),
-            nb.add(build_dir / "cuda_body_harness.o", [CSRC / "cuda_body_harness.cpp", *headers],
-                   [cxx, *flags, "-c", str(CSRC / "cuda_body_harness.cpp"), "-o", str(build_dir / "cuda_body_harness.o")]),
+            nb.add(_object(build_dir, src), [CSRC / src, *headers],
+                   [cxx, *flags, *extra, "-c", str(CSRC / src), "-o", str(_object(build_dir, src))])
+            for src, extra in sources
         ]  # fmt: skip
         target.parent.mkdir(parents=True, exist_ok=True)
         nb.add(target, objs, [cxx, "-shared", "-fopenmp", *map(str, objs), "-o", str(target)])
@@ -218,7 +242,7 @@ class AccoBuildExt(build_ext):
         _log(f"built {target}")
         return True
 
-    def _build_cuda(self, target: Path, build_dir: Path) -> bool:
+    def _build_cuda(self, target: Path, build_dir: Path, sources: list) -> bool:
         cuda_mode = _mode("ACCO_DS_BUILD_CUDA")
         if cuda_mode == "0":
             _log("ACCO_DS_BUILD_CUDA=0: skipping the CUDA module.")
@@ -234,23 +258,20 @@ class AccoBuildExt(build_ext):
         archs = [a.strip() for a in os.environ.get("ACCO_DS_CUDA_ARCHS", "80;90").split(";") if a.strip()]
         gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
         gencode.append(f"-gencode=arch=compute_{archs[-1]},code=compute_{archs[-1]}")  # PTX for newer GPUs
-        headers = [CSRC / h for h in HEADERS]
+        headers = _headers()
         nb = NinjaBuild(build_dir)
-        cu_obj = nb.add(
-            build_dir / "adamw_cuda.o",
-            [CSRC / "adamw_cuda.cu", *headers],
-            [nvcc, *NVCC_FLAGS, *gencode, f"-ccbin={cxx}",
-             f"-I{CSRC}", "-c", str(CSRC / "adamw_cuda.cu"), "-o", str(build_dir / "adamw_cuda.o")],
-        )  # fmt: skip
-        bind_obj = nb.add(
-            build_dir / "bindings.o",
-            [CSRC / "bindings.cpp", *headers],
-            [cxx, *CXX_FLAGS, *_includes(), "-DACCO_BIND_CUDA", "-c", str(CSRC / "bindings.cpp"),
-             "-o", str(build_dir / "bindings.o")],
-        )  # fmt: skip
+        objs = []
+        for src, extra in sources:
+            obj = _object(build_dir, src)
+            if src.endswith(".cu"):
+                cmd = [nvcc, *NVCC_FLAGS, *gencode, f"-ccbin={cxx}", f"-I{CSRC}", *extra, "-c", str(CSRC / src),
+                       "-o", str(obj)]  # fmt: skip
+            else:
+                cmd = [cxx, *CXX_FLAGS, *_includes(), *extra, "-c", str(CSRC / src), "-o", str(obj)]
+            objs.append(nb.add(obj, [CSRC / src, *headers], cmd))
         target.parent.mkdir(parents=True, exist_ok=True)
-        nb.add(target, [cu_obj, bind_obj],
-               [nvcc, "-shared", "--cudart=static", *gencode, f"-ccbin={cxx}", str(cu_obj), str(bind_obj),
+        nb.add(target, objs,
+               [nvcc, "-shared", "--cudart=static", *gencode, f"-ccbin={cxx}", *map(str, objs),
                 "-o", str(target)])  # fmt: skip
         nb.run()
         _log(f"built {target}")
@@ -263,13 +284,15 @@ def _extensions() -> list[Extension]:
             "ACCO_DS_BUILD_EXT=0: pure-Python install, no compiled kernels (acco_ds uses its torch fallback)."
         )
         return []
-    # Sources are compiled by AccoBuildExt, not by distutils; listing them keeps sdists complete.
-    srcs = [str(p.relative_to(ROOT)) for p in sorted(CSRC.glob("*")) if p.suffix in (".cpp", ".cu", ".h")]
-    # optional: a module skipped or failed in auto mode is not copied (setuptools would fail on the missing file);
-    # the forced modes raise in AccoBuildExt before that.
+    # Sources are compiled by AccoBuildExt, not by distutils; listing them (and every header) keeps sdists
+    # complete. optional: a module skipped or failed in auto mode is not copied (setuptools would fail on the
+    # missing file); the forced modes raise in AccoBuildExt before that.
+    headers = [str(p.relative_to(ROOT)) for p in _headers()]
     return [
-        Extension("acco_ds._adamw_cpu", sources=srcs, optional=True),
-        Extension("acco_ds._adamw_cuda", sources=srcs, optional=True),
+        Extension(
+            name, sources=[str((CSRC / src).relative_to(ROOT)) for src, _ in srcs] + headers, optional=True
+        )
+        for name, (_, srcs) in MODULES.items()
     ]
 
 

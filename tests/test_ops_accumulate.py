@@ -96,14 +96,13 @@ def check_flat(backend: str, bdtype, gdtype, n: int, scale: float) -> None:
 
 
 def require_cpu_ext():
-    if _build.load("cpu") is None:
+    if _build.load("accumulate_cpu") is None:
         import shutil
 
+        why = _build.why_missing("accumulate_cpu")
         if shutil.which("g++") or shutil.which("c++"):
-            pytest.fail(
-                f"a C++ compiler is present but the CPU extension is missing: {_build.why_missing('cpu')}"
-            )
-        pytest.skip(f"no C++ compiler: {_build.why_missing('cpu')}")
+            pytest.fail(f"a C++ compiler is present but the CPU accumulate extension is missing: {why}")
+        pytest.skip(f"no C++ compiler: {why}")
 
 
 @pytest.mark.parametrize("scale", [1.0, 0.37])

@@ -23,12 +23,12 @@ DTYPES = [torch.float32, torch.bfloat16]
 
 def require_cpu_ext():
     """The CPU extension must be there when a C++ compiler is (then a missing module is a failed build)."""
-    if _build.load("cpu") is None:
+    if _build.load("adamw_cpu") is None:
         if shutil.which("g++") or shutil.which("c++"):
             pytest.fail(
-                f"a C++ compiler is present but the CPU extension is missing: {_build.why_missing('cpu')}"
+                f"a C++ compiler is present but the CPU extension is missing: {_build.why_missing('adamw_cpu')}"
             )
-        pytest.skip(f"no C++ compiler: {_build.why_missing('cpu')}")
+        pytest.skip(f"no C++ compiler: {_build.why_missing('adamw_cpu')}")
 
 
 def harness(grid_dim: int = 0):

@@ -1,6 +1,6 @@
 """Compile-only checks of the CUDA source with nvcc (no GPU needed); skipped where nvcc is absent.
 
-- adamw_cuda.cu compiles to a cubin for sm_80 and for sm_90 with every nvcc warning an error;
+- csrc/adamw/adamw_cuda.cu compiles to a cubin for sm_80 and for sm_90 with every nvcc warning an error;
 - the cubin has vectorised global loads/stores (the kernel's vector path survived compilation);
 - the module object links with cudart statically, as setup.py builds it, and exports the launcher.
 """
@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-CSRC = ROOT / "csrc" / "adamw"
+CSRC = ROOT / "csrc"  # the include root, as in setup.py
+CU = CSRC / "adamw" / "adamw_cuda.cu"
 
 
 def _nvcc():
@@ -40,11 +41,11 @@ def run(cmd, cwd):
 def test_cuda_source_compiles(arch, tmp_path):
     cubin = tmp_path / f"adamw_sm{arch}.cubin"
     run([NVCC, *FLAGS, f"-arch=sm_{arch}", "-cubin", "--Werror", "all-warnings", f"-I{CSRC}",
-         str(CSRC / "adamw_cuda.cu"), "-o", str(cubin)], tmp_path)  # fmt: skip
+         str(CU), "-o", str(cubin)], tmp_path)  # fmt: skip
     data = cubin.read_bytes()
     assert data[:4] == b"\x7fELF" and len(data) > 1000
     ptx = tmp_path / f"adamw_sm{arch}.ptx"
-    run([NVCC, *FLAGS, f"-arch=sm_{arch}", "-ptx", f"-I{CSRC}", str(CSRC / "adamw_cuda.cu"),
+    run([NVCC, *FLAGS, f"-arch=sm_{arch}", "-ptx", f"-I{CSRC}", str(CU),
          "-o", str(ptx)], tmp_path)  # fmt: skip
     text = ptx.read_text()
     for instr in ("ld.global.v4.f32", "st.global.v4.f32", "ld.global.v4.u16", "st.global.v4.u16"):
@@ -54,7 +55,7 @@ def test_cuda_source_compiles(arch, tmp_path):
 def test_module_object_links_with_static_cudart(tmp_path):
     obj = tmp_path / "adamw_cuda.o"
     run([NVCC, *FLAGS, "-gencode=arch=compute_80,code=sm_80", "-gencode=arch=compute_90,code=sm_90",
-         "-Xcompiler", "-fPIC", f"-I{CSRC}", "-c", str(CSRC / "adamw_cuda.cu"), "-o", str(obj)], tmp_path)  # fmt: skip
+         "-Xcompiler", "-fPIC", f"-I{CSRC}", "-c", str(CU), "-o", str(obj)], tmp_path)  # fmt: skip
     so = tmp_path / "libadamw_cuda_test.so"
     run([NVCC, "-shared", "--cudart=static", str(obj), "-o", str(so)], tmp_path)
     nm = shutil.which("nm")

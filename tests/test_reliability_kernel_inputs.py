@@ -1,5 +1,5 @@
 """Bad inputs to the kernels' Python entry points raise a clear error before any launch, never a
-crash or silent corruption (issue 6, item 5).
+crash or silent corruption.
 
 Each row of the tables breaks one argument of an otherwise valid call (non-contiguous, misaligned,
 wrong dtype, wrong device, size mismatch, overlapping buffers, bad scalars; a bad ``hyper_tensor``, or the
@@ -27,9 +27,9 @@ N = 1001  # odd: no vector width divides it
 POISON = 12345.0
 
 ADAMW_FNS = {"adamw_step": adamw.adamw_step, "adamw_step_ref": adamw.adamw_step_ref}
-if _build.available("cpu") and hasattr(adamw, "adamw_step_cuda_body_on_cpu"):
+if _build.available("adamw_cpu") and hasattr(adamw, "adamw_step_cuda_body_on_cpu"):
     ADAMW_FNS["cuda_body_on_cpu"] = adamw.adamw_step_cuda_body_on_cpu
-ACC_BACKENDS = ["ref"] + (["cpp"] if _build.available("cpu") else [])
+ACC_BACKENDS = ["ref"] + (["cpp"] if _build.available("accumulate_cpu") else [])
 
 
 def misaligned(n: int, dtype: torch.dtype) -> torch.Tensor:

@@ -1,12 +1,19 @@
 """Locate and load the compiled kernels, keeping the original import error for the log.
 
-Two pybind11 modules, built by ``setup.py`` (in place, editable or regular install) next to this package:
+Three pybind11 modules, built by ``setup.py`` (in place, editable or regular install) next to this package from
+csrc/ (laid out by kernel: csrc/common, csrc/adamw, csrc/accumulate), each named for what it holds:
 
-- ``acco_ds._adamw_cpu``: the CPU AdamW launcher (OpenMP) and the CPU harness of the CUDA kernel bodies.
-- ``acco_ds._adamw_cuda``: the CUDA AdamW launcher (cudart linked statically; no libtorch).
+- ``acco_ds._adamw_cpu`` (kind ``"adamw_cpu"``): the CPU AdamW launcher (OpenMP) and the CPU harness of the CUDA
+  AdamW kernel body.
+- ``acco_ds._accumulate_cpu`` (kind ``"accumulate_cpu"``): the CPU gradient accumulate / cast-copy launcher.
+- ``acco_ds._adamw_cuda`` (kind ``"adamw_cuda"``): the CUDA AdamW launcher (cudart linked statically).
 
-Neither links libtorch, so one build serves any torch version. Loading never raises: a missing module yields
-``None`` and :func:`why_missing` returns the text of the ImportError (or the reason it was not attempted).
+The kinds ``"cpu"`` and ``"cuda"`` name the AdamW modules (``"adamw_cpu"``, ``"adamw_cuda"``): scripts and
+benchmarks ask for the device's AdamW kernel by device name.
+
+None links libtorch, so one build serves any torch version. Loading never raises: a missing module yields
+``None`` and :func:`why_missing` returns the text of the ImportError (or the reason it was not attempted). A
+module whose ``ABI_VERSION`` differs from :data:`ABI_VERSION` (a stale build) counts as missing.
 
 The CUDA module carries its CUDA runtime (static cudart), which needs a driver of at least the same CUDA major
 version: loading asks the module for both versions (``cuda_versions()``, no GPU work) and treats a driver that is
@@ -21,21 +28,34 @@ import os
 import threading
 from typing import Dict, Tuple
 
-_MODULES = {"cpu": "acco_ds._adamw_cpu", "cuda": "acco_ds._adamw_cuda"}
+_MODULES = {
+    "adamw_cpu": "acco_ds._adamw_cpu",
+    "accumulate_cpu": "acco_ds._accumulate_cpu",
+    "adamw_cuda": "acco_ds._adamw_cuda",
+}
+_ALIASES = {"cpu": "adamw_cpu", "cuda": "adamw_cuda"}
 _lock = threading.Lock()
 _cache: Dict[str, Tuple[object | None, str]] = {}
 
-ABI_VERSION = 2
-"""The argument layout the Python front uses (csrc/adamw/bindings.cpp's kAbiVersion must match)."""
+ABI_VERSION = 3
+"""The argument layout the Python fronts use (csrc/common/bindings.h's kAbiVersion must match)."""
 
 DISABLE_ENV = "ACCO_DS_DISABLE_EXT"
 """Set to 1 to ignore the compiled extensions at runtime (the torch reference is used instead)."""
 
 
-def load(kind: str):
-    """Return the compiled module for ``kind`` ("cpu" or "cuda"), or ``None`` when it cannot be imported."""
+def _kind(kind: str) -> str:
+    kind = _ALIASES.get(kind, kind)
     if kind not in _MODULES:
-        raise ValueError(f"acco_ds.ops._build.load: kind must be one of {sorted(_MODULES)}, got {kind!r}.")
+        allowed = sorted([*_MODULES, *_ALIASES])
+        raise ValueError(f"acco_ds.ops._build.load: kind must be one of {allowed}, got {kind!r}.")
+    return kind
+
+
+def load(kind: str):
+    """Return the compiled module for ``kind`` (a key of ``_MODULES``, or "cpu"/"cuda": the AdamW modules), or
+    ``None`` when it cannot be imported."""
+    kind = _kind(kind)
     hit = _cache.get(kind)
     if hit is not None:
         return hit[0]
@@ -59,7 +79,7 @@ def _try_import(kind: str) -> Tuple[object | None, str]:
             None,
             f"{mod.__file__} is a stale build (ABI_VERSION {found}, expected {ABI_VERSION}). {rebuild}",
         )
-    if kind == "cuda":
+    if kind.endswith("cuda"):
         why = driver_mismatch(mod)
         if why:
             return None, why
@@ -98,7 +118,7 @@ def driver_mismatch(mod) -> str:
 def why_missing(kind: str) -> str:
     """The reason the ``kind`` module is unavailable ("" when it loaded)."""
     load(kind)
-    return _cache[kind][1]
+    return _cache[_kind(kind)][1]
 
 
 def available(kind: str) -> bool:

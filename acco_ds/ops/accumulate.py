@@ -104,11 +104,15 @@ def _pick(fn: str, device: torch.device, backend: str | None) -> str:
     if backend == "cpp":
         if device.type != "cpu":
             raise ValueError(f"{fn}: backend='cpp' runs on CPU tensors only, got {device}.")
-        if not _build.available("cpu"):
-            raise RuntimeError(f"{fn}: backend='cpp' requested but {_build.why_missing('cpu')}")
+        if not _build.available("accumulate_cpu"):
+            raise RuntimeError(f"{fn}: backend='cpp' requested but {_build.why_missing('accumulate_cpu')}")
         return "cpp"
     if device.type == "cpu":
-        chosen, why = ("cpp", "") if _build.available("cpu") else ("ref", _build.why_missing("cpu"))
+        chosen, why = (
+            ("cpp", "")
+            if _build.available("accumulate_cpu")
+            else ("ref", _build.why_missing("accumulate_cpu"))
+        )
     elif device.type == "cuda":
         chosen, why = ("triton", "") if _triton_available() else ("ref", "triton is not installed")
     else:
@@ -161,7 +165,7 @@ def accumulate_grads(
     if chosen == "ref":
         accumulate_grads_ref(buffer, grads, offsets, scale)
     elif chosen == "cpp":
-        ext = _build.load("cpu")
+        ext = _build.load("accumulate_cpu")
         ext.accumulate_cpu(
             buffer.data_ptr(),
             _DTYPE_CODE[buffer.dtype],
@@ -219,7 +223,7 @@ def copy_flat(dst, src, scale: float = 1.0, *, backend=None) -> None:
     if chosen == "ref":
         copy_flat_ref(dst, src, scale)
     elif chosen == "cpp":
-        _build.load("cpu").copy_cpu(
+        _build.load("accumulate_cpu").copy_cpu(
             dst.data_ptr(),
             _DTYPE_CODE[dst.dtype],
             src.data_ptr(),

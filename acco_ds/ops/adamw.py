@@ -316,7 +316,7 @@ def _ext_args(a: _Step) -> tuple:
         0 if nf is None else nf.data_ptr(),
         0 if ht is None else ht.data_ptr(),
         a.master.numel(),
-        *hp,
+        hp,
         float(a.grad_scale),
         bool(a.commit),
     )
@@ -371,7 +371,7 @@ def adamw_step(master, exp_avg, exp_avg_sq, grad, out=None, *, lr: float | None 
               scale_tensor, noop_flag, commit, hyper_tensor)  # fmt: skip
     _validate(a)
     dev = master.device.type
-    kind = "cuda" if dev == "cuda" else "cpu"
+    kind = "adamw_cuda" if dev == "cuda" else "adamw_cpu"
     ext = _build.load(kind)
     if ext is None:
         _log_backend_once(dev, "the torch reference", _build.why_missing(kind))
@@ -404,10 +404,10 @@ def adamw_step_cuda_body_on_cpu(master, exp_avg, exp_avg_sq, grad, out=None, *, 
     _validate(a)
     if master.device.type != "cpu":
         raise ValueError(f"adamw_step_cuda_body_on_cpu: tensors must be on cpu, got {master.device}.")
-    ext = _build.load("cpu")
+    ext = _build.load("adamw_cpu")
     if ext is None:
         raise RuntimeError(
-            f"adamw_step_cuda_body_on_cpu needs the CPU extension: {_build.why_missing('cpu')}"
+            f"adamw_step_cuda_body_on_cpu needs the CPU extension: {_build.why_missing('adamw_cpu')}"
         )
     if master.numel():
         ext.adamw_cuda_body_on_cpu(*_ext_args(a), int(grid_dim), int(block_dim))

@@ -1,64 +1,25 @@
-// CPU launchers: fused AdamW (commit / peek / noop) and gradient accumulation / cast-copy into flat buffers.
+// CPU launcher of the fused AdamW (commit / peek / noop).
 //
-// Loops are plain element loops over acco::adamw_update (adamw_math.h) that the compiler vectorises; each
-// loop is compiled three times (AVX-512, AVX2, baseline x86-64 / whatever the target is) and the best one the
-// running CPU supports is picked once at runtime, so the wheel stays portable (no -march=native). Threads:
+// Loops are plain element loops over acco::adamw_update (adamw_math.h) that the compiler vectorises, compiled
+// once per instruction-set variant (csrc/common/cpu.h; the best the running CPU supports is used). Threads:
 // OpenMP, at most `num_threads` (the caller passes torch.get_num_threads()), and fewer for small inputs.
 // Built with -ffp-contract=off and without -ffast-math: IEEE fp32 operations in adamw_update's order, so
 // results do not depend on the ISA picked.
 #include <omp.h>
 #include <stdint.h>
-#include <stdlib.h>
 #include <string.h>
 #if defined(__x86_64__)
 #include <emmintrin.h>
 #endif
 
 #include <algorithm>
-#include <vector>
 
-#include "adamw_launch.h"
+#include "adamw/adamw_launch.h"
+#include "common/cpu.h"
 
 namespace acco {
 namespace {
 
-constexpr int64_t kGrain = 1 << 15;  // minimum elements per thread
-constexpr int64_t kChunk = 1 << 16;  // accumulate: elements per work item
-
-enum class Isa { kBase, kAvx2, kAvx512 };
-
-Isa best_isa() {
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-  __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
-    return Isa::kAvx512;
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return Isa::kAvx2;
-#endif
-  return Isa::kBase;
-}
-
-// The best variant the CPU runs, or a lower one named by ACCO_DS_CPU_ISA=avx2|base (tests use it to run
-// every variant on one machine); a higher one than the CPU supports is never picked.
-Isa detect_isa() {
-  const Isa best = best_isa();
-  const char* env = getenv("ACCO_DS_CPU_ISA");
-  if (env == nullptr) return best;
-  const Isa want = strcmp(env, "base") == 0 ? Isa::kBase : strcmp(env, "avx2") == 0 ? Isa::kAvx2 : best;
-  return static_cast<int>(want) < static_cast<int>(best) ? want : best;
-}
-
-const Isa kIsa = detect_isa();
-
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#define ACCO_TARGET_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,prefer-vector-width=512")))
-#define ACCO_TARGET_AVX2 __attribute__((target("avx2,fma")))
-#define ACCO_HAVE_ISA_VARIANTS 1
-#else
-#define ACCO_HAVE_ISA_VARIANTS 0
-#endif
-
-// ---- AdamW ------------------------------------------------------------------------------------------
 // (args, gradient scale, begin, end, stream_out): stream_out = write `out` with non-temporal stores.
 using AdamWRange = void (*)(const AdamWKernelArgs&, float, int64_t, int64_t, bool);
 
@@ -210,55 +171,7 @@ void parallel_range(int64_t n, int num_threads, const F& f) {
   }
 }
 
-// ---- accumulate / copy ------------------------------------------------------------------------------
-using AccRange = void (*)(void*, const void*, int64_t, float);
-
-template <typename B, typename G, bool ACC>
-inline __attribute__((always_inline)) void acc_impl(void* buf, const void* grad, int64_t len, float s) {
-  B* __restrict x = static_cast<B*>(buf);
-  const G* __restrict g = static_cast<const G*>(grad);
-#pragma omp simd
-  for (int64_t i = 0; i < len; ++i) {
-    const float gi = to_f32(g[i]) * s;
-    x[i] = from_f32<B>(ACC ? to_f32(x[i]) + gi : gi);
-  }
-}
-template <typename B, typename G, bool ACC>
-void acc_base(void* buf, const void* grad, int64_t len, float s) {
-  acc_impl<B, G, ACC>(buf, grad, len, s);
-}
-#if ACCO_HAVE_ISA_VARIANTS
-template <typename B, typename G, bool ACC>
-ACCO_TARGET_AVX2 void acc_avx2(void* buf, const void* grad, int64_t len, float s) {
-  acc_impl<B, G, ACC>(buf, grad, len, s);
-}
-template <typename B, typename G, bool ACC>
-ACCO_TARGET_AVX512 void acc_avx512(void* buf, const void* grad, int64_t len, float s) {
-  acc_impl<B, G, ACC>(buf, grad, len, s);
-}
-#endif
-
-template <typename B, typename G, bool ACC>
-AccRange pick_acc3() {
-#if ACCO_HAVE_ISA_VARIANTS
-  if (kIsa == Isa::kAvx512) return &acc_avx512<B, G, ACC>;
-  if (kIsa == Isa::kAvx2) return &acc_avx2<B, G, ACC>;
-#endif
-  return &acc_base<B, G, ACC>;
-}
-
-template <bool ACC>
-AccRange pick_acc(int buf_dtype, int grad_dtype) {
-  if (buf_dtype == kBF16)
-    return grad_dtype == kBF16 ? pick_acc3<uint16_t, uint16_t, ACC>() : pick_acc3<uint16_t, float, ACC>();
-  return grad_dtype == kBF16 ? pick_acc3<float, uint16_t, ACC>() : pick_acc3<float, float, ACC>();
-}
-
-inline int64_t elem_size(int dtype) { return dtype == kBF16 ? 2 : 4; }
-
 }  // namespace
-
-const char* cpu_isa() { return kIsa == Isa::kAvx512 ? "avx512" : kIsa == Isa::kAvx2 ? "avx2" : "base"; }
 
 void adamw_cpu(const AdamWKernelArgs& args, int g_dtype, int out_dtype, bool commit, int num_threads) {
   AdamWKernelArgs a = args;
@@ -275,36 +188,6 @@ void adamw_cpu(const AdamWKernelArgs& args, int g_dtype, int out_dtype, bool com
   if (fn == nullptr) return;  // peek without out: nothing to write (the Python front forbids it)
   const bool stream_out = out_dtype >= 0 && a.n * elem_size(out_dtype) >= kStreamOutBytes;
   parallel_range(a.n, num_threads, [&](int64_t b, int64_t e) { fn(a, s, b, e, stream_out); });
-}
-
-void accumulate_cpu(uintptr_t buf, int buf_dtype, const int64_t* grad_ptrs, const int* grad_dtypes,
-                    const int64_t* offsets, const int64_t* numels, int64_t count, float scale, bool accumulate,
-                    int num_threads) {
-  struct Item {
-    int64_t tensor, start, len;
-  };
-  std::vector<Item> items;
-  int64_t total = 0;
-  for (int64_t t = 0; t < count; ++t) {
-    for (int64_t s = 0; s < numels[t]; s += kChunk) items.push_back({t, s, std::min(kChunk, numels[t] - s)});
-    total += numels[t];
-  }
-  const int64_t nitems = static_cast<int64_t>(items.size());
-  auto run = [&](int64_t k) {
-    const Item& it = items[k];
-    const AccRange fn = accumulate ? pick_acc<true>(buf_dtype, grad_dtypes[it.tensor])
-                                   : pick_acc<false>(buf_dtype, grad_dtypes[it.tensor]);
-    char* dst = reinterpret_cast<char*>(buf) + (offsets[it.tensor] + it.start) * elem_size(buf_dtype);
-    const char* src = reinterpret_cast<const char*>(grad_ptrs[it.tensor]) + it.start * elem_size(grad_dtypes[it.tensor]);
-    fn(dst, src, it.len, scale);
-  };
-  const int nt = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads, total / kGrain)));
-  if (nt <= 1) {
-    for (int64_t k = 0; k < nitems; ++k) run(k);
-    return;
-  }
-#pragma omp parallel for num_threads(nt) schedule(static)
-  for (int64_t k = 0; k < nitems; ++k) run(k);
 }
 
 }  // namespace acco

@@ -8,7 +8,7 @@
 // step count and learning rate apply never synchronises the host.
 #include <cuda_runtime.h>
 
-#include "adamw_launch.h"
+#include "adamw/adamw_launch.h"
 
 namespace acco {
 namespace {

@@ -13,7 +13,7 @@
 
 #include <stdint.h>
 
-#include "adamw_math.h"
+#include "adamw/adamw_math.h"
 
 #if defined(ACCO_KERNEL_HARNESS) && !defined(__CUDA_ARCH__)
 #include <stdexcept>
@@ -52,7 +52,7 @@ struct AdamWKernelArgs {
   void* out;                 // nullptr or out [n], fp32 or bf16 (template O)
   const float* scale_ptr;    // nullptr or 1 fp32 on the device: extra gradient scale
   const int32_t* noop_ptr;   // nullptr or 1 int32 on the device: nonzero = skip the step
-  const float* hyper_ptr;    // nullptr = use h; else 8 fp32 on the device (AdamWHyper's fields), used instead
+  const float* hyper_ptr;    // nullptr = use h; else kHyperFields fp32 on the device (AdamWHyper's), used instead
   int64_t n;                 // elements
   float grad_scale;          // host gradient scale
   AdamWHyper h;              // by value from the host; ignored when hyper_ptr is set

@@ -1,6 +1,6 @@
-// Launcher declarations shared by the bindings and the launchers. Plain C++: no libtorch, no CUDA headers.
+// AdamW launcher declarations shared by the bindings and the launchers. Plain C++: no libtorch, no CUDA headers.
 //
-// Dtype codes: 0 = fp32, 1 = bf16 (acco_ds.ops.adamw._DTYPE_CODE). All pointers are raw addresses of
+// Dtype codes: csrc/common/dtype.h (0 = fp32, 1 = bf16, -1 = no out). All pointers are raw addresses of
 // contiguous buffers that the caller keeps alive until the work is done (the CPU calls return when done;
 // the CUDA call is asynchronous on `stream`).
 #pragma once
@@ -9,11 +9,10 @@
 
 #include <string>
 
-#include "adamw_kernel_body.h"
+#include "adamw/adamw_kernel_body.h"
+#include "common/dtype.h"
 
 namespace acco {
-
-enum DtypeCode : int { kF32 = 0, kBF16 = 1 };
 
 // Fills AdamWKernelArgs from the raw arguments (alignment flags from the pointers).
 inline AdamWKernelArgs make_adamw_args(uintptr_t p, uintptr_t m, uintptr_t v, uintptr_t g, int g_dtype,
@@ -39,17 +38,8 @@ inline AdamWKernelArgs make_adamw_args(uintptr_t p, uintptr_t m, uintptr_t v, ui
   return a;
 }
 
-// CPU: the instruction-set variant of the CPU loops in use ("avx512", "avx2" or "base").
-const char* cpu_isa();
-
 // CPU: OpenMP over `num_threads` threads; reads scale/noop/hyper from host memory. Returns when done.
 void adamw_cpu(const AdamWKernelArgs& a, int g_dtype, int out_dtype, bool commit, int num_threads);
-
-// CPU: buffer[off_i : off_i + numel_i] = cast(float(buffer) + float(grad_i) * scale) for every i (accumulate),
-// or buffer = cast(float(grad) * scale) (copy, one tensor at offset 0).
-void accumulate_cpu(uintptr_t buf, int buf_dtype, const int64_t* grad_ptrs, const int* grad_dtypes,
-                    const int64_t* offsets, const int64_t* numels, int64_t count, float scale, bool accumulate,
-                    int num_threads);
 
 // CPU harness: runs the CUDA kernel body for every (block, thread) of a grid_dim x kBlock grid.
 // grid_dim <= 0 uses the launcher's grid (adamw_grid). Throws std::runtime_error on a misaligned vector

@@ -1,83 +1,52 @@
-// The element-wise AdamW update and the bf16 conversions: one truth for the GPU (nvcc) and the CPU (g++).
+// The element-wise AdamW update and its scalars: one truth for the GPU (nvcc) and the CPU (g++).
 //
 // Everything here is a __host__ __device__ inline function of plain values: no libtorch, no CUDA runtime.
-// fp32 arithmetic in torch.optim.AdamW's order (decoupled weight decay first); bf16 is stored as uint16_t
-// and rounded to nearest even exactly like c10::BFloat16 (NaN -> 0x7FC0).
+// fp32 arithmetic in torch.optim.AdamW's order (decoupled weight decay first). The bf16 conversions are
+// csrc/common/bf16.h's.
 #pragma once
 
 #include <math.h>
 #include <stdint.h>
-#include <string.h>
 
-#if defined(__CUDACC__)
-#define ACCO_HD __host__ __device__ __forceinline__
-#else
-#define ACCO_HD inline __attribute__((always_inline))
-#endif
+#include "common/bf16.h"
+#include "common/host_device.h"
 
 namespace acco {
 
-// fp32 scalars of one step, computed in double on the host (acco_ds.ops.adamw.hyper_scalars) and rounded
-// to fp32 once, as torch does with its Python-float scalars.
+// The fp32 scalars of one step, in this order: acco_ds/ops/adamw_settings.py's KERNEL_FIELDS lists the same
+// names in the same order and AdamWSettings.hyper_scalars computes them (in double on the host, rounded to
+// fp32 once, as torch does with its Python-float scalars). tests/test_ops_adamw_abi.py checks that the two
+// lists match (this header and the built modules' HYPER_FIELDS / HYPER_OFFSETS).
+#define ACCO_ADAMW_HYPER_FIELDS(X)                       \
+  X(decay)           /* 1 - lr * weight_decay */         \
+  X(beta1)           /* beta1 */                         \
+  X(one_minus_beta1) /* 1 - beta1 */                     \
+  X(beta2)           /* beta2 */                         \
+  X(one_minus_beta2) /* 1 - beta2 */                     \
+  X(bc2_sqrt)        /* sqrt(1 - beta2**step) */         \
+  X(eps)             /* eps */                           \
+  X(step_size)       /* lr / (1 - beta1**step) */
+
 struct AdamWHyper {
-  float decay;            // 1 - lr * weight_decay
-  float beta1;            // beta1
-  float one_minus_beta1;  // 1 - beta1
-  float beta2;            // beta2
-  float one_minus_beta2;  // 1 - beta2
-  float bc2_sqrt;         // sqrt(1 - beta2**step)
-  float eps;              // eps
-  float step_size;        // lr / (1 - beta1**step)
+#define ACCO_HYPER_MEMBER(name) float name;
+  ACCO_ADAMW_HYPER_FIELDS(ACCO_HYPER_MEMBER)
+#undef ACCO_HYPER_MEMBER
 };
 
-// The AdamWHyper fields from 8 consecutive fp32 in memory, in the struct's order (a hyper_tensor of
-// acco_ds.ops.adamw: decay, beta1, 1-beta1, beta2, 1-beta2, sqrt(1-beta2**step), eps, step_size).
+#define ACCO_HYPER_ONE(name) +1
+constexpr int kHyperFields = 0 ACCO_ADAMW_HYPER_FIELDS(ACCO_HYPER_ONE);
+#undef ACCO_HYPER_ONE
+static_assert(sizeof(AdamWHyper) == kHyperFields * sizeof(float), "AdamWHyper must be packed fp32 fields");
+
+// The AdamWHyper fields from kHyperFields consecutive fp32 in memory, in the struct's order (a hyper_tensor
+// of acco_ds.ops.adamw, or the scalars the bindings receive by value).
 ACCO_HD AdamWHyper load_hyper(const float* x) {
-  return AdamWHyper{x[0], x[1], x[2], x[3], x[4], x[5], x[6], x[7]};
-}
-
-ACCO_HD uint32_t f32_bits(float x) {
-#if defined(__CUDA_ARCH__)
-  return __float_as_uint(x);
-#else
-  uint32_t b;
-  memcpy(&b, &x, sizeof(b));
-  return b;
-#endif
-}
-
-ACCO_HD float bits_f32(uint32_t b) {
-#if defined(__CUDA_ARCH__)
-  return __uint_as_float(b);
-#else
-  float x;
-  memcpy(&x, &b, sizeof(x));
-  return x;
-#endif
-}
-
-// bf16 -> fp32 is exact: the bf16 bits are the high half of the fp32 bits.
-ACCO_HD float bf16_to_f32(uint16_t h) { return bits_f32(static_cast<uint32_t>(h) << 16); }
-
-// fp32 -> bf16, round to nearest, ties to even; every NaN becomes 0x7FC0 (c10::round_to_nearest_even).
-ACCO_HD uint16_t f32_to_bf16(float x) {
-  const uint32_t b = f32_bits(x);
-  const uint32_t rounded = (b + 0x7FFFu + ((b >> 16) & 1u)) >> 16;
-  return (b & 0x7FFFFFFFu) > 0x7F800000u ? static_cast<uint16_t>(0x7FC0u) : static_cast<uint16_t>(rounded);
-}
-
-// Element-type traits: float is fp32, uint16_t is bf16.
-ACCO_HD float to_f32(float x) { return x; }
-ACCO_HD float to_f32(uint16_t x) { return bf16_to_f32(x); }
-template <typename T>
-ACCO_HD T from_f32(float x);
-template <>
-ACCO_HD float from_f32<float>(float x) {
-  return x;
-}
-template <>
-ACCO_HD uint16_t from_f32<uint16_t>(float x) {
-  return f32_to_bf16(x);
+  AdamWHyper h;
+  int i = 0;
+#define ACCO_HYPER_LOAD(name) h.name = x[i++];
+  ACCO_ADAMW_HYPER_FIELDS(ACCO_HYPER_LOAD)
+#undef ACCO_HYPER_LOAD
+  return h;
 }
 
 // One AdamW step on one element, torch.optim.AdamW's operations in its order:

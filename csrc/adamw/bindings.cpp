@@ -1,62 +1,73 @@
-// pybind11 bindings (no libtorch): raw addresses (tensor.data_ptr()), sizes and a stream handle in; the
-// Python front (acco_ds/ops/adamw.py, accumulate.py) has already checked dtype, device, contiguity, sizes
-// and alignment. Compiled twice:
-//   -DACCO_BIND_CPU  -> module acco_ds._adamw_cpu  (adamw_cpu, accumulate_cpu, copy_cpu, harness)
-//   -DACCO_BIND_CUDA -> module acco_ds._adamw_cuda (adamw_cuda)
-// Every entry point releases the GIL. Dtype codes: 0 = fp32, 1 = bf16; out_dtype -1 = no out.
+// pybind11 bindings of the AdamW launchers (no libtorch): raw addresses (tensor.data_ptr()), sizes, the
+// AdamW scalars and a stream handle in; the Python front (acco_ds/ops/adamw.py) has already checked dtype,
+// device, contiguity, sizes and alignment. Compiled twice:
+//   -DACCO_BIND_CPU  -> module acco_ds._adamw_cpu  (adamw_cpu, adamw_cuda_body_on_cpu: the CUDA body's harness)
+//   -DACCO_BIND_CUDA -> module acco_ds._adamw_cuda (adamw_cuda, cuda_versions)
+// Every entry point releases the GIL. Dtype codes: csrc/common/dtype.h; out_dtype -1 = no out.
+//
+// Both modules expose HYPER_FIELDS (the AdamWHyper field names, in order) and HYPER_OFFSETS (their byte
+// offsets), so a test can check them against acco_ds/ops/adamw_settings.py's KERNEL_FIELDS.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <array>
+#include <cstddef>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
-#include "adamw_launch.h"
+#include "adamw/adamw_launch.h"
+#include "common/bindings.h"
+#if defined(ACCO_BIND_CPU)
+#include "common/cpu.h"
+#endif
 
 namespace py = pybind11;
 
-// Bumped whenever an entry point's arguments change; acco_ds/ops/_build.py refuses a module with another
-// value (a stale build) instead of failing at the first call.
-constexpr int kAbiVersion = 2;
-
 namespace {
 
-acco::AdamWHyper hyper(float decay, float beta1, float omb1, float beta2, float omb2, float bc2_sqrt, float eps,
-                       float step_size) {
-  return acco::AdamWHyper{decay, beta1, omb1, beta2, omb2, bc2_sqrt, eps, step_size};
-}
+using HyperScalars = std::array<float, acco::kHyperFields>;
 
-void check_dtype(const char* what, int code, bool allow_none) {
-  if (code == acco::kF32 || code == acco::kBF16 || (allow_none && code == -1)) return;
-  throw std::invalid_argument(std::string(what) + ": unknown dtype code " + std::to_string(code) +
-                              " (0 = fp32, 1 = bf16" + (allow_none ? ", -1 = none)" : ")"));
-}
-
-#define ACCO_ADAMW_ARGS                                                                                    \
-  uintptr_t p, uintptr_t m, uintptr_t v, uintptr_t g, int g_dtype, uintptr_t out, int out_dtype,          \
-      uintptr_t scale_ptr, uintptr_t noop_ptr, uintptr_t hyper_ptr, int64_t n, float decay, float beta1,  \
-      float omb1, float beta2, float omb2, float bc2_sqrt, float eps, float step_size, float grad_scale,    \
-      bool commit
+// The arguments every AdamW entry point takes first, in this order: master, exp_avg, exp_avg_sq, grad,
+// grad dtype, out (0 = none), out dtype (-1 = none), scale_ptr, noop_ptr, hyper_ptr (0 = use `hyper`), n,
+// hyper (the kHyperFields scalars by value, in AdamWHyper's order), grad_scale, commit.
+#define ACCO_ADAMW_ARGS                                                                                     \
+  uintptr_t p, uintptr_t m, uintptr_t v, uintptr_t g, int g_dtype, uintptr_t out, int out_dtype,           \
+      uintptr_t scale_ptr, uintptr_t noop_ptr, uintptr_t hyper_ptr, int64_t n, const HyperScalars &hyper, \
+      float grad_scale, bool commit
 
 #define ACCO_MAKE_ARGS()                                                                            \
-  check_dtype("grad dtype", g_dtype, false);                                                        \
-  check_dtype("out dtype", out_dtype, true);                                                        \
+  acco::check_dtype("grad dtype", g_dtype, false);                                                  \
+  acco::check_dtype("out dtype", out_dtype, true);                                                  \
   if (!commit && out == 0) throw std::invalid_argument("peek (commit=False) needs an out buffer");  \
-  const acco::AdamWKernelArgs a = acco::make_adamw_args(                                            \
-      p, m, v, g, g_dtype, out, out_dtype, scale_ptr, noop_ptr, hyper_ptr, n, grad_scale,          \
-      hyper(decay, beta1, omb1, beta2, omb2, bc2_sqrt, eps, step_size))
+  const acco::AdamWKernelArgs a = acco::make_adamw_args(p, m, v, g, g_dtype, out, out_dtype, scale_ptr, \
+                                                        noop_ptr, hyper_ptr, n, grad_scale,             \
+                                                        acco::load_hyper(hyper.data()))
 
 const char* kAdamWDoc =
     "AdamW step on raw addresses: (master, exp_avg, exp_avg_sq, grad, grad_dtype, out, out_dtype, "
-    "scale_ptr, noop_ptr, hyper_ptr, n, decay, beta1, 1-beta1, beta2, 1-beta2, sqrt(1-beta2**step), eps, "
-    "lr/(1-beta1**step), grad_scale, commit, ...). hyper_ptr: 0, or the address of those 8 scalars as fp32 "
-    "(then the 8 by-value scalars are ignored). Use acco_ds.ops.adamw.adamw_step instead.";
+    "scale_ptr, noop_ptr, hyper_ptr, n, hyper, grad_scale, commit, ...). hyper: the AdamW scalars in "
+    "HYPER_FIELDS order; hyper_ptr: 0, or the address of those scalars as fp32 (then `hyper` is ignored). "
+    "Use acco_ds.ops.adamw.adamw_step instead.";
+
+void add_hyper_layout(py::module_& mod) {
+  std::vector<std::string> names;
+  std::vector<size_t> offsets;
+#define ACCO_HYPER_LAYOUT(name)  \
+  names.push_back(#name);        \
+  offsets.push_back(offsetof(acco::AdamWHyper, name));
+  ACCO_ADAMW_HYPER_FIELDS(ACCO_HYPER_LAYOUT)
+#undef ACCO_HYPER_LAYOUT
+  mod.attr("HYPER_FIELDS") = py::tuple(py::cast(names));
+  mod.attr("HYPER_OFFSETS") = py::tuple(py::cast(offsets));
+}
 
 }  // namespace
 
 #if defined(ACCO_BIND_CPU)
 PYBIND11_MODULE(_adamw_cpu, mod) {
-  mod.doc() = "acco_ds CPU kernels (OpenMP; no libtorch). Call them through acco_ds.ops.";
+  mod.doc() = "acco_ds CPU AdamW (OpenMP; no libtorch) and the CPU harness of the CUDA kernel body. Call them "
+              "through acco_ds.ops.adamw.";
   mod.def(
       "adamw_cpu",
       [](ACCO_ADAMW_ARGS, int num_threads) {
@@ -73,37 +84,17 @@ PYBIND11_MODULE(_adamw_cpu, mod) {
       "Test harness: run the CUDA kernel body over its grid on CPU (host pointers). grid_dim <= 0: the "
       "launcher's grid. Raises RuntimeError on a misaligned vector access or an out-of-bounds access.",
       py::call_guard<py::gil_scoped_release>());
-  mod.def(
-      "accumulate_cpu",
-      [](uintptr_t buf, int buf_dtype, const std::vector<int64_t>& ptrs, const std::vector<int>& dtypes,
-         const std::vector<int64_t>& offsets, const std::vector<int64_t>& numels, float scale, int num_threads) {
-        check_dtype("buffer dtype", buf_dtype, false);
-        if (dtypes.size() != ptrs.size() || offsets.size() != ptrs.size() || numels.size() != ptrs.size())
-          throw std::invalid_argument("accumulate_cpu: ptrs, dtypes, offsets, numels must have one length");
-        for (int d : dtypes) check_dtype("grad dtype", d, false);
-        acco::accumulate_cpu(buf, buf_dtype, ptrs.data(), dtypes.data(), offsets.data(), numels.data(),
-                             static_cast<int64_t>(ptrs.size()), scale, true, num_threads);
-      },
-      "buffer[off_i:off_i+numel_i] = cast(float(buffer) + float(grad_i) * scale) for every i.",
-      py::call_guard<py::gil_scoped_release>());
-  mod.def(
-      "copy_cpu",
-      [](uintptr_t dst, int dst_dtype, uintptr_t src, int src_dtype, int64_t n, float scale, int num_threads) {
-        check_dtype("dst dtype", dst_dtype, false);
-        check_dtype("src dtype", src_dtype, false);
-        const int64_t ptr = static_cast<int64_t>(src), off = 0;
-        acco::accumulate_cpu(dst, dst_dtype, &ptr, &src_dtype, &off, &n, 1, scale, false, num_threads);
-      },
-      "dst = cast(float(src) * scale), n elements.", py::call_guard<py::gil_scoped_release>());
-  mod.attr("ABI_VERSION") = kAbiVersion;
-  mod.attr("ISA") = acco::cpu_isa();
+  mod.attr("ABI_VERSION") = acco::kAbiVersion;
+  mod.attr("ISA") = acco::isa_name();
   mod.attr("VEC") = acco::kVec;
   mod.attr("BLOCK") = acco::kBlock;
+  add_hyper_layout(mod);
 }
 #elif defined(ACCO_BIND_CUDA)
 PYBIND11_MODULE(_adamw_cuda, mod) {
-  mod.doc() = "acco_ds CUDA kernels (cudart static; no libtorch). Call them through acco_ds.ops.";
-  mod.attr("ABI_VERSION") = kAbiVersion;
+  mod.doc() = "acco_ds CUDA AdamW (cudart static; no libtorch). Call it through acco_ds.ops.adamw.";
+  mod.attr("ABI_VERSION") = acco::kAbiVersion;
+  add_hyper_layout(mod);
   mod.def(
       "adamw_cuda",
       [](ACCO_ADAMW_ARGS, uintptr_t stream) {

@@ -7,7 +7,7 @@
 
 #include <stdexcept>
 
-#include "adamw_launch.h"
+#include "adamw/adamw_launch.h"
 
 namespace acco {
 namespace {
