@@ -1,22 +1,28 @@
-PY ?= python3
+# The project's Python: the active virtual or conda environment as it is, else ./.venv (created on first
+# use by scripts/project_python.sh). Override with `make PYTHON=/path/to/python ...`.
+PY := $(shell bash scripts/project_python.sh)
+export PYTHON := $(PY)
 
-.PHONY: setup train test lint bench gpu-checks
+.PHONY: setup train test test-fast lint bench gpu-checks
 
 setup:
 	bash scripts/setup_env.sh
 
 train: setup
-	acco-train
+	$(PY) -m acco_ds.train
 
 test: setup
 	bash scripts/run_tests.sh
 
+test-fast: setup
+	bash scripts/run_tests.sh --fast
+
 lint:
-	ruff check . && ruff format --check .
+	$(PY) -m ruff check . && $(PY) -m ruff format --check .
 
 bench: setup
-	$(PY) benchmarks/bench_kernels.py
-	$(PY) benchmarks/bench_e2e.py
+	$(PY) -m benchmarks.kernels
+	$(PY) -m benchmarks.e2e
 
 gpu-checks:
 	bash scripts/gpu_checks.sh

@@ -16,7 +16,7 @@ pass. Writes the table (Markdown) to stdout and, with ``--out``, to a file.
 Exit status: 0 when every mutant was caught; 1 when one survived or is stale; 2 when the baseline
 fails (the report would mean nothing).
 
-The mutants are the gradient-scale bugs of issue 9 (which survived the tests before) and others of
+The mutants are gradient-scale bugs that once survived the tests, and others of
 the same family: each is a wrong equation that a plausible edit could introduce.
 """
 

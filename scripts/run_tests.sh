@@ -1,12 +1,24 @@
 #!/usr/bin/env bash
-# The test command of the README (and of .ci/run): lint, then the whole pytest suite on CPU.
+# The test command of the README (and of .ci/run): lint, then the pytest suite on CPU, with the project's
+# Python (scripts/project_python.sh; `make test` installs into it first).
+#   bash scripts/run_tests.sh [pytest args]         the full suite
+#   bash scripts/run_tests.sh --fast [pytest args]  the edit loop: no test that starts ranks through a launcher
+#                                                   (marker `launcher`; a launch attempted anyway fails loudly)
 # pytest's exit code 5 (no test collected) is a failure here: a suite that runs nothing proves nothing.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+PY=$(bash scripts/project_python.sh) || exit 1
+export PATH="$(dirname "$PY"):$PATH"
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-ruff check . || exit 1
-ruff format --check . || exit 1
-python3 -m pytest -q -rs --durations=15 "$@"
+select=()
+if [ "${1:-}" = "--fast" ]; then
+  shift
+  export ACCO_DS_TEST_NO_LAUNCH=1
+  select=(-m "not launcher")
+fi
+"$PY" -m ruff check . || exit 1
+"$PY" -m ruff format --check . || exit 1
+"$PY" -m pytest -q -rs --durations=15 "${select[@]}" "$@"
 rc=$?
 if [ "$rc" -eq 5 ]; then
   echo "pytest collected no tests: failing" >&2

@@ -5,6 +5,10 @@ accelerator is fixed to the CPU one before DeepSpeed is first imported, so on a 
 here (without it DeepSpeed would pick CUDA and put those engines on the GPU). Launched ranks get their own
 environment from ``tests/launch.rank_env`` (CPU, or CUDA for the GPU tests). ``torch.cuda`` itself stays
 visible to this process: the GPU kernel tests use it directly.
+
+``make test-fast`` (``scripts/run_tests.sh --fast``) deselects the tests marked ``launcher`` and sets
+``ACCO_DS_TEST_NO_LAUNCH=1``: then a launcher started from this process anyway (the ``deepspeed`` runner,
+``torchrun``, ``accelerate launch``) raises, so a launching test without the marker shows up at once.
 """
 
 import os
@@ -13,6 +17,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 import contextlib  # noqa: E402
 import glob  # noqa: E402
+import subprocess  # noqa: E402
 
 import pytest  # noqa: E402
 
@@ -32,3 +37,30 @@ def _remove_deepspeed_shm_buffers():
     for path in set(glob.glob(_SHM_PATTERN)) - _SHM_AT_START:
         with contextlib.suppress(OSError):
             os.unlink(path)
+
+
+_LAUNCHER_MODULES = ("deepspeed.launcher.runner", "torch.distributed.run")
+_LAUNCHER_PROGRAMS = ("deepspeed", "torchrun", "accelerate")
+
+
+def _is_launch(args) -> bool:
+    argv = [str(a) for a in args] if isinstance(args, (list, tuple)) else str(args).split()
+    if not argv:
+        return False
+    if os.path.basename(argv[0]) in _LAUNCHER_PROGRAMS:
+        return True
+    return any(a in _LAUNCHER_MODULES for a in argv)
+
+
+if os.environ.get("ACCO_DS_TEST_NO_LAUNCH") == "1":
+    _popen_init = subprocess.Popen.__init__
+
+    def _refuse_launchers(self, args, *a, **kw):
+        if _is_launch(args):
+            raise RuntimeError(
+                f"ACCO_DS_TEST_NO_LAUNCH=1 (make test-fast) but this test starts a launcher: {args!r}. "
+                "Mark it @pytest.mark.launcher (or the module with pytestmark = pytest.mark.launcher)."
+            )
+        _popen_init(self, args, *a, **kw)
+
+    subprocess.Popen.__init__ = _refuse_launchers

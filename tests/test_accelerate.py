@@ -1,5 +1,5 @@
-"""accelerate with a DeepSpeed config ("type": "ACCO") and ``import acco_ds`` as the only change (issue 4,
-point 4): ``accelerate launch --use_deepspeed --deepspeed_config_file ...`` trains a tiny GPT-2 (tied
+"""accelerate with a DeepSpeed config ("type": "ACCO") and ``import acco_ds`` as the only change:
+``accelerate launch --use_deepspeed --deepspeed_config_file ...`` trains a tiny GPT-2 (tied
 embeddings, from a config) with accelerate's loop, ``save_state`` writes DeepSpeed's checkpoint, and a
 new launch that ``load_state``s it ends with the parameters of the run never interrupted."""
 

@@ -1,11 +1,11 @@
-"""Adaptive accumulation (ACCO.md "what must hold" 5): with one rank made much slower, the ranks
+"""Adaptive accumulation (docs/ALGORITHM.md, property 5): with one rank made much slower, the ranks
 accumulate different numbers of micro-batches, and every micro-batch gradient enters exactly the
 peeks and commits the equations give it: none lost, none counted twice, each weighted by the
 global count.
 
 The oracle is parameter-level: the worker's model has a linear loss, so each micro-batch's
 gradient is known whatever the parameters; from the recorded membership of every round,
-``reference_rounds`` rebuilds ACCO.md's equations, and after EVERY commit the run's fp32 master
+``reference_rounds`` rebuilds the equations of docs/ALGORITHM.md, and after EVERY commit the run's fp32 master
 and both Adam moments (every rank's shard) must equal it, and every micro-batch must have been
 computed at the parameters the equations say (theta^t or the peek's estimate). Clipping off and
 acting."""

@@ -1,10 +1,10 @@
-"""Checkpoints through ``engine.save_checkpoint`` / ``engine.load_checkpoint`` (issue 4, points 1-3;
-ACCO.md "what must hold" 5 and 6), ranks started by the deepspeed launcher on CPU with gloo.
+"""Checkpoints through ``engine.save_checkpoint`` / ``engine.load_checkpoint`` (docs/ALGORITHM.md,
+properties 5 and 6), ranks started by the deepspeed launcher on CPU with gloo.
 
 One launch saves mid-run in every mode (sync, dpu, acco; fp32 and bf16; at an accumulation boundary,
 and inside a step with a peek in flight and gradients half accumulated; adaptive accumulation with a
 slow rank), a second launch (a new process group) resumes from the files, a third with another world
-size loads the committed state (tests/test_checkpoint_reshard.py tests that in depth) and the weights
+size loads the committed state (tests/checkpoint/test_reshard.py tests that in depth) and the weights
 alone.
 """
 
@@ -226,7 +226,7 @@ def test_zero_to_fp32_inside_a_step_gives_the_committed_weights(runs, name):
 
 def test_other_world_size_resumes_from_the_committed_state(runs):
     """A 2-rank ACCO checkpoint loads on 1 rank with the committed weights of the save (the re-sharding
-    itself: tests/test_checkpoint_reshard.py)."""
+    itself: tests/checkpoint/test_reshard.py)."""
     _, res = runs
     r = res["other_world"][0]["acco_fp32"]
     assert r["error"] is None, r["error"]

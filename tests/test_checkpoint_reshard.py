@@ -1,4 +1,4 @@
-"""An ACCO checkpoint resumed on another world size (issue 12, point 1; docs/CHECKPOINTS.md "Changing the
+"""An ACCO checkpoint resumed on another world size (docs/CHECKPOINTS.md "Changing the
 world size"), ranks started by the deepspeed launcher on CPU (the runs: tests/dist/ckpt_runs.py).
 
 Pairs 2 -> 1, 2 -> 3, 3 -> 2, 1 -> 2 in sync, dpu and acco (fp32), plus acco in bf16, saves inside a step
@@ -8,7 +8,7 @@ timing-dependent points, so there are no equations or step-aligned curve to comp
 
 - right after the load the gathered fp32 master and both moments equal the saved ones bit for bit, and
   the step count is the saved one;
-- every later step equals (max abs <= 1e-6, fp32) ACCO.md's equations started from that committed state
+- every later step equals (max abs <= 1e-6, fp32) docs/ALGORITHM.md's equations started from that committed state
   on the new world size (``reference_run`` with ``initial_state``): a new prologue round, the LR schedule
   where the save left it;
 - the eval loss of the committed model stays on the uninterrupted run's curve (the measured gap is at
@@ -99,7 +99,7 @@ def reference_after_resume(case, target, saved, resumed):
 
 @pytest.mark.parametrize("ct", FP32_RESUMES, ids=rid)
 def test_next_steps_follow_the_resume_equations(runs, ct):
-    """From the committed state the run goes on as ACCO.md's equations started there (new prologue) on the
+    """From the committed state the run goes on as docs/ALGORITHM.md's equations started there (new prologue) on the
     new world size, at the LR the uninterrupted run had: parameters and both moments after every step."""
     case, target = ct
     saved, resumed = records(runs, case, target)

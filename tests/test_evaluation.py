@@ -1,4 +1,4 @@
-"""What users measure mid-training is the committed model (issue 16): ``engine.eval()``, the HF-style
+"""What users measure mid-training is the committed model (docs/ALGORITHM.md, property 9): ``engine.eval()``, the HF-style
 ``optimizer.eval()``/``train()`` and ``committed_weights()`` evaluate theta, the weights checkpoints and
 ``safe_get_full_fp32_param`` hold, never acco's estimate or dpu's previous commit, at every point of
 the pipeline (prologue, a peek in flight, a commit in flight, twice in a row); and training after an

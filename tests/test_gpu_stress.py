@@ -82,5 +82,5 @@ def test_control_without_waits_leaves_the_reference(tmp_path):
     assert dp > 10 * PARAM_TOL["fp32"], (
         f"with every stream wait removed the run is still within {dp:.3e} of the reference: the sleeps do not "
         f"expose a missing wait, or the host orders the streams itself: it waited on the device "
-        f"{res['host_waits']} times in {res['padded_side_jobs']} rounds (issue 10: it should not wait inside a round)"
+        f"{res['host_waits']} times in {res['padded_side_jobs']} rounds (it should not wait inside a round)"
     )

@@ -1,5 +1,5 @@
 """The Hugging Face Trainer with ``--deepspeed ds_config.json`` ("type": "ACCO") and ``import acco_ds`` as
-the only change (issue 4, point 4): it trains (loss and grad norm reported), saves DeepSpeed
+the only change: it trains (loss and grad norm reported), saves DeepSpeed
 checkpoints, and a new launch resumed from one ends with the parameters of the run never interrupted.
 The real transformers/accelerate/DeepSpeed stack, 2 ranks on CPU (gloo), a tiny Llama with tied
 embeddings built from a config.

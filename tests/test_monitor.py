@@ -1,4 +1,4 @@
-"""DeepSpeed's monitor section receives ACCO's figures (issue 4, point 6): with ``csv_monitor`` enabled,
+"""DeepSpeed's monitor section receives ACCO's figures: with ``csv_monitor`` enabled,
 the engine writes lr and ACCO writes loss, grad norm, rounds, micro-batches per round per rank and the
 time the compute side waited for the communication, on the engine's x axis (samples)."""
 

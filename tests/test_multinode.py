@@ -1,4 +1,4 @@
-"""Multi-node launch (issue 4, point 5): the ``deepspeed`` launcher's multi-node path, one launcher per
+"""Multi-node launch: the ``deepspeed`` launcher's multi-node path, one launcher per
 node (``--hostfile`` + ``--no_ssh --node_rank r``, master 127.0.0.1), starts 2 nodes x 1 rank on this
 machine, and ACCO trains to exactly the parameters of a single-node 2-rank run (docs/MULTINODE.md)."""
 

@@ -11,7 +11,7 @@ The claims tested, with E the engine step whose data holds the bad micro-batch:
    stay unchanged across the skipped step, and the LR schedule follows the applied steps.
 2. In every scenario, including ``acco`` with the bad micro-batch in g (second half), where the
    peek before the skip already moved the point the next g~ is computed at, the run equals the
-   single-process reference of ACCO.md's equations with a skipped update for a non-finite gradient.
+   single-process reference of docs/ALGORITHM.md's equations with a skipped update for a non-finite gradient.
 3. ``overflow`` is True at exactly one engine step (``sync``: step E; ``acco``/``dpu``: step E + 1,
    when the commit launched at E has finished), ``engine.skipped_steps`` and ACCO's own count are
    1, on every rank, and every rank holds the same final parameters.

@@ -1,4 +1,4 @@
-"""ACCO with DeepSpeed AutoTP (issue 14): tensor parallelism inside a group of ranks, ACCO's data
+"""ACCO with DeepSpeed AutoTP: tensor parallelism inside a group of ranks, ACCO's data
 parallelism across the groups. 4 CPU ranks (TP 2 x DP 2) and 2 (TP 1 x DP 2) through the deepspeed
 launcher, a tiny Llama built from a transformers config.
 

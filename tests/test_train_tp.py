@@ -1,4 +1,4 @@
-"""acco-train --tp N (issue 14): DeepSpeed AutoTP inside groups of N consecutive ranks and ACCO's data
+"""acco-train --tp N: DeepSpeed AutoTP inside groups of N consecutive ranks and ACCO's data
 parallelism across them, out of the box on CPU ranks; the options are checked before any rank starts."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""DeepSpeed universal checkpoints both ways between DeepSpeed's ZeRO-1 AdamW and ACCO (issue 12, point 2),
+"""DeepSpeed universal checkpoints both ways between DeepSpeed's ZeRO-1 AdamW and ACCO,
 ranks started by the deepspeed launcher on CPU (the runs: tests/dist/ckpt_runs.py):
 
 ZeRO-1 AdamW (1 rank) saves -> ``ds_to_universal.py --inject_missing_state`` -> ACCO (3 ranks,

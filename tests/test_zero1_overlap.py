@@ -1,4 +1,4 @@
-"""The ``zero1-overlap`` contender (issue 14 item 6): DeepSpeed ZeRO-1 with ``overlap_comm``, the
+"""The ``zero1-overlap`` contender: DeepSpeed ZeRO-1 with ``overlap_comm``, the
 strongest exact DeepSpeed baseline. Its config (only the ZeRO section differs from ``zero1``), what
 DeepSpeed makes of it, and a tiny acco-train run of it beside ``zero1`` on 2 launched CPU ranks."""
 

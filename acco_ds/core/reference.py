@@ -1,4 +1,4 @@
-"""Single-process reference of ACCO.md's equations: the test oracle (fixed accumulation).
+"""Single-process reference of docs/ALGORITHM.md's equations: the test oracle (fixed accumulation).
 
 It executes the rounds of ``sync``, ``dpu`` or ``acco`` one after another with W simulated
 workers, each consuming its own micro-batches in order, and returns, after every optimizer step,
@@ -136,7 +136,7 @@ def reference_run(
 
     ``hypers(t)`` gives the per-group AdamW settings of commit t (and of the peek predicting it).
     ``micro_batches_per_round`` is k: in acco one optimizer step takes 2k micro-batches per worker.
-    ``initial_state``: start from these moments and step count at ``theta0`` (a resumed run: ACCO.md's start
+    ``initial_state``: start from these moments and step count at ``theta0`` (a resumed run: docs/ALGORITHM.md's start
     from a committed state; default: a fresh AdamW). ``first_micro_batch``: the index of every worker's
     first micro-batch (``grad_fn``'s third argument).
     """
@@ -205,7 +205,7 @@ def reference_rounds(
     hyper: Sequence[RefHyper],
     clip: float = 0.0,
 ) -> RoundsRun:
-    """ACCO.md's equations for rounds of ANY membership (adaptive accumulation), when each
+    """docs/ALGORITHM.md's equations for rounds of ANY membership (adaptive accumulation), when each
     micro-batch's gradient is known beforehand (it does not depend on the parameters, e.g. a linear
     loss): ``round_grads[r]`` lists the gradients (one flat tensor per group) of every micro-batch of
     every rank that entered round r. avg = (sum of the members) / (number of members), so a rank

@@ -1,6 +1,6 @@
 """Capture and restore the whole state of an ``ACCOPipeline`` as plain tensors and dicts.
 
-This is what exact resume needs (ACCO.md "what must hold" 5 and 6). No DeepSpeed here: the
+This is what exact resume needs (docs/ALGORITHM.md, properties 5 and 6). No DeepSpeed here: the
 DeepSpeed layer (``acco_ds.deepspeed.checkpoint``) stores the fp32 master and the Adam moments
 under DeepSpeed's ZeRO-1 keys and the rest under its own "acco" key.
 
@@ -254,7 +254,7 @@ def resume_from_committed(
 
     ``shards[i]``: group i's fp32 master ("fp32"), "exp_avg" and "exp_avg_sq", this rank's shard in this
     pipeline's layout; ``step``: the AdamW step count of that state (commits applied, the save's commit in
-    flight included). The run goes on as ACCO.md's start from that state: nothing in flight, no pending
+    flight included). The run goes on as docs/ALGORITHM.md's start from that state: nothing in flight, no pending
     gradients, the model at theta, a new prologue round (``ACCOPipeline.restart``).
 
     ``saved``: every saving rank's :func:`capture` (ACCO checkpoints), in rank order. Then the counters

@@ -179,7 +179,7 @@ def peak(bufs: List[Buffer], cpu: bool = True) -> float:
 
 
 def goal_bound(D: int, W: int) -> float:
-    """Issue 11's bound on ACCO's extra peak over ZeRO-1: 1.10 x (one full buffer + the g~ shard)."""
+    """The memory goal's bound on ACCO's extra peak over ZeRO-1: 1.10 x (one full buffer + the g~ shard)."""
     return 1.10 * (D + D / W)
 
 

@@ -10,7 +10,7 @@ paragraph with the figures) and ``alternative`` (or None). The rules (docs/PLAN.
 3. When one round's communication fits in half a step's compute, fixed ACCO at the user's GAS hides it
    (same batch, same math as ZeRO-1 at that GAS). When it does not, adaptive ACCO keeps the GPUs busy
    and its steps grow; the fixed alternative is the smallest even GAS whose half covers the round.
-DPU is never recommended: it is the stale-gradient baseline ACCO corrects (ACCO.md).
+DPU is never recommended: it is the stale-gradient baseline ACCO corrects (docs/ALGORITHM.md).
 """
 
 from __future__ import annotations
