@@ -2,7 +2,7 @@
 
 The CPU extension ("cpp") and the torch reference run in this process. The Triton kernel runs on CPU tensors
 under TRITON_INTERPRET=1, which must be set before triton is imported: those checks run in a subprocess
-(``python tests/test_ops_accumulate.py --triton-interpret``) so no other test sees the variable.
+(this file run as ``__main__`` with ``--triton-interpret``) so no other test sees the variable.
 
 Every check compares bit for bit with the ``*_ref`` (same fp32 operations, same round-to-nearest-even);
 gradients are large compared with the buffer's values, so an element that is not written fails.
@@ -232,13 +232,33 @@ def test_import_needs_no_triton():
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-2000:]
 
 
+def test_importing_acco_ds_does_not_import_triton():
+    """Triton is imported at the first Triton launch only (acco_ds.ops.triton_kernels), even where it is
+    installed: ``import acco_ds`` and the ops fronts leave it out of sys.modules."""
+    code = (
+        "import sys\n"
+        "import acco_ds, acco_ds.ops, acco_ds.ops.accumulate, acco_ds.ops.adamw\n"
+        "assert 'triton' not in sys.modules, sorted(m for m in sys.modules if m.startswith('triton'))\n"
+        "assert 'acco_ds.ops.triton_kernels' not in sys.modules\n"
+        "print('ok')\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-2000:]
+
+
 def test_triton_kernel_under_interpreter():
     """Runs this file's Triton checks in a subprocess with TRITON_INTERPRET=1 (set before triton is imported)."""
     pytest.importorskip("triton")
     path = os.pathsep.join(x for x in (str(ROOT), os.environ.get("PYTHONPATH", "")) if x)
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path)
-    r = subprocess.run([sys.executable, __file__, "--triton-interpret"], cwd=ROOT, env=env, capture_output=True,
-                       text=True, timeout=600)  # fmt: skip
+    # runpy, not `python <file>`: a script's folder goes first on sys.path, and tests/ has packages named like
+    # installed ones (tests/deepspeed)
+    code = (
+        f"import runpy, sys; sys.argv = [{__file__!r}, '--triton-interpret']; "
+        "runpy.run_path(sys.argv[0], run_name='__main__')"
+    )
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=600)  # fmt: skip
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "triton interpret checks: 24 passed" in r.stdout, r.stdout[-2000:]
     assert "mixed alignment: 4 launches, vector path for [0, 1, 3, 6]" in r.stdout, r.stdout[-2000:]
@@ -262,12 +282,14 @@ def _mixed_alignment_interpret_check() -> None:
     buffer, grads, offsets, vector = mixed_alignment_case(gen("mixed-alignment"))
     ref, ours = buffer.clone(), buffer.clone()
     accumulate_grads_ref(ref, grads, offsets, 0.37)
-    spy = _LaunchSpy(accumulate._triton_kernel())
-    accumulate._kernel_cache["k"] = spy
+    from acco_ds.ops.triton_kernels import accumulate as kernels
+
+    spy = _LaunchSpy(kernels.accumulate_chunks)
+    kernels.accumulate_chunks = spy
     try:
         accumulate_grads(ours, grads, offsets, 0.37, backend="triton")
     finally:
-        accumulate._kernel_cache["k"] = spy.kernel
+        kernels.accumulate_chunks = spy.kernel
     assert torch.equal(ours, ref)
     vec_ptrs = {grads[i].data_ptr() for i in vector}
     for aligned, rows in spy.launches:

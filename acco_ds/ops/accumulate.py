@@ -10,12 +10,12 @@ contiguous fp32 or bf16 tensor on the buffer's device; ``None`` gradients are ze
 
 Backends (``backend=``):
 
-- ``"triton"``: one Triton launch per gradient dtype and alignment class for all tensors (a chunk table:
-  tensor, offset, chunk): the tensors whose address is 16-byte aligned and whose buffer offset is a multiple of
-  8 take the vectorised launch, the others a scalar one, so one odd-sized parameter does not slow every other
-  (:func:`launch_plan`); the default for CUDA tensors. On CPU tensors it runs only under ``TRITON_INTERPRET=1``
+- ``"triton"``: ``acco_ds.ops.triton_kernels.accumulate.accumulate_chunks``, one launch per gradient dtype and
+  alignment class for all tensors (a chunk table: tensor, offset, chunk): the tensors whose address is 16-byte
+  aligned and whose buffer offset is a multiple of 8 take the vectorised launch, the others a scalar one, so one
+  odd-sized parameter does not slow every other (:func:`launch_plan`); the default for CUDA tensors. On CPU tensors it runs only under ``TRITON_INTERPRET=1``
   (the tests use it).
-- ``"cpp"``: the CPU extension (OpenMP over chunks of all tensors, ``torch.get_num_threads()`` threads); the
+- ``"cpp"``: the CPU extension ``acco_ds._accumulate_cpu`` (OpenMP over chunks of all tensors, ``torch.get_num_threads()`` threads); the
   default for CPU tensors.
 - ``"ref"``: pure torch (the fallback when the chosen backend is missing; the choice is logged once).
 
@@ -23,7 +23,8 @@ Streams: Triton kernels are enqueued on the current CUDA stream; the chunk table
 and copied host-to-device without blocking the host, on that stream, once per (stream, addresses, offsets, sizes):
 the cache keeps the pinned copy and the device copy together. The caller must keep ``grads`` alive until the
 stream has run (as for any CUDA op).
-Triton is imported lazily; importing this module never imports triton nor touches ``torch.cuda``.
+Triton is imported lazily (acco_ds.ops.triton_kernels, at the first Triton launch); importing this module never
+imports triton nor touches ``torch.cuda``.
 """
 
 from __future__ import annotations
@@ -242,85 +243,10 @@ def _same_numel(fn: str, a, b) -> None:
 
 
 # -- Triton ---------------------------------------------------------------------------------------------
-_CHUNK = 16384  # elements per program (one row of the chunk table)
+_CHUNK = (
+    16384  # elements per program (one row of the chunk table); a multiple of 1024 (the kernel relies on it)
+)
 _BLOCK = 1024  # elements per loop iteration of a program
-_kernel_cache: dict = {}
-
-
-def _triton_kernel():
-    """Build (once) the Triton kernel; triton is imported here, never at module import."""
-    if "k" in _kernel_cache:
-        return _kernel_cache["k"]
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def _acc_chunks(
-        meta_ptr,
-        buf_ptr,
-        scale,
-        CHUNK: tl.constexpr,
-        BLOCK: tl.constexpr,
-        G_BF16: tl.constexpr,
-        B_BF16: tl.constexpr,
-        ACC: tl.constexpr,
-        ALIGNED: tl.constexpr,
-    ):
-        # One program = one row of the chunk table: (grad address, offset in buffer, chunk start, grad numel).
-        row = meta_ptr + tl.program_id(0).to(tl.int64) * 4
-        gaddr = tl.load(row)
-        boff = tl.load(row + 1)
-        start = tl.load(row + 2)
-        n = tl.load(row + 3)
-        if G_BF16:
-            gp = gaddr.to(tl.pointer_type(tl.bfloat16))
-        else:
-            gp = gaddr.to(tl.pointer_type(tl.float32))
-        if ALIGNED:  # every address 16-byte aligned, every offset a multiple of 8: vector loads/stores
-            gp = tl.multiple_of(gp, 16)
-            boff = tl.multiple_of(boff, 8)
-        start = tl.multiple_of(start, 1024)  # chunk starts are multiples of CHUNK (a multiple of 1024)
-        bp = buf_ptr + boff
-        # Pass 0 runs for a full chunk without masks (so loads/stores can be vectorised: a mask against a
-        # runtime n defeats that), pass 1 for the last, partial chunk of a tensor, masked.
-        for tail in tl.static_range(2):
-            if tail == 0:
-                run = start + CHUNK <= n
-            else:
-                run = start + CHUNK > n
-            if run:
-                for k in tl.static_range(0, CHUNK, BLOCK):
-                    idx = start + k + tl.arange(0, BLOCK)
-                    if tail == 0:
-                        mask = None
-                    else:
-                        mask = idx < n
-                    # bf16 -> fp32 is exact (the bf16 bits are the high half) and fp32 -> bf16 is
-                    # round-to-nearest-even with NaN -> 0x7FC0 (c10::BFloat16's rule), both with integer ops so
-                    # the GPU and the interpreter (whose own cast truncates) give the same bits. Written inline:
-                    # the interpreter cannot call jit helpers defined inside this lazy factory.
-                    g = tl.load(gp + idx, mask=mask)
-                    if G_BF16:
-                        g = (g.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
-                    if ACC:
-                        x = tl.load(bp + idx, mask=mask)
-                        if B_BF16:
-                            x = (x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(
-                                tl.float32, bitcast=True
-                            )
-                        y = x + g * scale
-                    else:
-                        y = g * scale
-                    if B_BF16:
-                        b = y.to(tl.uint32, bitcast=True)
-                        r = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
-                        r = tl.where((b & 0x7FFFFFFF) > 0x7F800000, 0x7FC0, r)
-                        tl.store(bp + idx, r.to(tl.uint16).to(tl.bfloat16, bitcast=True), mask=mask)
-                    else:
-                        tl.store(bp + idx, y, mask=mask)
-
-    _kernel_cache["k"] = _acc_chunks
-    return _acc_chunks
 
 
 def _chunk_table(grads: List[torch.Tensor], offsets: List[int]) -> torch.Tensor:
@@ -404,7 +330,9 @@ def _triton_launch(
 
     On CPU tensors this works only under ``TRITON_INTERPRET=1`` (set before triton is first imported).
     """
-    kernel = _triton_kernel()
+    from acco_ds.ops.triton_kernels import accumulate as kernels  # imports triton: only once a launch is due
+
+    kernel = kernels.accumulate_chunks
     for dtype, aligned, idx in launch_plan(buffer, grads, offsets):
         gs, offs = [grads[i] for i in idx], [offsets[i] for i in idx]
         table = _device_table(gs, offs, buffer.device)
