@@ -1,0 +1,382 @@
+"""Kernel microbenchmarks (BENCHMARKS.md section 1): fused AdamW commit / peek and gradient accumulation.
+
+Per size: median time, GB/s from the bytes a kernel must read + write (commit 28 B/param, peek 16 B/param,
+accumulate grad + buffer read + buffer write), the fraction of the streaming bandwidth measured in the same run
+(the best of four large-buffer probes on the same thread count, bytes counted the same way: in-place update,
+in-place axpy, copy, triad; see benchmarks.kernels.table.STREAM), and the speed ratio to anchors measured in the same run:
+CPU: torch.optim.AdamW(fused=True), AdamW(foreach=True), DeepSpeedCPUAdam; GPU: torch AdamW fused (+ the bf16
+copy it needs), DeepSpeed FusedAdam, and the clone/step/restore way of computing ACCO's estimate.
+
+    python -m benchmarks.kernels                      # CPU, 1 thread, 1M/10M/100M/10_000_019
+    python -m benchmarks.kernels --threads 2 --quick
+    python -m benchmarks.kernels --device cuda --out-dir "$OUT"
+    python -m benchmarks.kernels --from-json benchmarks/results/kernels/kernels_cpu.json   # re-render only
+
+Prints the table last and writes it (machine, versions, date) to benchmarks/results/kernels/kernels_<device>.md
+(kernels_cpu_<N>threads.md for --threads N > 1), and the raw results (every timed call) beside it as .json.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from benchmarks.harness.cli import parser
+from benchmarks.harness.records import results_dir
+from benchmarks.kernels.table import LABEL, STREAM, render
+
+DEFAULT_SIZES = [1_000_000, 10_000_000, 100_000_000, 10_000_019]
+QUICK_SIZES = [1_000_000, 10_000_019]
+STREAM_ELEMS = 64 * 2**20
+HP = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
+
+
+def parse_args(argv=None):
+    ap = parser("kernels", __doc__)
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument("--sizes", type=lambda s: [int(float(x)) for x in s.split(",")], default=None,
+                    help="comma-separated parameter counts (default 1e6,1e7,1e8,10000019)")  # fmt: skip
+    ap.add_argument("--quick", action="store_true", help="sizes 1M and 10_000_019, fewer repetitions")
+    ap.add_argument("--threads", type=int, default=1, help="CPU threads for every contender (default 1)")
+    ap.add_argument("--reps", type=int, default=None, help="timed repetitions per measurement")
+    ap.add_argument("--no-deepspeed", action="store_true", help="skip the DeepSpeed anchors")
+    ap.add_argument("--stream-elems", type=lambda s: int(float(s)), default=STREAM_ELEMS,
+                    help="fp32 elements per buffer of the bandwidth probes (default 64Mi = 256 MiB: larger "
+                    "than the caches)")  # fmt: skip
+    ap.add_argument("--out-dir", default=str(results_dir("kernels")))
+    ap.add_argument("--from-json", default=None,
+                    help="re-render the table of a raw JSON written by an earlier run into --out-dir")  # fmt: skip
+    return ap.parse_args(argv)
+
+
+CLOCK = {"name": "wall clock"}
+LOAD = {"start": 0.0}
+
+
+def timed(fn, device: str) -> float:
+    """Seconds of one call: CUDA events on the GPU (no host sync inside fn); on the CPU the calling thread's CPU
+    time when every contender runs on that one thread (--threads 1: time-slicing with other processes on a shared
+    machine is not counted, memory stalls are), else the wall clock."""
+    import torch
+
+    if device == "cpu" and CLOCK["name"] == "thread CPU time":
+        t0 = time.thread_time()
+        fn()
+        return time.thread_time() - t0
+    if device == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def measure(factories: dict, n: int, device: str, reps: int, interleave: bool) -> dict:
+    """Seconds of every timed call per contender. Interleaved: all contenders alive, one call each per round
+    (in a rotating order), so load from other processes on a shared machine falls on all of them alike.
+    Otherwise (large sizes, to bound memory) one contender at a time."""
+    import gc
+
+    def build(name):
+        fn = factories[name](n, device)
+        for _ in range(2):  # warm-up (Triton compiles, DeepSpeed builds, caches)
+            fn()
+        return fn
+
+    times = {name: [] for name in factories}
+    if interleave:
+        fns = {name: build(name) for name in factories}
+        names = list(fns)
+        for r in range(reps):
+            for name in names[r % len(names) :] + names[: r % len(names)]:
+                times[name].append(timed(fns[name], device))
+        del fns
+    else:
+        for name in factories:
+            fn = build(name)
+            times[name] = [timed(fn, device) for _ in range(reps)]
+            del fn
+            gc.collect()
+    return times
+
+
+def stream_bandwidth(device: str, reps: int, n: int) -> dict:
+    """The probes of ``benchmarks.kernels.table.STREAM`` on fp32 buffers of ``n`` elements, interleaved, same threads and
+    clock as the kernels: {"elems", "reps", "probes": {name: {"bytes_per_elem", "times_s", "median_s",
+    "gbs"}}}, GB/s = bytes read + written / median time, the way the kernels' bytes are counted."""
+    import torch
+
+    a, b, c = (torch.rand(n, device=device) for _ in range(3))
+    calls = {
+        "update": lambda: a.add_(1.0),
+        "axpy": lambda: a.add_(b, alpha=0.5),
+        "copy": lambda: a.copy_(b),
+        "triad": lambda: torch.add(b, c, alpha=0.5, out=a),
+    }
+    times = measure({k: (lambda f: lambda *_: f)(fn) for k, fn in calls.items()}, n, device, reps, True)
+    probes = {}
+    for name, ts in times.items():
+        med, nbytes = statistics.median(ts), STREAM[name][1]
+        probes[name] = {
+            "bytes_per_elem": nbytes,
+            "times_s": ts,
+            "median_s": med,
+            "gbs": nbytes * n / med / 1e9,
+        }
+    return {"elems": n, "reps": reps, "probes": probes}
+
+
+# -- contenders: factory(n, device) -> a callable doing one step -------------------------------------------
+def _state(n, device):
+    import torch
+
+    master = torch.randn(n, device=device)
+    m = torch.randn(n, device=device) * 0.1
+    v = torch.rand(n, device=device) * 0.01
+    grad = torch.randn(n, device=device).to(torch.bfloat16)
+    out = torch.empty(n, dtype=torch.bfloat16, device=device)
+    return master, m, v, grad, out
+
+
+def acco_commit(n, device):
+    from acco_ds.ops.adamw import adamw_step
+
+    master, m, v, grad, out = _state(n, device)
+    return lambda: adamw_step(master, m, v, grad, out, step=10, **HP)
+
+
+def acco_peek(n, device):
+    from acco_ds.ops.adamw import adamw_step
+
+    master, m, v, grad, out = _state(n, device)
+    return lambda: adamw_step(master, m, v, grad, out, step=11, commit=False, **HP)
+
+
+def read_floor(n, device):
+    """Only the reads a peek must do (p, m, v fp32 + g bf16, 14 B/param), as four reductions: what a peek
+    would take if its computation and its 2 B/param of writes were free."""
+    master, m, v, grad, _ = _state(n, device)
+    return lambda: (master.sum(), m.sum(), v.sum(), grad.sum())
+
+
+def acco_accumulate(buf_dtype):
+    def factory(n, device):
+        import torch
+
+        from acco_ds.ops.accumulate import accumulate_grads
+
+        grad = torch.randn(n, device=device).to(torch.bfloat16)
+        buf = torch.randn(n, device=device).to(buf_dtype)
+        return lambda: accumulate_grads(buf, [grad], [0], 0.5)
+
+    return factory
+
+
+def _torch_opt(n, device, **kw):
+    import torch
+
+    p = torch.nn.Parameter(torch.randn(n, device=device))
+    p.grad = torch.randn(n, device=device)
+    opt = torch.optim.AdamW([p], lr=HP["lr"], betas=(HP["beta1"], HP["beta2"]), eps=HP["eps"],
+                            weight_decay=HP["weight_decay"], **kw)  # fmt: skip
+    return p, opt
+
+
+def torch_fused(n, device):
+    return _torch_opt(n, device, fused=True)[1].step
+
+
+def torch_foreach(n, device):
+    return _torch_opt(n, device, foreach=True)[1].step
+
+
+def torch_fused_cast(n, device):
+    """torch fused AdamW, then the bf16 copy of the parameters it does not write itself."""
+    import torch
+
+    p, opt = _torch_opt(n, device, fused=True)
+    out = torch.empty(n, dtype=torch.bfloat16, device=device)
+
+    def step():
+        opt.step()
+        out.copy_(p.detach())
+
+    return step
+
+
+def clone_step_restore(n, device):
+    """The estimate as ACCO's reference code gets it: save params and state, step, copy out, restore."""
+    import torch
+
+    p, opt = _torch_opt(n, device, fused=True)
+    out = torch.empty(n, dtype=torch.bfloat16, device=device)
+    opt.step()
+    st = opt.state[p]
+
+    def peek():
+        saved = (p.detach().clone(), st["exp_avg"].clone(), st["exp_avg_sq"].clone(), st["step"].clone())
+        opt.step()
+        out.copy_(p.detach())
+        p.data.copy_(saved[0])
+        st["exp_avg"].copy_(saved[1])
+        st["exp_avg_sq"].copy_(saved[2])
+        st["step"].copy_(saved[3])
+
+    return peek
+
+
+def deepspeed_adam(n, device):
+    import torch
+
+    p = torch.nn.Parameter(torch.randn(n, device=device))
+    p.grad = torch.randn(n, device=device)
+    kw = dict(lr=HP["lr"], betas=(HP["beta1"], HP["beta2"]), eps=HP["eps"], weight_decay=HP["weight_decay"])
+    if device == "cpu":
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        return DeepSpeedCPUAdam([p], adamw_mode=True, **kw).step
+    from deepspeed.ops.adam import FusedAdam
+
+    return FusedAdam([p], adam_w_mode=True, **kw).step
+
+
+def machine(device: str) -> str:
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    desc = f"CPU: {cpu}, {os.cpu_count()} logical cores"
+    if device == "cuda":
+        desc += f"; GPU: {torch.cuda.get_device_name()} (CUDA {torch.version.cuda})"
+    return desc
+
+
+def _cpu_isa() -> str:
+    from acco_ds.ops import _build
+
+    ext = _build.load("cpu")
+    return getattr(ext, "ISA", "?") if ext is not None else "not built"
+
+
+def versions() -> str:
+    import torch
+
+    vs = [f"python {platform.python_version()}", f"torch {torch.__version__}"]
+    for mod in ("deepspeed", "triton"):
+        try:
+            vs.append(f"{mod} {__import__(mod).__version__}")
+        except Exception:  # noqa: BLE001 - only reporting
+            vs.append(f"{mod} (not importable)")
+    return ", ".join(vs)
+
+
+def _l3_bytes() -> int:
+    """Size of the CPU's last-level (L3) cache in bytes (0 when unknown)."""
+    try:
+        text = Path("/sys/devices/system/cpu/cpu0/cache/index3/size").read_text().strip()
+    except OSError:
+        return 0
+    mult = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:], 1)
+    return int(text.rstrip("KMG")) * mult
+
+
+def run(args) -> dict:
+    """Measure; returns the raw results (``benchmarks.kernels.table.render``'s input, written as JSON)."""
+    import torch
+
+    from acco_ds.ops import _build
+
+    if args.device == "cpu":
+        torch.set_num_threads(args.threads)
+        CLOCK["name"] = "thread CPU time" if args.threads == 1 else "wall clock"
+    else:
+        CLOCK["name"] = "CUDA events"
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("benchmarks.kernels: --device cuda but torch.cuda.is_available() is False")
+    if _build.load(args.device) is None:
+        raise SystemExit(
+            f"benchmarks.kernels: the {args.device} extension is not built: {_build.why_missing(args.device)}"
+        )
+    LOAD["start"] = os.getloadavg()[0]
+    sizes = args.sizes or (QUICK_SIZES if args.quick else DEFAULT_SIZES)
+    reps = args.reps or (5 if args.quick else 21)
+    stream = stream_bandwidth(args.device, max(reps, 9), args.stream_elems)
+    print(
+        "stream bandwidth: " + ", ".join(f"{k} {p['gbs']:.1f} GB/s" for k, p in stream["probes"].items()),
+        flush=True,
+    )
+    contenders = {"commit": acco_commit, "peek": acco_peek, "acc_bf16_fp32": acco_accumulate(torch.float32),
+                  "acc_bf16_bf16": acco_accumulate(torch.bfloat16), "torch_fused": torch_fused,
+                  "torch_fused_cast": torch_fused_cast, "read_floor": read_floor}  # fmt: skip
+    contenders["torch_foreach"] = torch_foreach
+    if args.device == "cuda":
+        contenders["clone_step_restore"] = clone_step_restore
+    notes = []
+    if not args.no_deepspeed:
+        key = "deepspeed" if args.device == "cpu" else "deepspeed_gpu"
+        try:
+            deepspeed_adam(16, args.device)()  # builds DeepSpeed's op once (JIT, ~1 min the first time)
+            contenders[key] = deepspeed_adam
+        except Exception as e:  # noqa: BLE001 - an anchor that cannot run is reported, not fatal
+            notes.append(f"{LABEL[key]} unavailable: {type(e).__name__}: {str(e)[:300]}")
+    results = []
+    for n in sizes:
+        big = n >= 50_000_000 and args.device == "cpu"
+        times = measure(contenders, n, args.device, max(5, reps // 3) if big else reps, interleave=not big)
+        med = {k: statistics.median(v) for k, v in times.items()}
+        results.append({"params": n, "median_s": med, "times_s": times})
+        print(f"n={n:,}: " + ", ".join(f"{k} {v * 1e3:.3f} ms" for k, v in med.items()), flush=True)
+    return {
+        "device": args.device,
+        "threads": args.threads,
+        "clock": CLOCK["name"],
+        "reps": reps,
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "machine": machine(args.device),
+        "l3_bytes": _l3_bytes() if args.device == "cpu" else 0,
+        "load": [LOAD["start"], os.getloadavg()[0]],
+        "versions": versions(),
+        "cpu_isa": _cpu_isa() if args.device == "cpu" else "",
+        "command": " ".join(["python -m benchmarks.kernels", *sys.argv[1:]]),
+        "stream": stream,
+        "results": results,
+        "notes": notes,
+    }
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if args.from_json:
+        res = json.loads(Path(args.from_json).read_text())
+    else:
+        if args.device == "cpu":
+            # before torch (and DeepSpeed's OpenMP kernels) start their thread pools
+            os.environ["OMP_NUM_THREADS"] = str(args.threads)
+        res = run(args)
+    md = render(res)
+    suffix = f"_{res['threads']}threads" if res["device"] == "cpu" and res["threads"] != 1 else ""
+    out = Path(args.out_dir) / f"kernels_{res['device']}{suffix}.md"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    raw = out.with_suffix(".json")
+    if not args.from_json or raw.resolve() != Path(args.from_json).resolve():
+        raw.write_text(json.dumps(res, indent=1) + "\n")
+    out.write_text(md)
+    print()
+    print(md)
+    print(f"written to {out} and {raw}")

@@ -1,0 +1,125 @@
+"""Markdown of the kernel benchmark's raw results. ``render(res)`` is a pure function of the raw JSON
+that ``python -m benchmarks.kernels`` writes beside the table (no torch, no clock, no machine query),
+so ``python -m benchmarks.kernels --from-json`` re-renders the same table anywhere."""
+
+from __future__ import annotations
+
+# Bytes per parameter each kernel must read + write (BENCHMARKS.md section 1). Every write of the ACCO
+# kernels and the fp32 anchors but the bf16 output lands on a line the kernel has just read (in place), and
+# the CPU kernels write a large output with non-temporal stores (no write-allocate read): these counts are
+# the ACCO kernels' traffic to memory, not an undercount of it.
+BYTES = {
+    "commit": 28,
+    "peek": 16,
+    "acc_bf16_fp32": 2 + 4 + 4,
+    "acc_bf16_bf16": 2 + 2 + 2,
+    "read_floor": 14,
+    "anchor": 28,
+}
+LABEL = {
+    "commit": "acco commit (bf16 g in, bf16 p out)",
+    "peek": "acco peek (bf16 g in, bf16 p out)",
+    "acc_bf16_fp32": "acco accumulate bf16 -> fp32 buf",
+    "acc_bf16_bf16": "acco accumulate bf16 -> bf16 buf",
+    "read_floor": "limit: the reads of a peek alone (torch sums)",
+    "torch_fused": "torch AdamW fused (fp32)",
+    "torch_fused_cast": "torch AdamW fused + bf16 copy",
+    "torch_foreach": "torch AdamW foreach (fp32)",
+    "deepspeed": "DeepSpeedCPUAdam (fp32)",
+    "deepspeed_gpu": "DeepSpeed FusedAdam (fp32)",
+    "clone_step_restore": "peek by clone/step/restore",
+}
+OWN = ("commit", "peek", "acc_bf16_fp32", "acc_bf16_bf16", "read_floor")
+
+# stream probes: (description, bytes per fp32 element counted: reads + writes of the buffers)
+STREAM = {
+    "update": ("in-place update a += 1 (read + write a)", 8),
+    "axpy": ("in-place a += 0.5 b (read a, b; write a)", 12),
+    "copy": ("copy a <- b (read b, write a)", 8),
+    "triad": ("a <- b + 0.5 c (read b, c; write a)", 12),
+}
+
+
+def stream_best(stream: dict) -> tuple:
+    """(probe name, GB/s) of the fastest stream probe: the reference of the % column."""
+    name = max(stream["probes"], key=lambda k: stream["probes"][k]["gbs"])
+    return name, stream["probes"][name]["gbs"]
+
+
+def rows(res: dict) -> list:
+    """[(params, label, median s, GB/s, {anchor: anchor time / this time})] in table order."""
+    out = []
+    for entry in res["results"]:
+        n, t = entry["params"], entry["median_s"]
+        anchors = {k: v for k, v in t.items() if k not in BYTES}
+        for key in OWN:
+            sec, vs = t[key], {}
+            if key in ("commit", "peek"):
+                vs = {a: anchors[a] / sec for a in anchors if a != "clone_step_restore" or key == "peek"}
+                if key == "peek":
+                    vs["commit"] = t["commit"] / sec
+            out.append((n, LABEL[key], sec, BYTES[key] * n / sec / 1e9, vs))
+        for key, sec in anchors.items():
+            out.append((n, LABEL[key], sec, BYTES["anchor"] * n / sec / 1e9, {}))
+    return out
+
+
+def _stream_line(res: dict) -> str:
+    s = res["stream"]
+    best, gbs = stream_best(s)
+    mib = s["elems"] * 4 / 2**20
+    l3 = res.get("l3_bytes", 0) / 2**20
+    cache = f", L3 cache {l3:.0f} MiB" if l3 else ""
+    if l3 and mib < 4 * l3:
+        cache += ": below 4x the L3, this measures the caches rather than the memory"
+    probes = "; ".join(f"{STREAM[k][0]}: {p['gbs']:.1f} GB/s" for k, p in s["probes"].items())
+    return (
+        f"- Streaming bandwidth in this run, fp32 buffers of {s['elems']:,} elements ({mib:.0f} MiB each{cache}), "
+        f"median of {s['reps']} timed calls, bytes counted as read + written, as for the kernels: {probes}. "
+        f"The % column divides by the best, {gbs:.1f} GB/s ({best}). A copy or triad into a separate buffer "
+        "moves more than it is credited with on a CPU that reads each destination line before writing it "
+        "(write-allocate: 12 B per copied element, 16 per triad element), so they understate the bandwidth; "
+        "the in-place probes write only lines they have just read, as the kernels do (and the CPU kernels write "
+        "their bf16 output with non-temporal stores, which skip that read), so a kernel above 100% truly moved "
+        "its bytes faster than the best probe (possible on one core, likely because a core's bandwidth grows "
+        "with the misses it keeps in flight, and a commit walks 8 streams where a probe walks 2 or 3)."
+    )
+
+
+def render(res: dict) -> str:
+    """The whole Markdown document for the raw results ``res`` (the benchmark's JSON)."""
+    _, best = stream_best(res["stream"])
+    head = (
+        "| params | kernel | median ms | GB/s | % of stream BW | speed vs anchors (anchor time / this time) |"
+    )
+    lines = [head, "|---:|---|---:|---:|---:|---|"]
+    for n, label, sec, gbs, vs in rows(res):
+        ratio = ", ".join(f"{LABEL.get(k, k).split(' (')[0]} {r:.2f}x" for k, r in vs.items())
+        lines.append(f"| {n:,} | {label} | {sec * 1e3:.3f} | {gbs:.1f} | {100 * gbs / best:.0f}% | {ratio} |")
+    dev = res["device"]
+    threads = f"{res['threads']} thread(s)" if dev == "cpu" else "GPU"
+    isa = f"; CPU kernel variant: {res['cpu_isa']}" if dev == "cpu" else ""
+    md = [
+        f"# Kernel microbenchmarks ({dev})",
+        "",
+        f"- Date: {res['date']}",
+        f"- Machine: {res['machine']}; load average (1 min) at start / end: {res['load'][0]:.1f} / "
+        f"{res['load'][1]:.1f} (a shared machine: other processes compete for the memory bandwidth)",
+        f"- Versions: {res['versions']}{isa}",
+        f"- Command: `{res['command']}` ({threads} for every contender)",
+        _stream_line(res),
+        "- Bytes per parameter: commit 28 (read p, m, v fp32 + bf16 g; write p, m, v + bf16 out), peek 16 "
+        "(read the same, write bf16 out), accumulate grad + buffer read + buffer write; anchors are credited with "
+        "the 28 B of an fp32 AdamW step (what the work needs, not what they move: the bf16 copy and clone/restore "
+        "traffic is not counted).",
+        f"- Clock: {res['clock']}. Median of {res['reps']} timed calls after 2 warm-up calls; below 50M parameters "
+        "(and on the GPU) the contenders are interleaved call by call (so load from other processes falls on all "
+        "alike, and no contender keeps its data in the caches from one call to the next); at 50M and above, one "
+        "contender at a time with a third of the calls (memory). Raw per-call times: the JSON beside this file "
+        "(`python -m benchmarks.kernels --from-json <it>` re-renders this table).",
+        "",
+        "\n".join(lines),
+    ]
+    if res["notes"]:
+        md += ["", "Notes:", *[f"- {x}" for x in res["notes"]]]
+    return "\n".join(md) + "\n"
