@@ -136,8 +136,8 @@ MUTANTS = [
         "M11",
         "the global norm is taken before averaging (reported and clipped on the sum)",
         "acco_ds/core/round_job.py",
-        "grad_norm = sumsq.sqrt() * avg_scale",
-        "grad_norm = sumsq.sqrt() * avg_scale * count.to(torch.float32) / gas",
+        "grad_norm = (sumsq.sqrt() * avg_scale64).to(torch.float32)",
+        "grad_norm = (sumsq.sqrt() * avg_scale64 * count / gas).to(torch.float32)",
         tuple(TRAJ),
     ),
     Mutant(
