@@ -4,6 +4,13 @@ Every field is validated with a message that names the key, the value seen and w
 unknown keys are an error. The model knows nothing of DeepSpeed: the checks that need the rest of
 the DeepSpeed config (ZeRO stage, gradient_accumulation_steps, ...) live in
 ``acco_ds.deepspeed.validate``.
+
+Defaults: every key DeepSpeed's ``"type": "AdamW"`` also takes (lr, betas, eps, weight_decay) defaults
+to what DeepSpeed 0.19.8 gives it (``DeepSpeedEngine._configure_basic_optimizer`` builds FusedAdam, or
+DeepSpeedCPUAdam with CPU offload, with ``adam_w_mode=True``: decoupled weight decay, as ACCO's AdamW;
+their defaults lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0), so a config that changes only
+the optimizer's ``type`` trains with the same AdamW. (``"torch_adam": true`` would build
+``torch.optim.AdamW``, whose weight_decay defaults to 0.01; ACCO does not take that key.)
 """
 
 from __future__ import annotations
@@ -73,16 +80,18 @@ class ACCOConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     lr: float = Field(1e-3, description="AdamW learning rate (the LR scheduler of the config overrides it).")
-    """AdamW learning rate; a DeepSpeed/HF scheduler drives it per committed optimizer step."""
+    """AdamW learning rate (default 1e-3, DeepSpeed AdamW's); a DeepSpeed/HF scheduler drives it per
+    committed optimizer step."""
 
     betas: Tuple[float, float] = (0.9, 0.999)
-    """AdamW (beta1, beta2), each in [0, 1)."""
+    """AdamW (beta1, beta2), each in [0, 1) (default (0.9, 0.999), DeepSpeed AdamW's)."""
 
     eps: float = 1e-8
-    """AdamW epsilon, added to sqrt(v_hat); must be > 0."""
+    """AdamW epsilon, added to sqrt(v_hat); must be > 0 (default 1e-8, DeepSpeed AdamW's)."""
 
-    weight_decay: float = 0.01
-    """Decoupled weight decay (AdamW), >= 0. Per-group values passed in model_parameters win."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay (AdamW), >= 0 (default 0, DeepSpeed AdamW's). Per-group values passed in
+    model_parameters win."""
 
     mode: Literal["acco", "dpu", "sync"] = "acco"
     """acco: two-stage delay-compensated pipeline. dpu: delayed parameter update (one-round-stale
