@@ -165,6 +165,12 @@ class ACCOZeroOptimizer(ZeROOptimizer):
         self._micro_batches_since_step = 0
         self.overflow = self._take_unreported_skip()
         self.pipeline.on_engine_step(lr_stepped=not self.overflow)
+        # A torch LR scheduler wraps the inner AdamW's step() to see that the optimizer steps before it, and
+        # warns "Detected call of `lr_scheduler.step()` before `optimizer.step()`" when not. ACCO never calls
+        # that step (its AdamW runs in the round job), so mark it as that wrapper does. That is the truth: the
+        # commit this engine step stands for takes the settings the schedule had after as many scheduler steps
+        # as commits applied before it (ACCOPipeline._hypers_for), so no value of the schedule is skipped.
+        self.optimizer._opt_called = True
         if self.pipeline.last_grad_norm is not None:
             self._global_grad_norm = self.pipeline.last_grad_norm.reshape(())
         if getattr(self, "_acco_monitor", None) is not None:
