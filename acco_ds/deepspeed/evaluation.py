@@ -1,5 +1,5 @@
-"""Evaluation, generation and ``state_dict`` see the committed weights (issue: what users measure
-mid-training must be the model that checkpoints and exports hold).
+"""Evaluation, generation and ``state_dict`` see the committed weights: what users measure mid-training is
+the model that checkpoints and exports hold (docs/ALGORITHM.md, property 9).
 
 Three ways in, all ending in ``core.committed_view``:
 
