@@ -15,8 +15,8 @@
 #   kernels       tests/test_ops_gpu.py: CUDA AdamW and Triton accumulation equal to the CPU path
 #   pipeline      tests/test_gpu_pipeline.py: ACCO through deepspeed.initialize, W = 1, NCCL, side stream
 #   stress        tests/test_gpu_stress.py: device sleeps shift the streams; trajectories still match
-#   overlap       benchmarks/bench_gpu_overlap.py (overlap efficiency with a communication stand-in)
-#   bench_kernels benchmarks/bench_kernels.py --device cuda (commit/peek vs the copy bandwidth, anchors)
+#   overlap       python -m benchmarks.gpu_overlap (overlap efficiency with a communication stand-in)
+#   bench_kernels python -m benchmarks.kernels --device cuda (commit/peek vs the copy bandwidth, anchors)
 #   goals         scripts/gpu_goals.py: the results against issue 10's goals
 #
 # Results in $OUT (else $RESULTS_DIR, else /tmp/acco_ds_gpu_checks), at most 8 files: gpu_checks.log,
@@ -181,9 +181,9 @@ run_step kernels 150 pytest_step kernels tests/test_ops_gpu.py
 run_step pipeline 150 pytest_step pipeline tests/test_gpu_pipeline.py
 run_step stress 150 pytest_step stress tests/test_gpu_stress.py
 # shellcheck disable=SC2086
-run_step overlap 200 "$PY" benchmarks/bench_gpu_overlap.py --out "$RESULTS" ${BENCH_OVERLAP_ARGS:---steps 6}
+run_step overlap 200 "$PY" -m benchmarks.gpu_overlap --out "$RESULTS" ${BENCH_OVERLAP_ARGS:---steps 6}
 # shellcheck disable=SC2086
-run_step bench_kernels 120 "$PY" benchmarks/bench_kernels.py --device cuda --out-dir "$RESULTS" \
+run_step bench_kernels 120 "$PY" -m benchmarks.kernels --device cuda --out-dir "$RESULTS" \
   ${BENCH_KERNELS_ARGS:---sizes 1e6,1e7,1e8 --no-deepspeed}
 
 "$PY" scripts/gpu_goals.py merge-junit "$RESULTS/pytest_gpu.xml" "$WORK"/junit_*.xml

@@ -4,7 +4,7 @@
     python scripts/gpu_goals.py goals RESULTS_DIR                # Markdown on stdout
 
 ``goals`` reads what the checks wrote into RESULTS_DIR (pytest_gpu.xml, kernels_cuda.json from
-benchmarks/bench_kernels.py, gpu_overlap.json from benchmarks/bench_gpu_overlap.py) and states, per goal, the
+python -m benchmarks.kernels, gpu_overlap.json from python -m benchmarks.gpu_overlap) and states, per goal, the
 measured figure and whether it meets the goal; a result that is missing is reported as missing, never as met:
 
 - every GPU test passes (none failed, errored or skipped);
@@ -24,7 +24,7 @@ import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-BYTES = {"commit": 28, "peek": 16}  # as benchmarks/kernels_table.BYTES
+BYTES = {"commit": 28, "peek": 16}  # as benchmarks/kernels/table.py's BYTES
 BIG = 10_000_000
 
 

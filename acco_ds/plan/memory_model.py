@@ -1,8 +1,7 @@
 """Analytic memory per rank, in bytes per parameter, of acco_ds's modes and DeepSpeed ZeRO-1/ZeRO-2.
 
-The one home of these formulas: ``benchmarks/bench_memory.py`` (through ``benchmarks/memory_model.py``,
-which re-exports this module) prints them beside its measured peaks, and ``acco-plan`` predicts memory
-per GPU with them.
+The one home of these formulas: the memory benchmark (``python -m benchmarks.memory``) prints them
+beside its measured peaks, and ``acco-plan`` predicts memory per GPU with them.
 
 Contract: ``buffers(contender, D, W, largest_frac, comm_D=None, bucket_frac=None)`` lists what one rank
 holds at its peak, one ``Buffer(name, bytes_per_param, kind)`` per buffer; ``kind`` is ``held``
