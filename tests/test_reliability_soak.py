@@ -1,4 +1,4 @@
-"""The short version of benchmarks/soak.py (the full run's table is benchmarks/results/soak.md): ACCO in
+"""The short version of ``python -m benchmarks.soak`` (the full run's table is benchmarks/results/soak/soak.md): ACCO in
 adaptive accumulation on 2 ranks whose speeds change during the run; every micro-batch computed is
 committed or discarded by the end-of-run rule, memory, threads and open files stay flat, the loss
 goes down. The raw JSON it writes re-renders (``--from-json``) into the very table the run wrote."""
@@ -10,13 +10,17 @@ import shutil
 import subprocess
 import sys
 
+import pytest
+
 from tests.launch import REPO, rank_env
 
 
+@pytest.mark.launcher
 def test_soak_short(tmp_path):
     cmd = [
         sys.executable,
-        str(REPO / "benchmarks" / "soak.py"),
+        "-m",
+        "benchmarks.soak",
         "--steps",
         "60",
         "--small",
@@ -53,7 +57,7 @@ def test_soak_short(tmp_path):
     again.mkdir()
     shutil.copy(tmp_path / "soak.json", again / "soak.json")
     proc = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "soak.py"), "--from-json", str(again / "soak.json")],
+        [sys.executable, "-m", "benchmarks.soak", "--from-json", str(again / "soak.json")],
         cwd=REPO,
         capture_output=True,
         text=True,

@@ -1,4 +1,4 @@
-"""benchmarks/bench_e2e.py: the throttled-link benchmark keeps working (its --quick run), refuses to
+"""benchmarks.e2e: the throttled-link benchmark keeps working (its --quick run), refuses to
 run without a real throttle instead of faking one, exits non-zero naming any contender that could
 not run, its compute-only bound sums the ranks' own rates, the same seed gives every contender the
 same data order, and its loss verdicts are paired by seed and made against the seeds' spread, under
@@ -13,37 +13,29 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-BENCH = ROOT / "benchmarks"
-sys.path.insert(0, str(BENCH))
+from acco_ds.cli.launch import LaunchError
+from acco_ds.cli.metrics import merge_ranks, summarize
+from acco_ds.data import load_corpus, stream
+from benchmarks.e2e import cli
+from benchmarks.harness import analysis, link, runs, seeds
 
-import e2e_env  # noqa: E402
-import e2e_runs  # noqa: E402
-import e2e_seeds  # noqa: E402
-import torch  # noqa: E402
-
-from acco_ds.cli.launch import LaunchError  # noqa: E402
-from acco_ds.cli.metrics import merge_ranks, summarize  # noqa: E402
-from acco_ds.data import load_corpus, stream  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_rates_are_checked_and_wrapped():
-    assert e2e_env.rate_mbit("2gbit") == 2000 and e2e_env.rate_mbit("800kbit") == 0.8
+    assert link.rate_mbit("2gbit") == 2000 and link.rate_mbit("800kbit") == 0.8
     with pytest.raises(ValueError, match="not 'none' or a tc rate"):
-        e2e_env.check_rate("fast")
-    argv = e2e_env.wrap("400mbit")("echo hi")
+        link.check_rate("fast")
+    argv = link.wrap("400mbit")("echo hi")
     assert argv[:3] == ["unshare", "-n", "sh"] and "tbf rate 400mbit burst 256kb latency 200ms" in argv[-1]
-    assert "tc " not in e2e_env.wrap("none")("echo hi")[-1]
+    assert "tc " not in link.wrap("none")("echo hi")[-1]
 
 
 def test_refuses_without_a_throttle(monkeypatch, capsys):
-    import bench_e2e
-
-    monkeypatch.setattr(
-        e2e_env, "throttle_unavailable", lambda: "throttling needs root (running as uid 1000)"
-    )
-    assert bench_e2e.main(["--quick"]) == 2
+    monkeypatch.setattr(link, "throttle_unavailable", lambda: "throttling needs root (running as uid 1000)")
+    assert cli.main(["--quick"]) == 2
     err = capsys.readouterr().err
     assert "cannot throttle" in err and "uid 1000" in err and "does not fake" in err
 
@@ -59,22 +51,22 @@ def _log(ms_per_mb: float, steps: int = 8, gas: int = 4) -> list:
 def test_bound_sums_the_ranks_own_rates():
     """Ranks at 80 and 100 ms per micro-batch of 8: 100 + 80 samples/s. Not W x the slowest rank
     (160), which an adaptive contender whose fast rank computes more would beat."""
-    b = e2e_runs.bound_figures([_log(80.0), _log(100.0)], warmup=2, micro_batch=8)
+    b = runs.bound_figures([_log(80.0), _log(100.0)], warmup=2, micro_batch=8)
     assert b["rank_samples_per_s"] == pytest.approx([100.0, 80.0])
     assert b["samples_per_s"] == pytest.approx(180.0)
     assert b["t_mb"] == pytest.approx([0.080, 0.100])
     # the window is where both run: from the slower rank's end of warm-up to the faster one's end
     assert b["window_s"] == pytest.approx([0.8, 2.56])
     drained = _log(80.0) + [{"step": 9, "t": 9.0, "mb": 32, "loss_sum": 96.0}]  # end-of-run drain
-    assert e2e_runs.bound_figures([drained, _log(80.0)], 2, 8)["samples_per_s"] == pytest.approx(200.0)
+    assert runs.bound_figures([drained, _log(80.0)], 2, 8)["samples_per_s"] == pytest.approx(200.0)
     with pytest.raises(ValueError, match="fewer than warm-up"):
-        e2e_runs.bound_figures([_log(80.0, steps=4), _log(80.0)], warmup=2, micro_batch=8)
+        runs.bound_figures([_log(80.0, steps=4), _log(80.0)], warmup=2, micro_batch=8)
 
 
 def _run_summary(
     label: str, rate: str, ms_per_mb: float, val: float = 2.9, steps: int = 8, gas: int = 4
 ) -> dict:
-    """What e2e_runs returns for a finished run, from synthetic rank records."""
+    """What ``benchmarks.harness.runs`` returns for a finished run, from synthetic rank records."""
     logs = [_log(ms_per_mb, steps, gas), _log(ms_per_mb, steps, gas)]
     train_s = steps * gas * ms_per_mb / 1000
     ranks = [
@@ -101,7 +93,7 @@ VAL = {"zero1": [2.80, 2.90, 2.85], "acco": [2.814, 2.929, 2.89275], "acco-adapt
 
 @pytest.fixture
 def fake_runs(monkeypatch):
-    """bench_e2e with its launches replaced by synthetic results; ``launched`` lists the contender
+    """The e2e benchmark with its launches replaced by synthetic results; ``launched`` lists the contender
     launches (label, tag, at the budget) and ``failing`` the labels whose launches raise
     LaunchError. Adaptive ACCO computes twice the micro-batches per step of the others."""
     launched, failing = [], set()
@@ -116,25 +108,23 @@ def fake_runs(monkeypatch):
         return _run_summary(label, rate, 90.0 if label == "zero1" else 60.0, val, steps, 8 if adaptive else 4)
 
     def compute(setup, tag):
-        s = e2e_runs.bound_figures([_log(80.0), _log(80.0)], setup.warmup, setup.micro_batch)
+        s = runs.bound_figures([_log(80.0), _log(80.0)], setup.warmup, setup.micro_batch)
         return dict(s, load_before=0.1, load_after=0.1)
 
-    monkeypatch.setattr(e2e_env, "throttle_unavailable", lambda: None)
-    monkeypatch.setattr(e2e_runs, "run_contender", contender)
-    monkeypatch.setattr(e2e_runs, "run_compute_only", compute)
-    monkeypatch.setattr(e2e_runs, "run_comm_probe", lambda setup, rate: {"t_comm_s": 0.1, "t_reduce_s": 0.05})
+    monkeypatch.setattr(link, "throttle_unavailable", lambda: None)
+    monkeypatch.setattr(runs, "run_contender", contender)
+    monkeypatch.setattr(runs, "run_compute_only", compute)
+    monkeypatch.setattr(runs, "run_comm_probe", lambda setup, rate: {"t_comm_s": 0.1, "t_reduce_s": 0.05})
     return launched, failing
 
 
 def test_a_contender_that_cannot_run_fails_the_benchmark(fake_runs, tmp_path, capsys):
     """acco-adaptive's launches fail: the benchmark still writes ZeRO-1's results, names
     acco-adaptive in the table and on stderr, and exits 1."""
-    import bench_e2e
-
     launched, failing = fake_runs
     failing.add("acco-adaptive")
     out = tmp_path / "results"
-    rc = bench_e2e.main(["--quick", "--steps", "8", "--out", str(out), "--work", str(tmp_path / "w")])
+    rc = cli.main(["--quick", "--steps", "8", "--out", str(out), "--work", str(tmp_path / "w")])
     err = capsys.readouterr().err
     assert rc == 1
     assert "acco-adaptive" in err and "could not run" in err and "unknown option" in err
@@ -152,13 +142,9 @@ def test_a_contender_that_cannot_run_fails_the_benchmark(fake_runs, tmp_path, ca
 def test_unregistered_acco_fails_the_benchmark(fake_runs, monkeypatch, tmp_path, capsys):
     """Without an acco_ds that registers ACCO the baselines still run, and the exit status says
     which contenders did not."""
-    import bench_e2e
-
     launched, _ = fake_runs
-    monkeypatch.setattr(bench_e2e, "acco_registered", lambda: (False, "import acco_ds failed: boom"))
-    rc = bench_e2e.main(
-        ["--quick", "--steps", "8", "--out", str(tmp_path / "r"), "--work", str(tmp_path / "w")]
-    )
+    monkeypatch.setattr(cli, "acco_registered", lambda: (False, "import acco_ds failed: boom"))
+    rc = cli.main(["--quick", "--steps", "8", "--out", str(tmp_path / "r"), "--work", str(tmp_path / "w")])
     assert rc == 1 and {label for label, *_ in launched} == {"zero1"}
     err = capsys.readouterr().err
     assert "acco-adaptive (all rates): not run: import acco_ds failed: boom" in err
@@ -169,9 +155,6 @@ def test_seeds_are_paired_and_verdicts_made_against_their_spread(fake_runs, tmp_
     """Three seeds, every contender once per seed, interleaved; loss figures paired by seed; the
     acco gap (+0.5/+1.0/+1.5%) is met at 2% and 'not shown' at 1.2%; framing (b) runs adaptive ACCO
     at the token budget with its LR schedule compressed to the steps that budget buys."""
-    import bench_e2e
-    import e2e_report
-
     launched, _ = fake_runs
     out = tmp_path / "results"
     argv = ["--rates", "200mbit", "--contenders", "zero1,acco,acco-adaptive", "--seeds", "0,1,2"]
@@ -187,7 +170,7 @@ def test_seeds_are_paired_and_verdicts_made_against_their_spread(fake_runs, tmp_
         "--work",
         str(tmp_path / "w"),
     ]
-    assert bench_e2e.main(argv) == 0
+    assert cli.main(argv) == 0
     fixed = [(label, tag) for label, tag, budget in launched if not budget]
     assert fixed == [(c, f"/s{s}") for s in range(3) for c in ("zero1", "acco", "acco-adaptive")]
     raw = json.loads((out / "e2e.json").read_text())
@@ -197,9 +180,9 @@ def test_seeds_are_paired_and_verdicts_made_against_their_spread(fake_runs, tmp_
     row = raw["analysis"]["tables"]["200mbit"]["acco"]
     gap = row["paired"]["val_gap"]
     assert gap["values"] == pytest.approx([0.005, 0.010, 0.015])  # paired by seed, not by sorted value
-    assert e2e_seeds.verdict_within(gap, -0.02, 0.02) == "met"
-    assert e2e_seeds.verdict_within(gap, -0.012, 0.012).startswith("not shown")
-    assert e2e_seeds.verdict_within(gap, -0.004, 0.004) == "MISSED"
+    assert seeds.verdict_within(gap, -0.02, 0.02) == "met"
+    assert seeds.verdict_within(gap, -0.012, 0.012).startswith("not shown")
+    assert seeds.verdict_within(gap, -0.004, 0.004) == "MISSED"
     # framing (b): the budget is the fixed contenders' samples; adaptive makes twice the samples per
     # step, so it runs half the steps (4) at the budget, with warm-up round(10 x 4 / 8) capped below 4
     budget = [(label, tag) for label, tag, b in launched if b]
@@ -226,45 +209,43 @@ def test_seeds_are_paired_and_verdicts_made_against_their_spread(fake_runs, tmp_
     )
     # a planted unpaired analysis (seeds shuffled) would change the gaps: the pairing is by seed key
     shuffled = dict(block, seeds=dict(block["seeds"], acco=block["seeds"]["acco"][::-1]))
-    comp = e2e_report.compute_only(raw["results"])
-    again = e2e_report.analyse_rate(shuffled, comp, 4, 2)["acco"]["paired"]["val_gap"]
+    comp = analysis.compute_only(raw["results"])
+    again = analysis.analyse_rate(shuffled, comp, 4, 2)["acco"]["paired"]["val_gap"]
     assert again["values"] == pytest.approx([0.005, 0.010, 0.015])
 
 
 def test_budget_schedule_ends_inside_the_budget():
-    setup = e2e_runs.Setup(
+    setup = runs.Setup(
         work=Path("w"), model={}, n_params=1, steps=40, warmup=5, micro_batch=8, grad_accum=4, world=2,
         threads=1, seed=0, bf16=False,
     )  # fmt: skip
     assert setup.budget_samples == 2560
     # 50 Mbit in the committed sweep: adaptive made 15616 samples in 40 steps
-    sch = e2e_runs.budget_schedule(setup, 15616 / 40)
+    sch = runs.budget_schedule(setup, 15616 / 40)
     assert sch["steps"] == 7 and sch["warmup_lr_steps"] == 2
     knobs = setup.knobs("adaptive", sch["steps"], sch["warmup_lr_steps"])
     assert (knobs.total_steps, knobs.warmup_steps) == (7, 2)
-    assert e2e_runs.budget_schedule(setup, 2560 / 40)["steps"] == 40  # the fixed contenders' own pace
-    assert e2e_runs.budget_schedule(setup, 10**6)["steps"] == 3  # never fewer than 3 steps
+    assert runs.budget_schedule(setup, 2560 / 40)["steps"] == 40  # the fixed contenders' own pace
+    assert runs.budget_schedule(setup, 10**6)["steps"] == 3  # never fewer than 3 steps
 
 
 def test_the_same_seed_gives_every_contender_the_same_data_order(tmp_path):
-    """The specs bench_e2e launches carry the seed they are given, for every contender, the
+    """The specs the e2e benchmark launches carry the seed they are given, for every contender, the
     heterogeneous and the budget runs alike, and the data loader the worker reads them with
     (``acco_ds.data.stream(train, context, micro_batch, spec.seed, rank + spec.data_offset)``) then
     gives every contender the same micro-batches in the same order; another seed another order."""
     corpus = load_corpus()
-    setup = e2e_runs.Setup(
+    setup = runs.Setup(
         work=tmp_path, model={"context": 32}, n_params=1000, steps=8, warmup=2, micro_batch=4, grad_accum=2,
         world=2, threads=1, seed=0, bf16=False,
     )  # fmt: skip
-    sch = e2e_runs.budget_schedule(setup, 40.0)
+    sch = runs.budget_schedule(setup, 40.0)
     orders = {}
     for seed in (0, 1, 2):
-        specs = [
-            e2e_runs.contender_spec(setup, c, "200mbit", None, f"/s{seed}", seed) for c in e2e_runs.CONTENDERS
-        ]
-        specs.append(e2e_runs.contender_spec(setup, "acco-adaptive", "200mbit", None, f"/s{seed}", seed, sch))
+        specs = [runs.contender_spec(setup, c, "200mbit", None, f"/s{seed}", seed) for c in runs.CONTENDERS]
+        specs.append(runs.contender_spec(setup, "acco-adaptive", "200mbit", None, f"/s{seed}", seed, sch))
         specs.append(
-            e2e_runs.contender_spec(setup, "zero1", "200mbit", {"rank": 1, "extra_s": 0.1}, "-hetero", seed)
+            runs.contender_spec(setup, "zero1", "200mbit", {"rank": 1, "extra_s": 0.1}, "-hetero", seed)
         )
         assert {(s.seed, s.data_offset, s.tp, s.micro_batch) for s in specs} == {(seed, 0, 1, 4)}
         for rank in range(setup.world):
@@ -279,30 +260,32 @@ def test_the_same_seed_gives_every_contender_the_same_data_order(tmp_path):
 
 
 def test_seed_statistics():
-    s = e2e_seeds.spread([1.0, 2.0, 3.0])
+    s = seeds.spread([1.0, 2.0, 3.0])
     assert (s["n"], s["mean"], s["min"], s["max"]) == (3, 2.0, 1.0, 3.0) and s["sd"] == pytest.approx(1.0)
-    assert e2e_seeds.fmt(s, ".1f") == "2.0 [1.0, 3.0] (3 seeds)"
-    assert e2e_seeds.verdict_at_most(s, 3.0) == "met" and e2e_seeds.verdict_at_most(s, 1.5) == "MISSED"
-    assert e2e_seeds.verdict_at_most(s, 2.5).startswith("not shown")
-    never = e2e_seeds.spread([0.7, float("inf"), 0.6])  # a seed that never reached the target
-    assert never["n_inf"] == 1 and e2e_seeds.verdict_at_most(never, 0.75) == "MISSED"
-    assert "not reached" in e2e_seeds.fmt(never, ".2f")
-    one = e2e_seeds.spread([0.01])
-    assert e2e_seeds.verdict_within(one, -0.02, 0.02).startswith("indicative: met (1 seed")
-    assert e2e_seeds.paired({0: 1.0, 1: 2.0}, {1: 4.0, 2: 8.0}, lambda a, b: a / b) == {1: 0.5}
+    assert seeds.fmt(s, ".1f") == "2.0 [1.0, 3.0] (3 seeds)"
+    assert seeds.verdict_at_most(s, 3.0) == "met" and seeds.verdict_at_most(s, 1.5) == "MISSED"
+    assert seeds.verdict_at_most(s, 2.5).startswith("not shown")
+    never = seeds.spread([0.7, float("inf"), 0.6])  # a seed that never reached the target
+    assert never["n_inf"] == 1 and seeds.verdict_at_most(never, 0.75) == "MISSED"
+    assert "not reached" in seeds.fmt(never, ".2f")
+    one = seeds.spread([0.01])
+    assert seeds.verdict_within(one, -0.02, 0.02).startswith("indicative: met (1 seed")
+    assert seeds.paired({0: 1.0, 1: 2.0}, {1: 4.0, 2: 8.0}, lambda a, b: a / b) == {1: 0.5}
 
 
+@pytest.mark.launcher
 def test_quick_benchmark_runs(tmp_path):
     """One rate, few steps: the compute-only bound, comm-only, ZeRO-1 vs ACCO adaptive, and the
     heterogeneous case (about 2-4 minutes on 2 CPU cores). Every contender must run: a failing
     ACCO contender fails this test."""
-    why = e2e_env.throttle_unavailable()
+    why = link.throttle_unavailable()
     if why:
         pytest.skip(f"cannot throttle a link here: {why}")
     out = tmp_path / "results"
     cmd = [
         sys.executable,
-        str(BENCH / "bench_e2e.py"),
+        "-m",
+        "benchmarks.e2e",
         "--quick",
         "--slow-factor",  # 3x (not 2x): a margin against other jobs slowing the fast rank on shared machines
         "3",

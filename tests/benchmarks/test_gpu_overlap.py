@@ -1,5 +1,5 @@
-"""benchmarks/bench_gpu_overlap.py on a machine without a GPU: its pure parts (model size, DeepSpeed
-config, efficiency, the report) and a clear exit without a GPU. The measurement itself runs on a GPU
+"""benchmarks.gpu_overlap on a machine without a GPU: its pure parts (model size, DeepSpeed
+config, efficiency, the report, re-rendering from its JSON) and a clear exit without a GPU. The measurement itself runs on a GPU
 (scripts/gpu_checks.sh)."""
 
 from __future__ import annotations
@@ -11,16 +11,14 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
+from acco_ds.config import ACCOConfig
+from benchmarks.gpu_overlap import cli as bench
 
-import bench_gpu_overlap as bench  # noqa: E402
-
-from acco_ds.config import ACCOConfig  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_import_touches_neither_torch_nor_transformers():
-    code = "import sys; sys.path.insert(0, 'benchmarks'); import bench_gpu_overlap; "
+    code = "import sys; import benchmarks.gpu_overlap.cli; "
     code += "print('torch' in sys.modules, 'transformers' in sys.modules)"
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.split() == ["False", "False"], r.stderr[-2000:]
@@ -55,7 +53,7 @@ def test_efficiency():
     assert bench.efficiency(100.0, 100.0, 200.0) == 0.5  # sync: compute + communication back to back
 
 
-def test_render_labels_the_stand_in():
+def _settings_and_meta() -> tuple:
     s = [
         bench.Setting("sync", 1.0, 100.0, 100.0, t_side_ms=101.0, t_round_ms=203.0, host_round_ms=5.0,
                       host_ahead=1.0, host_syncs_per_step=0.0, rounds=8),
@@ -64,6 +62,11 @@ def test_render_labels_the_stand_in():
     ]  # fmt: skip
     meta = dict(date="d", machine="m", versions="v", command="c", params=271e6, micro_batch=8, seq=1024, gas=4,
                 steps=8, warmup=2, cycles_per_ms=1.9e6, compute_syncs_per_step=0.0)  # fmt: skip
+    return s, meta
+
+
+def test_render_labels_the_stand_in():
+    s, meta = _settings_and_meta()
     md = bench.render(s, meta)
     assert "STAND-IN" in md and "271M parameters" in md
     assert "| sync | 1 | 100.0 | 100.0 | 101.0 | 203.0 | 50% | 5.0 | 100% | 0.0 |" in md
@@ -85,3 +88,13 @@ def test_without_a_gpu_it_says_so_and_writes_nothing(tmp_path, capsys):
     assert bench.main(["--out", str(tmp_path / "out")]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_from_json_rerenders_the_written_table(tmp_path, capsys):
+    """The raw JSON ``write`` saves beside the table re-renders (``--from-json``, no GPU) the same table."""
+    s, meta = _settings_and_meta()
+    md = bench.write(tmp_path / "run", s, meta)
+    assert (tmp_path / "run" / "gpu_overlap.md").read_text() == md
+    again = tmp_path / "again"
+    assert bench.main(["--out", str(again), "--from-json", str(tmp_path / "run" / "gpu_overlap.json")]) == 0
+    assert (again / "gpu_overlap.md").read_text() == md

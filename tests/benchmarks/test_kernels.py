@@ -1,4 +1,4 @@
-"""benchmarks/bench_kernels.py writes its raw results as JSON beside the table, and ``--from-json``
+"""benchmarks.kernels writes its raw results as JSON beside the table, and ``--from-json``
 re-renders, from that JSON alone, the very table the run wrote (a tiny run: 1,000 parameters, 3 calls)."""
 
 from __future__ import annotations
@@ -12,12 +12,14 @@ import pytest
 
 from tests.launch import REPO
 
-BENCH = REPO / "benchmarks" / "bench_kernels.py"
-
 
 def _bench(*args) -> subprocess.CompletedProcess:
     proc = subprocess.run(
-        [sys.executable, str(BENCH), *args], cwd=REPO, capture_output=True, text=True, timeout=300
+        [sys.executable, "-m", "benchmarks.kernels", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     return proc

@@ -1,4 +1,4 @@
-"""benchmarks/bench_memory.py: its --quick run writes the table, the raw JSON (re-rendered alike by
+"""benchmarks.memory: its --quick run writes the table, the raw JSON (re-rendered alike by
 --from-json) and the plot from real launched ranks, and the analytic bytes of the ACCO modes are
 exactly what the code holds (``GroupBuffers.held_bytes()`` of a real pipeline: launched ranks for
 acco at W=2, an in-process one-rank pipeline for every mode and dtype pair)."""
@@ -14,16 +14,14 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
+from acco_ds.config import ACCOConfig
+from acco_ds.core.pipeline import ACCOPipeline
+from acco_ds.core.round_job import Hyper
+from acco_ds.plan import memory_model
+from benchmarks.memory import table as memory_table
+from tests.dist.inproc import ensure_single_rank_group
 
-import memory_model  # noqa: E402
-import memory_table  # noqa: E402
-
-from acco_ds.config import ACCOConfig  # noqa: E402
-from acco_ds.core.pipeline import ACCOPipeline  # noqa: E402
-from acco_ds.core.round_job import Hyper  # noqa: E402
-from tests.dist.inproc import ensure_single_rank_group  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 SIZE = {torch.bfloat16: 2, torch.float32: 4}
 
@@ -63,12 +61,15 @@ def test_goal_bound_and_buffers():
         memory_model.buffers("zero3", 2, 2)
 
 
+@pytest.mark.launcher
 def test_quick_run_writes_table_json_plot(tmp_path):
     """The real --quick run (2 launched ranks, zero1 and acco, a 3M-parameter GPT-2 in bf16)."""
     out, work = tmp_path / "out", tmp_path / "work"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_memory.py"), "--quick", "--out", str(out)]
-    proc = subprocess.run(cmd + ["--work", str(work)], env=env, capture_output=True, text=True, timeout=600)
+    cmd = [sys.executable, "-m", "benchmarks.memory", "--quick", "--out", str(out)]
+    proc = subprocess.run(
+        cmd + ["--work", str(work)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     md = (out / "memory_quick.md").read_text()
     results = json.loads((out / "memory_quick.json").read_text())["results"]
@@ -93,14 +94,15 @@ def test_quick_run_writes_table_json_plot(tmp_path):
     assert rows["acco"]["extra"] == pytest.approx(
         (runs["acco"]["peak"] - runs["zero1"]["peak"]) / case["params"]
     )
-    for text in ("| gpt2 3m | bf16 | 2 | acco |", "Goals (issue 11)", "Analytic bytes per parameter"):
+    for text in ("| gpt2 3m | bf16 | 2 | acco |", "## Goals", "Analytic bytes per parameter"):
         assert text in md
     # --from-json re-renders the same document
     again = tmp_path / "again"
     proc = subprocess.run(
         [
             sys.executable,
-            str(ROOT / "benchmarks" / "bench_memory.py"),
+            "-m",
+            "benchmarks.memory",
             "--from-json",
             str(out / "memory_quick.json"),
             "--out",
@@ -108,6 +110,7 @@ def test_quick_run_writes_table_json_plot(tmp_path):
             "--prefix",
             "memory_quick",
         ],
+        cwd=ROOT,
         env=env,
         capture_output=True,
         text=True,

@@ -1,4 +1,4 @@
-"""benchmarks/bench_topology.py (issue 14 item 6): two "nodes" as network namespaces joined by a
+"""benchmarks.topology: two "nodes" as network namespaces joined by a
 rate-limited veth pair, one DeepSpeed launcher per node (--hostfile --no_ssh --node_rank), TP inside
 a node and ACCO's data parallelism across. It refuses to run without root/iproute2 instead of
 faking the link, removes its namespaces afterwards (also when a run fails, an unexpected error
@@ -16,38 +16,30 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-BENCH = ROOT / "benchmarks"
-sys.path.insert(0, str(BENCH))
+from acco_ds.cli.launch import LaunchError
+from benchmarks.harness import nodes
+from benchmarks.topology import cli
+from benchmarks.topology import runs as topology_runs
 
-import topology_net  # noqa: E402
-import topology_runs  # noqa: E402
-
-from acco_ds.cli.launch import LaunchError  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 pytest.importorskip("transformers")
-NO_NET = topology_net.unavailable()
+NO_NET = nodes.unavailable()
 needs_net = pytest.mark.skipif(NO_NET is not None, reason=f"no two-node network here: {NO_NET}")
 
 
 def _mine(pid: int) -> list:
-    return [n for n in topology_net.ours() if n.startswith(f"{topology_net.PREFIX}_{pid}_")]
+    return [n for n in nodes.ours() if n.startswith(f"{nodes.PREFIX}_{pid}_")]
 
 
 def test_refuses_without_the_network(monkeypatch, capsys):
-    import bench_topology
-
-    monkeypatch.setattr(
-        topology_net, "unavailable", lambda: "the two-node network needs root (running as uid 1000)"
-    )
-    assert bench_topology.main(["--quick"]) == 2
+    monkeypatch.setattr(nodes, "unavailable", lambda: "the two-node network needs root (running as uid 1000)")
+    assert cli.main(["--quick"]) == 2
     err = capsys.readouterr().err
     assert "cannot build the two-node network" in err and "uid 1000" in err and "does not fake" in err
 
 
 def test_options_are_checked(capsys):
-    import bench_topology
-
     for bad, msg in (
         (["--tp", "1"], "--tp must be >= 2"),
         (["--n-head", "3"], "must divide --n-head (3)"),
@@ -55,20 +47,18 @@ def test_options_are_checked(capsys):
         (["--rates", "fast"], "not 'none' or a tc rate"),
     ):
         with pytest.raises(SystemExit):
-            bench_topology.parse(bad)
+            cli.parse(bad)
         assert msg in capsys.readouterr().err
 
 
 def test_launch_is_the_multi_node_form(tmp_path):
     """Each node's launcher gets the hostfile, --no_ssh, its --node_rank and the master address on
     the link; the command runs inside the node's namespace."""
-    cmd = topology_runs.node_command(
-        tmp_path / "hostfile", 1, 29500, ["--module", "m"], topology_net.ADDRS[0]
-    )
+    cmd = topology_runs.node_command(tmp_path / "hostfile", 1, 29500, ["--module", "m"], nodes.ADDRS[0])
     i = cmd.index("--hostfile")
     assert cmd[i + 1] == str(tmp_path / "hostfile") and "--no_ssh" in cmd
     assert cmd[cmd.index("--node_rank") + 1] == "1" and cmd[cmd.index("--master_addr") + 1] == "10.77.0.1"
-    net = topology_net.TwoNodes()
+    net = nodes.TwoNodes()
     argv = net.wrap(1, nice=-5)("python x.py")
     assert argv[:4] == ["ip", "netns", "exec", net.names[1]] and argv[-1] == "exec nice -n -5 python x.py"
     assert net.env(0)["GLOO_SOCKET_IFNAME"] == "topo0"
@@ -76,7 +66,7 @@ def test_launch_is_the_multi_node_form(tmp_path):
 
 @needs_net
 def test_network_limits_the_link_only_and_is_removed():
-    with topology_net.TwoNodes() as net:
+    with nodes.TwoNodes() as net:
         assert sorted(_mine(os.getpid())) == sorted(net.names)
         net.set_rate("50mbit")
         assert "rate 50Mbit" in net.qdisc(0) and "rate 50Mbit" in net.qdisc(1)
@@ -99,8 +89,6 @@ def test_network_limits_the_link_only_and_is_removed():
 def test_namespaces_are_removed_when_a_run_fails(monkeypatch, tmp_path, capsys, error):
     """The comm probe's launch fails (twice: recorded, exit 1) or raises an unexpected error
     (propagates): either way the namespaces it made are gone afterwards."""
-    import bench_topology
-
     seen = []
 
     def probe(setup, net, rate, reps=5):
@@ -110,19 +98,20 @@ def test_namespaces_are_removed_when_a_run_fails(monkeypatch, tmp_path, capsys, 
     monkeypatch.setattr(topology_runs, "run_comm_probe", probe)
     argv = ["--quick", "--out", str(tmp_path / "r"), "--work", str(tmp_path / "w")]
     if error is LaunchError:
-        assert bench_topology.main(argv) == 1
+        assert cli.main(argv) == 1
         assert "could not run" in capsys.readouterr().err and len(seen) == 2
     else:
         with pytest.raises(RuntimeError, match="boom"):
-            bench_topology.main(argv)
+            cli.main(argv)
     assert len(seen[0]) == 2  # they existed during the run
     assert _mine(os.getpid()) == []
 
 
 @needs_net
+@pytest.mark.launcher
 def test_namespaces_are_removed_when_terminated(tmp_path):
     """SIGTERM while the first launch runs: the launchers are stopped and the namespaces removed."""
-    cmd = [sys.executable, str(BENCH / "bench_topology.py"), "--quick", "--contenders", "acco"]
+    cmd = [sys.executable, "-m", "benchmarks.topology", "--quick", "--contenders", "acco"]
     cmd += ["--out", str(tmp_path / "r"), "--work", str(tmp_path / "w")]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.Popen(
@@ -148,11 +137,12 @@ def test_namespaces_are_removed_when_terminated(tmp_path):
 
 
 @needs_net
+@pytest.mark.launcher
 def test_quick_topology_runs(tmp_path):
     """TP 2 x DP 2 over two namespaces at 200 Mbit/s: the probe, the compute-only bound, ACCO fixed;
     every output written, the namespaces removed, and --from-json re-renders the same table."""
     out = tmp_path / "results"
-    cmd = [sys.executable, str(BENCH / "bench_topology.py"), "--quick", "--contenders", "acco"]
+    cmd = [sys.executable, "-m", "benchmarks.topology", "--quick", "--contenders", "acco"]
     cmd += ["--out", str(out), "--work", str(tmp_path / "w")]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.Popen(
@@ -177,13 +167,8 @@ def test_quick_topology_runs(tmp_path):
     ranks = [json.loads((run_dir / f"rank{r}.json").read_text()) for r in range(4)]
     assert [(r["rank"], r["world"], r["tp"]) for r in ranks] == [(r, 4, 2) for r in range(4)]
     md = (out / "topology_quick.md").read_text()
-    assert "## Goals (issue 14)" in md and "| 200mbit | acco |" in md and "## Memory per rank" in md
+    assert "## Goals, under both framings" in md and "| 200mbit | acco |" in md and "## Memory per rank" in md
     assert (out / "topology_quick.png").stat().st_size > 1000
-    import bench_topology
-
     again = tmp_path / "again"
-    assert (
-        bench_topology.main(["--from-json", str(out / "topology_quick.json"), "--out", str(again), "--quick"])
-        == 0
-    )
+    assert cli.main(["--from-json", str(out / "topology_quick.json"), "--out", str(again), "--quick"]) == 0
     assert (again / "topology_quick.md").read_text() == md

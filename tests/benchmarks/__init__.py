@@ -1,0 +1,1 @@
+"""Tests of the benchmarks (``benchmarks/``): their pure parts, short real runs, and re-rendering from JSON."""
