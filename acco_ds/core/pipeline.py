@@ -5,9 +5,15 @@ The caller (the DeepSpeed optimizer, or a test) drives it with:
 - ``on_backward_start()`` before each micro-batch backward: the parameters' ``.grad`` are (again)
   views into the round's gradient buffer, so autograd accumulates into it in place (mixed dtypes:
   hooks fold each gradient into it as backward produces it; ``core.buffers``).
-- ``on_micro_batch_end()`` after each micro-batch backward; the round ends when the schedule says so
-  (fixed: its share of micro-batches; adaptive: its share and the previous round's communication
-  done).
+- ``on_micro_batch_end(boundary, hold)`` after each micro-batch backward. ``boundary``: the engine marks
+  this micro-batch the last of its optimizer step (None: count, a boundary every
+  ``gradient_accumulation_steps``); ``hold``: no round may end (the engine's ``no_sync()`` or coalesced
+  reduction). With fixed accumulation the COMMIT of a step is launched at its boundary and nowhere else
+  (``schedule.plan_boundary``), whatever the number of micro-batches the step took; acco's PEEK rounds
+  end after their share of micro-batches. With adaptive accumulation rounds end when they have their
+  share and the previous round's communication is done; the boundary does not end them.
+- ``end_step()`` when the engine ends the step with no further micro-batch (its optimizer step was called
+  while the accumulation was still open, or the flush of a coalesced reduction).
 - ``on_engine_step()`` each time the engine's optimizer step is called (LR bookkeeping).
 - ``sync_in_flight()`` before reading the committed state (accessors, checkpoints): waits for the
   job in flight without changing what the next round computes at.
@@ -165,13 +171,16 @@ class ACCOPipeline:
         except ACCOConfigError:
             self.executor.close()
             raise
+        self.step_count = 0  # micro-batches of the optimizer step not yet ended by a boundary (local)
         self.round_index = 0  # rounds launched since the start (global, for names and stats)
         self.phase_round = 0  # rounds since the pipeline (re)started: what schedule.plan sees
         self.commits_launched = 0  # index of the next commit (a peek predicts this one)
         self.in_flight = None  # (Ticket, RoundEnd)
         self.model_holds = "theta"  # "theta" (committed) or "estimate" (theta~, acco)
         self.committed_steps = 0  # commits swapped in (applied or skipped)
-        self.state_step = 0  # applied commits: the AdamW step count
+        # applied commits as a 0-dim fp32 CPU tensor, updated in place (the "step" of optimizer.state)
+        self.step_tensor = torch.zeros((), dtype=torch.float32)
+        self.state_step = 0  # applied commits: the AdamW step count (a property: step_tensor follows it)
         self.engine_steps = 0  # LR-schedule steps: engine steps whose scheduler step ran (no overflow)
         self._hyper_history: Dict[int, List[Hyper]] = {}
         self.tilde_count = [torch.zeros(1, dtype=torch.float64, device=self.device)]
@@ -185,10 +194,26 @@ class ACCOPipeline:
         self.last_grad_norm: torch.Tensor | None = None
         self.stats = PipelineStats()
 
+    @property
+    def state_step(self) -> int:
+        """Commits applied to the sharded state (swapped in and read): AdamW's step count."""
+        return self._state_step
+
+    @state_step.setter
+    def state_step(self, value: int) -> None:
+        self._state_step = int(value)
+        self.step_tensor.fill_(float(value))
+
     # -- compute side -------------------------------------------------------------------------
     def on_backward_start(self) -> None:
         """Before a micro-batch's backward: ``.grad`` views into the ACC buffer (user code or
-        ``engine.zero_grad()`` may have set them to None; the accumulated sum lives in the buffer)."""
+        ``engine.zero_grad()`` may have set them to None; the accumulated sum lives in the buffer).
+
+        sync (DeepSpeed ZeRO-1's semantics): when every ``.grad`` was set to None since the last
+        backward (``engine.zero_grad()``) while the step holds micro-batches, their gradients are dropped,
+        as ZeRO-1 drops the gradients it accumulates in ``.grad`` before the boundary. The step still ends
+        where the engine says. acco/dpu keep them (their rounds are not the engine's accumulation).
+        Parameters and gradients of different dtypes never show a ``.grad``: nothing is dropped there."""
         if self.viewing_committed:
             raise RuntimeError(
                 "acco_ds: backward while the model shows the committed weights for evaluation "
@@ -196,23 +221,65 @@ class ACCOPipeline:
                 "engine.optimizer.train() (the HF Trainer does) or leave the committed_weights() block before "
                 "training; engine.train() / module.train() switch back at the next forward."
             )
+        if self.mode == "sync" and self.counter.count > 0 and self._grads_cleared():
+            for b in self.groups:
+                b.acc_flat.zero_()
         for b in self.groups:
             b.point_grads()
 
-    def on_micro_batch_end(self) -> None:
+    def _grads_cleared(self) -> bool:
+        return all(b.shared for b in self.groups) and all(
+            p.grad is None for b in self.groups for p in b.params
+        )
+
+    def on_micro_batch_end(self, boundary: bool | None = None, hold: bool = False) -> None:
+        """After a micro-batch's backward (see the module docstring for ``boundary`` and ``hold``)."""
         self._record_hypers()
         for b in self.groups:
             b.check_grads()
         self.counter.add()
+        self.step_count += 1
         self.stats.micro_batches_local += 1
+        if hold:
+            return
+        if boundary is None:
+            boundary = self.step_count >= self.gas
+        if boundary and self._boundary_ends_rounds():
+            self._end_step_round()
+            return
+        if boundary:
+            self.step_count = 0
         if self._may_end():
             self.end_round()
 
+    def end_step(self) -> None:
+        """The engine ends the optimizer step with no further micro-batch: as a boundary at the last one.
+        Nothing happens when the step has no micro-batch left open (its boundary already ended it)."""
+        if self.step_count == 0:
+            return
+        if self._boundary_ends_rounds():
+            self._end_step_round()
+        else:
+            self.step_count = 0
+
+    def _boundary_ends_rounds(self) -> bool:
+        """Fixed accumulation: a step's COMMIT is launched at the engine's boundary. Adaptive: rounds end
+        on their own (count and communication); the boundary only moves the LR schedule."""
+        return not self.adaptive
+
+    def _end_step_round(self) -> None:
+        self.end_round(schedule.plan_boundary(self.mode, self.phase_round))
+        self.step_count = 0
+
     def _may_end(self) -> bool:
-        """Whether the current round ends now. Adaptive accumulation with tensor parallelism: the ranks
+        """Whether the current round ends now, before the engine's boundary (``schedule.ends_by_count``:
+        acco's PEEK rounds with fixed accumulation, every round with adaptive accumulation, once they hold
+        their share and, adaptive, the job in flight is done). Adaptive accumulation with tensor parallelism: the ranks
         of a tensor-parallel group run collectives in every forward and backward, so they must end their
         rounds at the same micro-batch: the round ends when it may end on every one of them (their
         counts are equal, so only whether each one's job in flight is done differs)."""
+        if not schedule.ends_by_count(self.mode, self.phase_round, self.adaptive):
+            return False
         may = self.counter.may_end(self._in_flight_done())
         if not (self.adaptive and self.tp_control_group is not None):
             return may
@@ -261,10 +328,18 @@ class ACCOPipeline:
             del self._hyper_history[k]
         return [[row[g] for row in rows] for g in range(len(self.groups))]
 
-    def end_round(self) -> None:
-        """End the current round: swap in the job in flight, launch this round's job, give the next
-        round a zeroed gradient buffer."""
-        plan = schedule.plan(self.mode, self.phase_round)
+    def end_round(self, plan: schedule.RoundEnd | None = None) -> None:
+        """End the current round: swap in the job in flight, launch this round's job (``plan``, default
+        ``schedule.plan`` of the round), give the next round a zeroed gradient buffer.
+
+        A COMMIT of the round's gradient ``alone`` (acco, ``schedule.plan_boundary``) zeroes the kept g~
+        and its count first (the job in flight, which consumed them, has been waited for) and makes the
+        next round a prologue. In sync a step of s != GAS micro-batches is scaled by s / GAS before the
+        job: the job divides by the micro-batch count, DeepSpeed's ZeRO-1 by W * GAS whatever the count
+        (``engine.backward`` divided every loss by GAS); so a short step's gradient is sum / (W * GAS),
+        as ZeRO-1's."""
+        if plan is None:
+            plan = schedule.plan(self.mode, self.phase_round)
         if plan.wait_previous:
             blocking = self.counter.cap is not None and not self._in_flight_done()
             if blocking:  # at the cap: a draining peer must see that this rank waits for its launch
@@ -273,6 +348,14 @@ class ACCOPipeline:
             if blocking:
                 self._board.post(None)
         self._read_summaries(keep=1 if self.defer_host_reads else 0)
+        if plan.alone:
+            for b in self.groups:
+                if b.tilde is not None:
+                    b.tilde.zero_()
+            self.tilde_count[0] = torch.zeros(1, dtype=torch.float64, device=self.device)
+        if self.mode == "sync" and 0 < self.counter.count != self.gas:
+            for b in self.groups:
+                b.acc_flat.mul_(self.counter.count / self.gas)
         commit_index = self.commits_launched
         roles = [b.start_job(in_place=plan.wait_now) for b in self.groups]
         job = partial(
@@ -296,7 +379,7 @@ class ACCOPipeline:
         self.in_flight = (self.executor.launch(name, job), plan)
         self.stats.rounds += 1
         self.round_index += 1
-        self.phase_round += 1
+        self.phase_round = 0 if plan.alone else self.phase_round + 1
         if plan.job is Job.COMMIT:
             self.commits_launched += 1
         self.counter.reset()
@@ -384,6 +467,7 @@ class ACCOPipeline:
             self._gather_committed()
         self.stats.micro_batches_discarded += self._global_pending_count()
         self.counter.reset()
+        self.step_count = 0
         for b in self.groups:
             b.acc_flat.zero_()
         self.phase_round = 0  # training may go on: it restarts with a prologue at theta
@@ -479,6 +563,7 @@ class ACCOPipeline:
         self.viewing_committed = False
         self.phase_round = 0
         self.counter.reset()
+        self.step_count = 0
         self.tilde_count[0] = torch.zeros(1, dtype=torch.float64, device=self.device)
         self.applied_dev[0] = torch.full(
             (1,), float(self.state_step), dtype=torch.float64, device=self.device

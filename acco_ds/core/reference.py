@@ -131,6 +131,7 @@ def reference_run(
     compute_dtype: torch.dtype = torch.float32,
     initial_state: RefState | None = None,
     first_micro_batch: int = 0,
+    step_sizes: Sequence[int] | None = None,
 ) -> RefRun:
     """The committed parameters, moments and gradient norms after each of ``steps`` steps (``RefRun``).
 
@@ -139,27 +140,29 @@ def reference_run(
     ``initial_state``: start from these moments and step count at ``theta0`` (a resumed run: docs/ALGORITHM.md's start
     from a committed state; default: a fresh AdamW). ``first_micro_batch``: the index of every worker's
     first micro-batch (``grad_fn``'s third argument).
+
+    ``step_sizes``: the micro-batches every worker takes in each optimizer step, where the engine ends
+    steps of other lengths than the configured one (docs/ALGORITHM.md, "When the engine ends a step
+    early"); default: every step takes the configured GAS (2k in acco, k otherwise). sync divides a step's
+    sum by W * GAS whatever its length (DeepSpeed's ZeRO-1: ``engine.backward`` divided every loss by GAS);
+    dpu and acco divide by the micro-batch count. acco: a step of s > k micro-batches is a stage-2 round of
+    k (g~ at the estimate, or at theta after a prologue) then a stage-1 round of s - k (g at theta),
+    committed together; a step of s <= k is one round whose g~ is committed alone, after which the next
+    step starts with a prologue at the new theta (the start state of a resume).
     """
     if mode not in ("acco", "dpu", "sync"):
         raise ValueError(f"mode must be acco, dpu or sync; got {mode!r}")
     adam = _Adam(theta0, clip, initial_state)
     k, W = micro_batches_per_round, world_size
     next_mb = [first_micro_batch] * W
+    if step_sizes is not None:
+        return _reference_sized(mode, adam, k, W, list(step_sizes), hypers, compute_dtype, grad_fn, next_mb)
 
     def accumulate(at: List[torch.Tensor]):
         """One round: every worker sums k micro-batch gradients at ``at``; returns (sums, count)."""
-        view = [t.to(compute_dtype) for t in at]
-        sums = [torch.zeros_like(t, dtype=torch.float64) for t in at]
-        for rank in range(W):
-            for _ in range(k):
-                for s, g in zip(sums, grad_fn(view, rank, next_mb[rank])):
-                    s += g.double()
-                next_mb[rank] += 1
-        return sums, k * W
+        return _accumulate(at, k, W, compute_dtype, grad_fn, next_mb)
 
-    def avg(sums, count):
-        return [(s / count).float() for s in sums]
-
+    avg = _avg
     out = RefRun()
     if mode == "sync":
         for t in range(steps):
@@ -183,6 +186,59 @@ def reference_run(
             out.record(adam)
             if t + 1 < steps:  # stage 2 compute: g~^{t+1} at theta~^{t+1} (the last one is unused)
                 g_tilde, n_tilde = accumulate(estimate)
+    return out
+
+
+def _accumulate(at, count, W, compute_dtype, grad_fn, next_mb):
+    """One round: every worker sums ``count`` micro-batch gradients at ``at``; returns (sums, W * count)."""
+    view = [t.to(compute_dtype) for t in at]
+    sums = [torch.zeros_like(t, dtype=torch.float64) for t in at]
+    for rank in range(W):
+        for _ in range(count):
+            for s, g in zip(sums, grad_fn(view, rank, next_mb[rank])):
+                s += g.double()
+            next_mb[rank] += 1
+    return sums, count * W
+
+
+def _avg(sums, count):
+    return [(s / count).float() for s in sums]
+
+
+def _reference_sized(mode, adam, k, W, sizes, hypers, compute_dtype, grad_fn, next_mb) -> RefRun:
+    """``reference_run`` with the engine's step lengths ``sizes`` (see its docstring)."""
+
+    def accumulate(at, count):
+        return _accumulate(at, count, W, compute_dtype, grad_fn, next_mb)
+
+    out = RefRun()
+    if mode == "sync":
+        for t, s in enumerate(sizes):
+            g, _ = accumulate(adam.theta(), s)
+            adam.commit(_avg(g, W * k), hypers(t))
+            out.record(adam)
+    elif mode == "dpu":
+        history = [adam.theta()]  # history[r] = theta^r
+        for r, s in enumerate(sizes):
+            g, n = accumulate(history[max(r - 1, 0)], s)
+            adam.commit(_avg(g, n), hypers(r))
+            history.append(adam.theta())
+            out.record(adam)
+    else:
+        estimate = None  # theta~ the next stage-2 round computes at; None: a prologue at theta comes next
+        for t, s in enumerate(sizes):
+            at = adam.theta() if estimate is None else estimate
+            if s <= k:  # one round: its g~ committed alone, then a prologue at the new theta
+                g_tilde, n_tilde = accumulate(at, s)
+                adam.commit(_avg(g_tilde, n_tilde), hypers(t))
+                estimate = None
+            else:
+                g_tilde, n_tilde = accumulate(at, k)  # stage 2 of step t-1 (or the prologue): g~^t
+                estimate = adam.peek(_avg(g_tilde, n_tilde), hypers(t))  # theta~^{t+1}
+                g, n = accumulate(adam.theta(), s - k)  # stage 1 of step t: g^t at theta^t
+                total = [a + b for a, b in zip(g, g_tilde)]
+                adam.commit(_avg(total, n + n_tilde), hypers(t))
+            out.record(adam)
     return out
 
 

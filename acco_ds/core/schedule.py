@@ -11,6 +11,15 @@ round r's gradients; in ``sync`` mode it then waits for that job at once.
 - acco:  round 0 is the prologue (g~^0 at theta^0). Even rounds end with a PEEK of their g~
          (the estimate theta~^{t+1}); odd rounds end with a COMMIT of g^t + the g~^t kept from the
          peek one round earlier.
+
+The engine decides where an optimizer step ends (docs/ALGORITHM.md, "When the engine ends a step
+early"). With fixed accumulation a COMMIT is launched only at the engine's boundary
+(``plan_boundary``): sync and dpu rounds, and acco's odd rounds, last until it; acco's even rounds end
+with their PEEK after their share of micro-batches (``ends_by_count``). When the boundary falls in an
+even acco round (a step of at most GAS/2 micro-batches), that round ends with a COMMIT of its own
+gradient alone (``RoundEnd.alone``), waited for at once; the next round is a new prologue at the new
+theta. With adaptive accumulation rounds end by count and communication alone; the boundary only
+moves the LR schedule.
 """
 
 from __future__ import annotations
@@ -32,6 +41,8 @@ class RoundEnd:
     wait_previous: bool  # a job is in flight and must be swapped in first
     wait_now: bool  # sync: no overlap, wait for this job before the next round computes
     commit_index: int  # index t of the commit this job is or predicts (theta^{t+1}); -1 if none
+    # acco: a COMMIT of this round's gradient alone (no kept g~); the next round is a prologue
+    alone: bool = False
 
 
 def rounds_per_step(mode: str) -> int:
@@ -52,6 +63,31 @@ def plan(mode: str, r: int) -> RoundEnd:
             return RoundEnd(Job.PEEK, wait_previous=r > 0, wait_now=False, commit_index=r // 2)
         return RoundEnd(Job.COMMIT, wait_previous=True, wait_now=False, commit_index=r // 2)
     raise ValueError(f"mode must be one of acco, dpu, sync; got {mode!r}")
+
+
+def plan_boundary(mode: str, r: int) -> RoundEnd:
+    """The job launched when the engine ends the optimizer step in round ``r`` (fixed accumulation).
+
+    sync, dpu, and acco's odd rounds: their ``plan``. An even acco round (a prologue, or a stage-2
+    round computing g~ at the estimate) ends with a COMMIT of its own g~ alone, after the COMMIT in
+    flight (if any) is swapped in, and is waited for at once: the g~ was computed at the estimate of
+    the parameters it updates, and the next round restarts the two stages from the new theta."""
+    if mode == "acco" and r % 2 == 0:
+        if r < 0:
+            raise ValueError(f"round index must be >= 0, got {r}")
+        return RoundEnd(Job.COMMIT, wait_previous=r > 0, wait_now=True, commit_index=r // 2, alone=True)
+    return plan(mode, r)
+
+
+def ends_by_count(mode: str, r: int, adaptive: bool) -> bool:
+    """Whether round ``r`` may end before the engine's boundary, on its count of micro-batches (and, in
+    adaptive accumulation, the communication in flight): acco's even rounds (their PEEK) with fixed
+    accumulation; every acco and dpu round with adaptive accumulation; never a sync round."""
+    if mode == "sync":
+        return False
+    if adaptive:
+        return True
+    return mode == "acco" and r % 2 == 0
 
 
 def micro_batches_per_round(mode: str, gradient_accumulation_steps: int) -> int:

@@ -4,15 +4,26 @@ What the engine calls and what happens:
 - ``backward_prologue()`` before every micro-batch backward: the parameters' ``.grad`` are views
   into the round's communication buffer, so autograd accumulates into it in place (bf16 parameters
   with fp32 communication: hooks fold each gradient into it as backward produces it).
-- ``backward_epilogue()`` after every micro-batch backward; a round may end here (see
-  ``core.pipeline``).
-- ``step()`` at each accumulation boundary: bookkeeping only. In fixed accumulation the boundary
-  round has already ended (and its job launched) in the last micro-batch's epilogue; the engine
-  steps its LR scheduler right after, which the next round picks up.
+- ``set_gradient_accumulation_boundary(flag)`` (ZeROOptimizer's) in every backward's prologue and from
+  ``engine.set_gradient_accumulation_boundary`` (accelerate, the HF Trainer, loops that mark their own
+  boundaries): the engine, not a count, says which micro-batch ends an optimizer step.
+- ``backward_epilogue()`` after every micro-batch backward, with the engine's boundary flag
+  (``engine.is_gradient_accumulation_boundary()``) and ``engine.inside_no_sync_ctxt`` (``no_sync()``,
+  ``coalesce_grad_reduction()``: no round ends, nothing is communicated); a round may end here
+  (``core.pipeline``). With fixed accumulation the step's COMMIT is launched only at a micro-batch the
+  engine marks as the boundary, however many micro-batches the step took (a data loader's shorter last
+  accumulation is a step); in sync it is also waited for there, as ZeRO-1 reduces at that backward.
+- ``step()`` at each accumulation boundary: ends the step if its last backward was not marked as the
+  boundary (``managed_gradient_accumulation=false``, a boundary set only before ``step()``, the flush of
+  a coalesced reduction), then bookkeeping; the engine steps its LR scheduler right after, which the
+  next round picks up. A step with no backward since the last one is refused and changes nothing.
 - ``zero_grad()``: nothing to do: the round's gradients live in ACCO's buffer, zeroed at each
   round end; the ``.grad`` views into it stay (or are put back by the next ``backward_prologue``).
 - ``param_groups`` / ``optimizer``: those of a real ``torch.optim.AdamW`` over the fp32 master
   shards (never stepped itself), so DeepSpeed, HF and torch LR schedulers drive lr/betas/wd.
+- ``state`` (= ``optimizer.state``): per fp32 master shard, as DeepSpeed's ZeRO-1 exposes its inner
+  optimizer's: ``exp_avg`` and ``exp_avg_sq`` are ACCO's moment shards themselves (views, not copies),
+  ``step`` a 0-dim fp32 tensor, the applied commits (``ShardState``).
 
 At the engine's k-th accumulation boundary in ``acco`` mode the commit producing theta^k has just
 been launched and the model holds the estimate theta~^k; ``committed_parameters`` semantics
@@ -75,8 +86,41 @@ def normalize_param_groups(model_parameters, cfg: ACCOConfig) -> List[dict]:
     return groups
 
 
+class ShardState(dict):
+    """``optimizer.state[master]`` of one parameter group: ``{"step", "exp_avg", "exp_avg_sq"}`` as torch's
+    AdamW and DeepSpeed's ZeRO-1 keep them, holding ACCO's own moment shards (views of the committed
+    state) and the pipeline's applied-commit count (``ACCOPipeline.step_tensor``, updated in place).
+
+    Reading a key first waits for the round in flight on this rank (fixed accumulation; with adaptive
+    accumulation only when that round is done: a peer may not have launched it yet) and counts a finished
+    commit not yet swapped in, so the moments and the step agree: the committed state after the last
+    finished commit. Pickles as a plain dict of the current values."""
+
+    def __init__(self, pipeline, buffers):
+        super().__init__(step=pipeline.step_tensor, exp_avg=buffers.exp_avg, exp_avg_sq=buffers.exp_avg_sq)
+        self._pipeline = pipeline
+
+    def __getitem__(self, key):
+        from acco_ds.core.snapshot import pending_applied_commits
+
+        pipeline = self._pipeline
+        if pipeline.in_flight is not None and (
+            not pipeline.adaptive or pipeline.executor.done(pipeline.in_flight[0])
+        ):
+            pipeline.sync_in_flight()
+        value = super().__getitem__(key)
+        if key == "step":
+            value.fill_(float(pipeline.state_step + pending_applied_commits(pipeline)))
+        return value
+
+    def __reduce__(self):
+        return dict, (dict(self),)
+
+
 class ACCOZeroOptimizer(ZeROOptimizer):
     """See the module docstring."""
+
+    _coalesce_grad_reduction = False  # the engine's coalesce_grad_reduction() requires the attribute
 
     def __init__(
         self,
@@ -108,6 +152,7 @@ class ACCOZeroOptimizer(ZeROOptimizer):
         for g, b in zip(groups, self.pipeline.groups):
             torch_groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": [b.master]})
         self.optimizer = torch.optim.AdamW(torch_groups)  # holds param_groups for schedulers; never stepped
+        self._link_state()
         self.single_partition_of_fp32_groups = [b.master for b in self.pipeline.groups]
         self.overflow = False
         self._global_grad_norm = None
@@ -117,7 +162,7 @@ class ACCOZeroOptimizer(ZeROOptimizer):
         self.loss_scaler = None
         self.dynamic_loss_scale = False
         self.partition_gradients = False
-        self._micro_batches_since_step = 0
+        self._since_step = 0
         self._view = EvaluationView(self.pipeline)
         link_accessors(self)
 
@@ -128,7 +173,28 @@ class ACCOZeroOptimizer(ZeROOptimizer):
 
     @property
     def state(self):
+        """Per fp32 master shard, ``{"step", "exp_avg", "exp_avg_sq"}`` (``ShardState``), as ZeRO-1's."""
+        self._link_state()
         return self.optimizer.state
+
+    def _link_state(self) -> None:
+        """Put a ``ShardState`` per group into the inner AdamW's ``state`` (again after a
+        ``load_state_dict`` replaced it). The checkpoint files do not change: they take the inner
+        optimizer's ``param_groups`` only (``checkpoint.state_dict``)."""
+        for b in self.pipeline.groups:
+            if not isinstance(self.optimizer.state.get(b.master), ShardState):
+                self.optimizer.state[b.master] = ShardState(self.pipeline, b)
+
+    @property
+    def _micro_batches_since_step(self) -> int:
+        """Micro-batch backwards since the last optimizer step (saved in ACCO checkpoints). Setting it
+        (a checkpoint load) also sets the pipeline's count of the step in progress."""
+        return self._since_step
+
+    @_micro_batches_since_step.setter
+    def _micro_batches_since_step(self, value: int) -> None:
+        self._since_step = int(value)
+        self.pipeline.step_count = int(value)
 
     def _current_hypers(self) -> List[Hyper]:
         return [
@@ -147,22 +213,46 @@ class ACCOZeroOptimizer(ZeROOptimizer):
         self.pipeline.on_backward_start()
 
     def backward_epilogue(self, **kwargs):
-        self._micro_batches_since_step += 1
-        self.pipeline.on_micro_batch_end()
+        """After a micro-batch backward: hand the pipeline the engine's word on it (see the module
+        docstring); without an engine (a bare optimizer) every gradient_accumulation_steps-th
+        micro-batch is a boundary."""
+        self._since_step += 1
+        engine = self.engine
+        if engine is None:
+            self.pipeline.on_micro_batch_end()
+            return
+        self.pipeline.on_micro_batch_end(
+            boundary=bool(engine.is_gradient_accumulation_boundary()),
+            hold=bool(getattr(engine, "inside_no_sync_ctxt", False)),
+        )
+
+    # the engine's coalesce_grad_reduction() flush (DeepSpeedEngine._flush_coalesced_reduction_zero12) calls
+    # these three: the gradients are already in ACCO's buffer, and the flush is the step's boundary
+    def setup_buckets(self) -> None:
+        """Nothing to set up: ACCO has no reduction buckets."""
+
+    def get_gradient_for_reduction(self, param):
+        """None: no per-parameter reduction (the flush ends the whole step instead)."""
+        return None
+
+    def overlapping_partition_gradients_reduce_epilogue(self) -> None:
+        """The end of a coalesced reduction: the step's accumulation ends here, as at a marked boundary."""
+        self.pipeline.end_step()
 
     def step(self, closure=None):
         if closure is not None:
             raise ValueError(
                 "ACCOZeroOptimizer.step does not take a closure (the step runs on the comm stream)."
             )
-        seen, gas = self._micro_batches_since_step, self.gradient_accumulation_steps
-        if self.cfg.accumulation == "fixed" and seen != gas:
+        if self._since_step == 0:
             raise RuntimeError(
-                f"acco_ds: the engine stepped after {seen} micro-batch backward(s), but gradient_accumulation_steps"
-                f"={gas}: with fixed accumulation every optimizer step must take exactly {gas} micro-batches "
-                "through engine.backward(loss). Call engine.backward once per micro-batch and engine.step() after each."
+                "acco_ds: engine.step() at an accumulation boundary with no engine.backward(loss) since the last "
+                "optimizer step: there is no gradient to step with (DeepSpeed's ZeRO-1 has none either). Nothing "
+                "was changed. Allowed: at least one engine.backward(loss) before each optimizer step; set "
+                "engine.set_gradient_accumulation_boundary(True) only for the last backward of a step."
             )
-        self._micro_batches_since_step = 0
+        self.pipeline.end_step()
+        self._since_step = 0
         self.overflow = self._take_unreported_skip()
         self.pipeline.on_engine_step(lr_stepped=not self.overflow)
         # A torch LR scheduler wraps the inner AdamW's step() to see that the optimizer steps before it, and
@@ -245,6 +335,7 @@ class ACCOZeroOptimizer(ZeROOptimizer):
         checkpoint.load_state_dict(
             self, state_dict_list, load_optimizer_states, load_from_fp32_weights, **kwargs
         )
+        self._link_state()
 
     def update_lp_params(self):
         checkpoint.update_lp_params(self)

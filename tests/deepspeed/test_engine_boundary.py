@@ -1,0 +1,224 @@
+"""The engine decides where an optimizer step ends (docs/ALGORITHM.md, "When the engine ends a step early"):
+steps of 1 to 5 micro-batches with gradient_accumulation_steps=4, marked by the loop
+(``set_gradient_accumulation_boundary``), held in ``no_sync()``, inside ``coalesce_grad_reduction()``, or
+ended by ``engine.step()`` alone. 2 ranks on CPU, one launch (tests/dist/boundary_worker.py), the toy model
+in fp32 with no clipping (the moments then carry the gradient's scale).
+
+sync equals DeepSpeed's ZeRO-1 + AdamW step by step (a short step's gradient is sum / (W * GAS), as
+``engine.backward`` divided each loss by GAS), and every mode equals the single-process reference
+(``reference_run(step_sizes=...)``). Nothing changes the weights before the boundary in sync/dpu or inside
+``no_sync()``; ``engine.optimizer.state`` holds ZeRO-1's keys with ACCO's own moment shards; a refused
+``engine.step()`` changes nothing and training goes on."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from acco_ds.core.reference import RefHyper, reference_run
+from tests.dist import toy
+from tests.launch import REPO, rank_env, run_deepspeed
+
+WORLD, GAS, LR, WD = 2, 4, 0.02, 0.1
+# a full step, a step of GAS/2 (acco: the boundary at its PEEK round's last micro-batch), one micro-batch right
+# after (a prologue ended by the boundary), a full step from a prologue, 3 (a short stage-1 round), 5 (longer
+# than GAS), 1 in a running pipeline, a full step
+SIZES = [4, 2, 1, 4, 3, 4, 5, 1, 4]
+TOL, MOMENT_TOL, NORM_TOL = 2e-6, 1e-5, 1e-5
+ZERO1_MOMENT_TOL = 1e-4  # as tests/test_trajectories.py: DeepSpeed reduces in another order
+# (mode, style): mode "zero1" is DeepSpeed's own AdamW
+RUNS = [
+    ("zero1", "manual"),
+    ("sync", "manual"),
+    ("dpu", "manual"),
+    ("acco", "manual"),
+    ("sync", "no_sync"),
+    ("acco", "no_sync"),
+    ("sync", "coalesce"),
+    ("acco", "coalesce"),
+    ("dpu", "late"),
+    ("acco", "late"),
+]
+PROBED = {"zero1", "sync", "acco"}  # their manual runs also read optimizer.state (and, ACCO, refuse a step)
+
+
+def config(mode: str) -> dict:
+    if mode == "zero1":
+        optimizer = {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD}}
+    else:
+        optimizer = {"type": "ACCO", "params": {"lr": LR, "weight_decay": WD, "mode": mode}}
+    return {
+        "train_micro_batch_size_per_gpu": toy.MICRO_BATCH,
+        "gradient_accumulation_steps": GAS,
+        "optimizer": optimizer,
+        "scheduler": {
+            "type": "WarmupLR",
+            "params": {"warmup_min_lr": LR / 4, "warmup_max_lr": LR, "warmup_num_steps": 4},
+        },
+        "zero_optimization": {"stage": 1},
+        "gradient_clipping": 0.0,
+        "steps_per_print": 10**9,
+    }
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    import json
+
+    tmp = tmp_path_factory.mktemp("boundary")
+    scenarios = [
+        {
+            "name": f"{mode}_{style}",
+            "config": config(mode),
+            "sizes": SIZES,
+            "style": style,
+            "probe": style == "manual" and mode in PROBED,
+        }
+        for mode, style in RUNS
+    ]
+    (tmp / "scenarios.json").write_text(json.dumps(scenarios))
+    args = ["--scenarios", tmp / "scenarios.json", "--out", tmp]
+    run_deepspeed(REPO / "tests" / "dist" / "boundary_worker.py", WORLD, args, env=rank_env())
+    return torch.load(tmp / "results.pt", weights_only=False)
+
+
+def reference(mode: str, lrs, k: int):
+    theta0 = toy.flat(toy.trainable(toy.build()))
+    return reference_run(
+        mode,
+        [theta0],
+        toy.make_grad_fn(torch.float32),
+        world_size=WORLD,
+        micro_batches_per_round=k,
+        steps=len(SIZES),
+        hypers=lambda t: [RefHyper(lrs[t], (0.9, 0.999), 1e-8, WD)],
+        step_sizes=SIZES,
+    )
+
+
+def max_rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    scale = want.abs().max().item()
+    assert scale > 0
+    return (got - want).abs().max().item() / scale
+
+
+def assert_steps_equal(got: list, params, exp_avg, exp_avg_sq, where: str, moment_tol=MOMENT_TOL) -> None:
+    assert len(got) == len(SIZES)
+    for t, step in enumerate(got):
+        diff = (step["params"] - params[t]).abs().max().item()
+        assert diff <= TOL, f"{where} step {t + 1} ({SIZES[t]} micro-batches): parameters |diff| {diff:.3e}"
+        for key, want in (("exp_avg", exp_avg[t]), ("exp_avg_sq", exp_avg_sq[t])):
+            rel = max_rel(step[key], want)
+            assert rel <= moment_tol, (
+                f"{where} step {t + 1} ({SIZES[t]} micro-batches): {key} rel diff {rel:.3e}"
+            )
+
+
+def test_reference_sees_short_steps():
+    """The step lengths matter: the reference with SIZES differs from one with every step full, in every mode,
+    by far more than the tolerance (so a run that ignored the engine's boundaries could not pass)."""
+    lrs = [LR] * len(SIZES)
+    for mode, k in (("sync", GAS), ("dpu", GAS), ("acco", GAS // 2)):
+        sized = reference(mode, lrs, k).params[-1][0]
+        full = reference_run(
+            mode,
+            [toy.flat(toy.trainable(toy.build()))],
+            toy.make_grad_fn(torch.float32),
+            world_size=WORLD,
+            micro_batches_per_round=k,
+            steps=len(SIZES),
+            hypers=lambda t: [RefHyper(LR, (0.9, 0.999), 1e-8, WD)],
+        ).params[-1][0]
+        assert (sized - full).abs().max() > 100 * TOL, mode
+
+
+def test_sync_equals_deepspeed_zero1(results):
+    """sync with steps of 1-5 micro-batches marked by the loop ends at DeepSpeed ZeRO-1 + AdamW's parameters,
+    moments and gradient norms, step by step."""
+    ours, zero1 = results["sync_manual"], results["zero1_manual"]
+    assert ours["lrs"] == pytest.approx(zero1["lrs"])
+    want = zero1["steps"]
+    assert_steps_equal(
+        ours["steps"],
+        [s["params"] for s in want],
+        [s["exp_avg"] for s in want],
+        [s["exp_avg_sq"] for s in want],
+        "sync vs ZeRO-1",
+        ZERO1_MOMENT_TOL,
+    )
+    for t, (got, ref) in enumerate(zip(ours["norms"], zero1["norms"])):
+        assert got == pytest.approx(ref, rel=NORM_TOL), f"step {t + 1}: grad norm {got} vs ZeRO-1 {ref}"
+
+
+@pytest.mark.parametrize(
+    ("name", "mode", "k"),
+    [
+        ("sync_manual", "sync", GAS),
+        ("dpu_manual", "dpu", GAS),
+        ("acco_manual", "acco", GAS // 2),
+        ("dpu_late", "dpu", GAS),
+        ("acco_late", "acco", GAS // 2),
+        ("sync_no_sync", "sync", GAS),
+        ("sync_coalesce", "sync", GAS),
+        # held to its boundary, an acco step is one round: its gradient committed alone, then a prologue; the
+        # reference does that for every step when a round's share is at least the longest step
+        ("acco_no_sync", "acco", max(SIZES)),
+        ("acco_coalesce", "acco", max(SIZES)),
+    ],
+)
+def test_matches_reference(results, name, mode, k):
+    res = results[name]
+    ref = reference(mode, res["lrs"], k)
+    assert_steps_equal(
+        res["steps"],
+        [p[0] for p in ref.params],
+        [m[0] for m in ref.exp_avg],
+        [v[0] for v in ref.exp_avg_sq],
+        name,
+    )
+    if mode == "sync":
+        for t, (got, want) in enumerate(zip(res["norms"], ref.norms)):
+            assert got == pytest.approx(want, rel=NORM_TOL), f"{name} step {t + 1}: grad norm {got} vs {want}"
+    assert res["stats"]["micro_batches_local"] == sum(SIZES) + (4 if "refused" in res else 0)
+
+
+@pytest.mark.parametrize(
+    "name", [f"{m}_{s}" for m, s in RUNS if m in ("zero1", "sync", "dpu") or s == "no_sync"]
+)
+def test_nothing_moves_before_the_boundary(results, name):
+    """In sync and dpu (and DeepSpeed's ZeRO-1) no backward before the engine's boundary changes the weights,
+    and inside no_sync() nothing changes them in any mode."""
+    assert results[name]["moved_before_boundary"] == 0
+
+
+@pytest.mark.parametrize("mode", sorted(PROBED))
+def test_optimizer_state_as_zero1(results, mode):
+    """engine.optimizer.state: per flat fp32 shard, ZeRO-1's keys; ACCO's moments are its own shards (views)
+    and "step" counts the commits in them (acco: the commit launched at the last boundary too, once
+    finished): the steps taken, as ZeRO-1's."""
+    state = results[f"{mode}_manual"]["state"]
+    assert state["keys"] == [["exp_avg", "exp_avg_sq", "step"]] * len(state["keys"])
+    assert state["step"] == [float(len(SIZES))] * len(state["step"])
+    if mode != "zero1":
+        assert all(state["views"])
+
+
+def test_refused_step_changes_nothing(results):
+    """engine.step() with no backward since the last step is refused, names what is allowed, and leaves the
+    weights, the committed state, ACCO's and the engine's counters and the LR as they were; training goes
+    on after it."""
+    refused = results["acco_manual"]["refused"]
+    assert (
+        refused["error"] is not None
+        and "Allowed" in refused["error"]
+        and "engine.backward" in refused["error"]
+    )
+    before, after = refused["before"], refused["after"]
+    assert torch.equal(before["module"], after["module"])
+    for key in ("params", "exp_avg", "exp_avg_sq"):
+        assert torch.equal(before["committed"][key], after["committed"][key]), key
+    assert before["counts"] == after["counts"]
+    assert before["lr"] == after["lr"]
+    assert before["engine"] == after["engine"]
+    moved = (results["acco_manual"]["after_refusal"]["params"] - after["committed"]["params"]).abs().max()
+    assert moved > 10 * TOL
