@@ -193,6 +193,13 @@ class ACCOConfig(BaseModel):
             )
         return self
 
+    def adamw_settings(self):
+        """The config's AdamW settings as ``acco_ds.ops.adamw_settings.AdamWSettings``: the defaults of every
+        parameter group (a group's own values, and then the LR scheduler, win)."""
+        from acco_ds.ops.adamw_settings import AdamWSettings  # acco_ds.ops imports torch; the config does not
+
+        return AdamWSettings.from_torch(self.lr, self.betas, self.eps, self.weight_decay)
+
     @classmethod
     def from_params(cls, params: dict | None) -> ACCOConfig:
         """Build from the config's ``optimizer.params``. Raise ACCOConfigError (and nothing else) with one

@@ -59,9 +59,9 @@ from acco_ds.core import schedule
 from acco_ds.core.buffers import GroupBuffers, GroupLayout
 from acco_ds.core.comm import check_reducible, make_control_group, make_executor, new_subgroup
 from acco_ds.core.liveness import BlockBoard
-from acco_ds.core.round_job import Hyper, RoundResult, all_gather_inplace, run_round_job
+from acco_ds.core.round_job import RoundResult, all_gather_inplace, run_round_job
 from acco_ds.core.schedule import Job, RoundCounter
-from acco_ds.ops.adamw import hyper_scalars
+from acco_ds.ops.adamw_settings import AdamWSettings
 
 
 @dataclass
@@ -111,7 +111,7 @@ class ACCOPipeline:
     def __init__(
         self,
         groups_params: Sequence[List[torch.nn.Parameter]],
-        hypers: Callable[[], List[Hyper]],
+        hypers: Callable[[], List[AdamWSettings]],
         cfg: ACCOConfig,
         gradient_accumulation_steps: int,
         clip: float,
@@ -182,7 +182,7 @@ class ACCOPipeline:
         self.step_tensor = torch.zeros((), dtype=torch.float32)
         self.state_step = 0  # applied commits: the AdamW step count (a property: step_tensor follows it)
         self.engine_steps = 0  # LR-schedule steps: engine steps whose scheduler step ran (no overflow)
-        self._hyper_history: Dict[int, List[Hyper]] = {}
+        self._hyper_history: Dict[int, List[AdamWSettings]] = {}
         self.tilde_count = [torch.zeros(1, dtype=torch.float64, device=self.device)]
         # applied commits as the side stream sees them (the jobs run in order and add to it)
         self.applied_dev = [torch.zeros(1, dtype=torch.float64, device=self.device)]
@@ -302,7 +302,7 @@ class ACCOPipeline:
         if self.engine_steps not in self._hyper_history:
             self._hyper_history[self.engine_steps] = list(self._hypers())
 
-    def _hypers_for(self, applied: int) -> List[Hyper]:
+    def _hypers_for(self, applied: int) -> List[AdamWSettings]:
         """The AdamW settings of the next commit (and of the peek predicting it) when ``applied``
         commits have been applied: the LR schedule advances once per APPLIED step, so this commit
         uses the settings the engine had after ``applied`` scheduler steps (adaptive rounds may lag
@@ -322,8 +322,7 @@ class ACCOPipeline:
             unknown += 1
         rows = []
         for applied in range(self.state_step, self.state_step + unknown + 1):
-            rows.append([hyper_scalars(h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, applied + 1)
-                         for h in self._hypers_for(applied)])  # fmt: skip
+            rows.append([h.hyper_scalars(applied + 1) for h in self._hypers_for(applied)])
         for k in [k for k in self._hyper_history if k < self.state_step]:
             del self._hyper_history[k]
         return [[row[g] for row in rows] for g in range(len(self.groups))]

@@ -20,15 +20,14 @@ from typing import Callable, List, Sequence
 
 import torch
 
+from acco_ds.ops.adamw_settings import AdamWSettings
+
 GradFn = Callable[[List[torch.Tensor], int, int], List[torch.Tensor]]
 
 
-@dataclass(frozen=True)
-class RefHyper:
-    lr: float
-    betas: tuple
-    eps: float
-    weight_decay: float
+RefHyper = AdamWSettings.from_torch
+"""``RefHyper(lr, betas, eps, weight_decay)``: the AdamW settings of one group (``AdamWSettings``, the type the
+optimizer and the kernels use) from torch.optim.AdamW's argument form."""
 
 
 @dataclass(frozen=True)
@@ -56,7 +55,7 @@ class _Adam:
                     "exp_avg_sq": v.detach().float().clone().reshape(p.shape),
                 }
 
-    def _apply(self, avg: List[torch.Tensor], hyper: Sequence[RefHyper]) -> bool:
+    def _apply(self, avg: List[torch.Tensor], hyper: Sequence[AdamWSettings]) -> bool:
         norm = torch.sqrt(sum(g.double().square().sum() for g in avg)).float()
         self.last_norm = float(norm)
         if not torch.isfinite(norm):
@@ -68,7 +67,7 @@ class _Adam:
                 coef = 1.0 / ratio
         for p, g, pg, h in zip(self.params, avg, self.opt.param_groups, hyper):
             p.grad = (g * coef).to(torch.float32)
-            pg.update(lr=h.lr, betas=tuple(h.betas), eps=h.eps, weight_decay=h.weight_decay)
+            pg.update(**h.torch_kwargs())
         self.opt.step()
         return True
 
@@ -126,7 +125,7 @@ def reference_run(
     world_size: int,
     micro_batches_per_round: int,
     steps: int,
-    hypers: Callable[[int], Sequence[RefHyper]],
+    hypers: Callable[[int], Sequence[AdamWSettings]],
     clip: float = 0.0,
     compute_dtype: torch.dtype = torch.float32,
     initial_state: RefState | None = None,
@@ -258,7 +257,7 @@ def reference_rounds(
     theta0: Sequence[torch.Tensor],
     round_grads: Sequence[Sequence[Sequence[torch.Tensor]]],
     *,
-    hyper: Sequence[RefHyper],
+    hyper: Sequence[AdamWSettings],
     clip: float = 0.0,
 ) -> RoundsRun:
     """docs/ALGORITHM.md's equations for rounds of ANY membership (adaptive accumulation), when each

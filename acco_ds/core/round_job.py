@@ -30,19 +30,13 @@ import torch.distributed as dist
 from acco_ds.core.buffers import GroupBuffers
 from acco_ds.core.schedule import Job
 from acco_ds.ops.adamw import adamw_step
+from acco_ds.ops.adamw_settings import AdamWSettings
 
 _SUMMARY_FIXED = 4  # skipped, empty, count, round_count; then one count per rank
 
 
-@dataclass(frozen=True)
-class Hyper:
-    """One parameter group's AdamW settings, snapshotted when the round was launched."""
-
-    lr: float
-    beta1: float
-    beta2: float
-    eps: float
-    weight_decay: float
+Hyper = AdamWSettings
+"""The AdamW settings type (acco_ds.ops.adamw_settings), under the name some tests still import from here."""
 
 
 @dataclass

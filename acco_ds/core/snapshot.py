@@ -38,8 +38,9 @@ import torch
 import torch.distributed as dist
 
 from acco_ds.core.comm import Ticket
-from acco_ds.core.round_job import Hyper, RoundResult, all_gather_inplace
+from acco_ds.core.round_job import RoundResult, all_gather_inplace
 from acco_ds.core.schedule import Job, RoundEnd
+from acco_ds.ops.adamw_settings import AdamWSettings
 
 FORMAT_VERSION = 2  # 2: role-based buffers (acco_ds 0.2); 1 held two slots per buffer kind
 
@@ -226,7 +227,9 @@ def restore(pipeline, snap: Dict[str, Any]) -> None:
     pipeline.counter.count = int(snap["counter_count"])
     pipeline.tilde_count[0] = snap["tilde_count"].to(dev)
     pipeline.last_grad_norm = None if snap["last_grad_norm"] is None else snap["last_grad_norm"].to(dev)
-    pipeline._hyper_history = {int(k): [Hyper(**h) for h in v] for k, v in snap["hyper_history"].items()}
+    pipeline._hyper_history = {
+        int(k): [AdamWSettings(**h) for h in v] for k, v in snap["hyper_history"].items()
+    }
     stats_type = type(pipeline.stats)
     known = {f.name for f in fields(stats_type)}
     pipeline.stats = stats_type(**{k: v for k, v in snap["stats"].items() if k in known})
@@ -294,7 +297,9 @@ def resume_from_committed(
         pipeline.state_step = int(s0["state_step"])
         pipeline.engine_steps = int(s0["engine_steps"])
         pipeline.round_index = int(s0["round_index"])
-        pipeline._hyper_history = {int(k): [Hyper(**h) for h in v] for k, v in s0["hyper_history"].items()}
+        pipeline._hyper_history = {
+            int(k): [AdamWSettings(**h) for h in v] for k, v in s0["hyper_history"].items()
+        }
         pipeline.last_grad_norm = None if s0["last_grad_norm"] is None else s0["last_grad_norm"].to(dev)
         before = pipeline.stats.micro_batches_discarded
         if s0["in_flight"] is not None:

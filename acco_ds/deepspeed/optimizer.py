@@ -43,13 +43,11 @@ from deepspeed.runtime.utils import is_model_parallel_parameter
 
 from acco_ds.config import ACCOConfig, ACCOConfigError
 from acco_ds.core.pipeline import ACCOPipeline
-from acco_ds.core.round_job import Hyper
 from acco_ds.deepspeed import checkpoint
 from acco_ds.deepspeed.accessors import link_accessors
 from acco_ds.deepspeed.evaluation import EvaluationView
 from acco_ds.deepspeed.monitor import ACCOMonitor
-
-HYPER_KEYS = ("lr", "betas", "eps", "weight_decay")
+from acco_ds.ops.adamw_settings import AdamWSettings
 
 
 def normalize_param_groups(model_parameters, cfg: ACCOConfig) -> List[dict]:
@@ -76,8 +74,8 @@ def normalize_param_groups(model_parameters, cfg: ACCOConfig) -> List[dict]:
         if not kept:
             continue
         group = {k: v for k, v in g.items() if k != "params"}
-        for key in HYPER_KEYS:
-            group.setdefault(key, getattr(cfg, key))
+        for key, value in cfg.adamw_settings().torch_kwargs().items():
+            group.setdefault(key, value)
         group["betas"] = tuple(group["betas"])
         group["params"] = kept
         groups.append(group)
@@ -196,17 +194,9 @@ class ACCOZeroOptimizer(ZeROOptimizer):
         self._since_step = int(value)
         self.pipeline.step_count = int(value)
 
-    def _current_hypers(self) -> List[Hyper]:
-        return [
-            Hyper(
-                lr=float(g["lr"]),
-                beta1=float(g["betas"][0]),
-                beta2=float(g["betas"][1]),
-                eps=float(g["eps"]),
-                weight_decay=float(g["weight_decay"]),
-            )
-            for g in self.optimizer.param_groups
-        ]
+    def _current_hypers(self) -> List[AdamWSettings]:
+        """Every group's AdamW settings as the engine's LR scheduler left them."""
+        return [AdamWSettings.from_param_group(g) for g in self.optimizer.param_groups]
 
     # -- what the engine calls ----------------------------------------------------------------
     def backward_prologue(self):

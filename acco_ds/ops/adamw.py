@@ -11,9 +11,10 @@ Contract (both :func:`adamw_step` and :func:`adamw_step_ref`):
 - ``g = grad.float() * (grad_scale * scale_tensor[0])``; ``scale_tensor`` is a 1-element fp32 tensor on the
   device (a value computed on the device, e.g. 1/count times the clip coefficient, read without a host sync).
 - ``step``: the 1-based index of the step being computed; bias corrections ``1 - beta**step``.
+- ``lr, beta1, beta2, eps, weight_decay``: the fields of :class:`~acco_ds.ops.adamw_settings.AdamWSettings`.
 - ``hyper_tensor`` instead of ``lr, beta1, beta2, eps, weight_decay, step`` (exactly one of the two forms):
-  a contiguous fp32 tensor of exactly 8 elements on master's device holding the scalars the kernels use,
-  ``hyper_scalars(...)`` rounded to fp32 (build it with :func:`hyper_tensor`). Every backend reads the scalars
+  a contiguous fp32 tensor of exactly 8 elements on master's device holding the scalars the kernels use
+  (``KERNEL_FIELDS``), ``AdamWSettings.hyper_scalars(step)`` rounded to fp32 (build it with :func:`hyper_tensor`). Every backend reads the scalars
   from it (the CUDA kernel on the device, once per thread: a value selected on the device, e.g. by whether the
   previous commit was skipped, needs no host sync). With the same fp32 values the compiled backends give the
   bits of the host-scalar call; the torch fallback uses tensor arithmetic (no host read), bits within an ulp.
@@ -36,6 +37,7 @@ owns every buffer for the duration of that stream's work (no copy is kept).
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 import warnings
@@ -44,6 +46,7 @@ from typing import NamedTuple
 import torch
 
 from acco_ds.ops import _build
+from acco_ds.ops.adamw_settings import KERNEL_FIELDS, SETTING_FIELDS, AdamWSettings, check_finite_nonneg
 
 logger = logging.getLogger(__name__)
 
@@ -57,18 +60,7 @@ def _name(t: torch.Tensor) -> str:
     return f"{t.dtype}, shape {tuple(t.shape)}, device {t.device}, contiguous={t.is_contiguous()}"
 
 
-_SETTINGS = ("lr", "beta1", "beta2", "eps", "weight_decay", "step")
-HYPER_FIELDS = (
-    "decay",
-    "beta1",
-    "one_minus_beta1",
-    "beta2",
-    "one_minus_beta2",
-    "bc2_sqrt",
-    "eps",
-    "step_size",
-)
-"""The 8 elements of a ``hyper_tensor``, in order (csrc/adamw/adamw_math.h's ``AdamWHyper``)."""
+_SETTINGS = (*SETTING_FIELDS, "step")  # the settings form of a call
 
 
 def _check_tensor(arg: str, t, dtypes, n: int | None, device: torch.device | None) -> None:
@@ -97,24 +89,54 @@ def _check_tensor(arg: str, t, dtypes, n: int | None, device: torch.device | Non
 
 
 class _Step(NamedTuple):
-    """The arguments of one call, as passed to the public functions."""
+    """The arguments of one call: the signature of :func:`adamw_step`, :func:`adamw_step_ref` and
+    :func:`adamw_step_cuda_body_on_cpu`, written once (``master`` .. ``out`` positional, the rest keyword-only)."""
 
     master: torch.Tensor
     exp_avg: torch.Tensor
     exp_avg_sq: torch.Tensor
     grad: torch.Tensor
-    out: torch.Tensor | None
-    lr: float | None
-    beta1: float | None
-    beta2: float | None
-    eps: float | None
-    weight_decay: float | None
-    step: int | None
-    grad_scale: float
-    scale_tensor: torch.Tensor | None
-    noop_flag: torch.Tensor | None
-    commit: bool
+    out: torch.Tensor | None = None
+    lr: float | None = None
+    beta1: float | None = None
+    beta2: float | None = None
+    eps: float | None = None
+    weight_decay: float | None = None
+    step: int | None = None
+    grad_scale: float = 1.0
+    scale_tensor: torch.Tensor | None = None
+    noop_flag: torch.Tensor | None = None
+    commit: bool = True
     hyper_tensor: torch.Tensor | None = None
+
+    @property
+    def settings(self) -> AdamWSettings:
+        """The settings form's values (meaningful when ``hyper_tensor`` is None)."""
+        return AdamWSettings(self.lr, self.beta1, self.beta2, self.eps, self.weight_decay)
+
+
+_POSITIONAL = ("master", "exp_avg", "exp_avg_sq", "grad", "out")
+_KEYWORDS = frozenset(_Step._fields[len(_POSITIONAL) :])
+
+
+def _bind(who: str, master, exp_avg, exp_avg_sq, grad, out, keywords: dict) -> _Step:
+    """The validated :class:`_Step` of a call to ``who``; TypeError for a keyword it does not take."""
+    for k in keywords:
+        if k not in _KEYWORDS:
+            raise TypeError(f"{who}() got an unexpected keyword argument {k!r}")
+    a = _Step(master, exp_avg, exp_avg_sq, grad, out, **keywords)
+    _validate(a)
+    return a
+
+
+def _signature(**extra) -> inspect.Signature:
+    """The signature the public functions accept (:class:`_Step`'s fields, then ``extra`` keyword-only
+    defaults), for ``help()`` and ``inspect``: they are written ``(master, ..., out=None, **keywords)``."""
+    P, defaults = inspect.Parameter, _Step._field_defaults
+    params = [P(f, P.POSITIONAL_OR_KEYWORD, default=defaults.get(f, P.empty)) for f in _POSITIONAL]
+    params += [P(f, P.KEYWORD_ONLY, default=defaults[f]) for f in _Step._fields if f not in _POSITIONAL]
+    params += [P(k, P.KEYWORD_ONLY, default=v) for k, v in extra.items()]
+    return inspect.Signature(params, return_annotation=None)
 
 
 def _validate(a: _Step) -> None:
@@ -151,48 +173,32 @@ def _validate(a: _Step) -> None:
         _check_tensor(arg, t, (dt,), None, dev)
         if t.numel() != 1:
             raise ValueError(f"adamw_step: {arg} must have exactly 1 element, got shape {tuple(t.shape)}.")
-    _check_nonneg("adamw_step", "grad_scale", a.grad_scale)
-    settings = dict(zip(_SETTINGS, (a.lr, a.beta1, a.beta2, a.eps, a.weight_decay, a.step)))
-    given = [k for k, x in settings.items() if x is not None]
+    check_finite_nonneg("adamw_step", "grad_scale", a.grad_scale)
+    given = [k for k in _SETTINGS if getattr(a, k) is not None]
     if a.hyper_tensor is not None:
         if given:
             raise ValueError(
-                "adamw_step: give either the AdamW settings (lr, beta1, beta2, eps, weight_decay, step) or "
+                f"adamw_step: give either the AdamW settings ({', '.join(_SETTINGS)}) or "
                 f"hyper_tensor, not both; got hyper_tensor and {', '.join(given)}."
             )
         return
-    missing = [k for k, x in settings.items() if x is None]
+    missing = [k for k in _SETTINGS if getattr(a, k) is None]
     if missing:
         raise ValueError(
             f"adamw_step: {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} required: pass all of "
-            "lr, beta1, beta2, eps, weight_decay, step, or instead hyper_tensor (the 8 AdamW scalars as an fp32 "
+            f"{', '.join(_SETTINGS)}, or instead hyper_tensor (the {len(KERNEL_FIELDS)} AdamW scalars as an fp32 "
             "tensor on master's device, see hyper_tensor())."
         )
-    _check_settings("adamw_step", **settings)
-
-
-def _check_nonneg(who: str, arg: str, x) -> None:
-    if not (math.isfinite(float(x)) and float(x) >= 0.0):
-        raise ValueError(f"{who}: {arg} must be finite and >= 0, got {x!r}.")
-
-
-def _check_settings(who: str, lr, beta1, beta2, eps, weight_decay, step) -> None:
-    """Raise ValueError naming the first bad AdamW setting (``who`` prefixes the message)."""
-    if isinstance(step, bool) or not isinstance(step, int) or step < 1:
-        raise ValueError(f"{who}: step must be an int >= 1 (the 1-based step being computed), got {step!r}.")
-    for arg, x in (("beta1", beta1), ("beta2", beta2)):
-        if not 0.0 <= float(x) < 1.0:
-            raise ValueError(f"{who}: {arg} must be in [0, 1), got {x!r}.")
-    for arg, x in (("lr", lr), ("eps", eps), ("weight_decay", weight_decay)):
-        _check_nonneg(who, arg, x)
+    a.settings.check("adamw_step", a.step)
 
 
 def _check_hyper_tensor(t, dev: torch.device) -> None:
     _check_tensor("hyper_tensor", t, (_FP32,), None, dev)
-    if t.numel() != len(HYPER_FIELDS):
+    if t.numel() != len(KERNEL_FIELDS):
         raise ValueError(
-            f"adamw_step: hyper_tensor must have exactly {len(HYPER_FIELDS)} elements ({', '.join(HYPER_FIELDS)}; "
-            f"build it with acco_ds.ops.adamw.hyper_tensor), got shape {tuple(t.shape)}."
+            f"adamw_step: hyper_tensor must have exactly {len(KERNEL_FIELDS)} elements "
+            f"({', '.join(KERNEL_FIELDS)}; build it with acco_ds.ops.adamw.hyper_tensor), got shape "
+            f"{tuple(t.shape)}."
         )
 
 
@@ -209,13 +215,10 @@ def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def hyper_scalars(lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: int):
-    """The fp32 scalars the kernels use, computed in double on the host like torch.optim.AdamW does.
-
-    Returns ``(1-lr*wd, beta1, 1-beta1, beta2, 1-beta2, sqrt(1-beta2**step), eps, lr/(1-beta1**step))``.
-    """
-    bc1 = 1.0 - beta1**step
-    bc2 = 1.0 - beta2**step
-    return (1.0 - lr * weight_decay, beta1, 1.0 - beta1, beta2, 1.0 - beta2, math.sqrt(bc2), eps, lr / bc1)
+    """``AdamWSettings(lr, beta1, beta2, eps, weight_decay).hyper_scalars(step)``: the scalars the kernels use
+    (``KERNEL_FIELDS``: ``(1-lr*wd, beta1, 1-beta1, beta2, 1-beta2, sqrt(1-beta2**step), eps,
+    lr/(1-beta1**step))``), computed in double on the host like torch.optim.AdamW does."""
+    return AdamWSettings(lr, beta1, beta2, eps, weight_decay).hyper_scalars(step)
 
 
 def hyper_tensor(lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: int,
@@ -223,9 +226,9 @@ def hyper_tensor(lr: float, beta1: float, beta2: float, eps: float, weight_decay
     """The ``hyper_tensor`` argument of :func:`adamw_step` for these settings: a new contiguous fp32 tensor of 8
     elements on ``device`` (default: the CPU), :func:`hyper_scalars` each rounded to fp32 (to nearest, as the
     host-scalar path rounds them). Raises ValueError naming a bad setting (the same rules as adamw_step)."""
-    _check_settings("hyper_tensor", lr, beta1, beta2, eps, weight_decay, step)
-    hp = hyper_scalars(float(lr), float(beta1), float(beta2), float(eps), float(weight_decay), step)
-    return torch.tensor(hp, dtype=torch.float64).to(device=device, dtype=_FP32)
+    settings = AdamWSettings(lr, beta1, beta2, eps, weight_decay)
+    settings.check("hyper_tensor", step)
+    return torch.tensor(settings.hyper_scalars(step), dtype=torch.float64).to(device=device, dtype=_FP32)
 
 
 def _adamw_math(a: _Step, p: torch.Tensor, m: torch.Tensor, v: torch.Tensor) -> None:
@@ -238,26 +241,27 @@ def _adamw_math(a: _Step, p: torch.Tensor, m: torch.Tensor, v: torch.Tensor) -> 
     if a.hyper_tensor is not None:
         _adamw_math_hyper_tensor(a.hyper_tensor.reshape(-1), g, p, m, v)
         return
-    bc1 = 1.0 - a.beta1**a.step
-    bc2 = 1.0 - a.beta2**a.step
-    p.mul_(1.0 - a.lr * a.weight_decay)
-    m.lerp_(g, 1.0 - a.beta1)
-    v.mul_(a.beta2).addcmul_(g, g, value=1.0 - a.beta2)
-    denom = (v.sqrt() / math.sqrt(bc2)).add_(a.eps)
-    p.addcdiv_(m, denom, value=-(a.lr / bc1))
+    s = a.settings
+    bc1 = 1.0 - s.beta1**a.step
+    bc2 = 1.0 - s.beta2**a.step
+    p.mul_(1.0 - s.lr * s.weight_decay)
+    m.lerp_(g, 1.0 - s.beta1)
+    v.mul_(s.beta2).addcmul_(g, g, value=1.0 - s.beta2)
+    denom = (v.sqrt() / math.sqrt(bc2)).add_(s.eps)
+    p.addcdiv_(m, denom, value=-(s.lr / bc1))
 
 
 def _adamw_math_hyper_tensor(h: torch.Tensor, g, p, m, v) -> None:
-    """:func:`_adamw_math` with the scalars in the tensor ``h`` (HYPER_FIELDS), never read on the host: the same
+    """:func:`_adamw_math` with the scalars in the tensor ``h`` (KERNEL_FIELDS), never read on the host: the same
     operations with 0-dim tensor operands. addcmul_/addcdiv_ take only a number as ``value``, so the tensor
     scalar moves into the first operand (``value * t1`` is what torch's CPU kernels compute first: the same bits
     as the host-scalar path there); torch's CUDA addcdiv computes ``value * (t1 / t2)``, an ulp away."""
-    decay, _, omb1, beta2, omb2, bc2_sqrt, eps, step_size = h.unbind()
-    p.mul_(decay)
-    m.lerp_(g, omb1)
-    v.mul_(beta2).addcmul_(omb2 * g, g)
-    denom = (v.sqrt() / bc2_sqrt).add_(eps)
-    p.addcdiv_(step_size * m, denom, value=-1.0)
+    k = dict(zip(KERNEL_FIELDS, h.unbind()))
+    p.mul_(k["decay"])
+    m.lerp_(g, k["one_minus_beta1"])
+    v.mul_(k["beta2"]).addcmul_(k["one_minus_beta2"] * g, g)
+    denom = (v.sqrt() / k["bc2_sqrt"]).add_(k["eps"])
+    p.addcdiv_(k["step_size"] * m, denom, value=-1.0)
 
 
 def _adamw_torch_host_flag(a: _Step) -> None:
@@ -299,11 +303,9 @@ def _ext_args(a: _Step) -> tuple:
     """Positional arguments of the compiled entry points, up to and including ``commit``."""
     out, st, nf, ht = a.out, a.scale_tensor, a.noop_flag, a.hyper_tensor
     if ht is None:
-        hp = hyper_scalars(
-            float(a.lr), float(a.beta1), float(a.beta2), float(a.eps), float(a.weight_decay), a.step
-        )
+        hp = a.settings.hyper_scalars(a.step)
     else:  # the kernels read hyper_ptr; NaN in the by-value copy makes a kernel that ignores it fail loudly
-        hp = (math.nan,) * len(HYPER_FIELDS)
+        hp = (math.nan,) * len(KERNEL_FIELDS)
     return (
         a.master.data_ptr(),
         a.exp_avg.data_ptr(),
@@ -342,34 +344,23 @@ def _log_backend_once(device_type: str, backend: str, why: str = "") -> None:
         logger.info("acco_ds adamw_step on %s: using %s", device_type, backend)
 
 
-def adamw_step_ref(master, exp_avg, exp_avg_sq, grad, out=None, *, lr: float | None = None,
-                   beta1: float | None = None, beta2: float | None = None, eps: float | None = None,
-                   weight_decay: float | None = None, step: int | None = None, grad_scale: float = 1.0,
-                   scale_tensor=None, noop_flag=None, commit: bool = True, hyper_tensor=None) -> None:  # fmt: skip
+def adamw_step_ref(master, exp_avg, exp_avg_sq, grad, out=None, **keywords) -> None:
     """Pure-torch AdamW step with this module's contract: the test oracle.
 
     Reads ``noop_flag`` on the host (``.item()``: a device sync on CUDA). :func:`adamw_step`'s own fallback gives
     the same bits and decides the flag on the device.
     """
-    a = _Step(master, exp_avg, exp_avg_sq, grad, out, lr, beta1, beta2, eps, weight_decay, step, grad_scale,
-              scale_tensor, noop_flag, commit, hyper_tensor)  # fmt: skip
-    _validate(a)
-    _adamw_torch_host_flag(a)
+    _adamw_torch_host_flag(_bind("adamw_step_ref", master, exp_avg, exp_avg_sq, grad, out, keywords))
 
 
-def adamw_step(master, exp_avg, exp_avg_sq, grad, out=None, *, lr: float | None = None,
-               beta1: float | None = None, beta2: float | None = None, eps: float | None = None,
-               weight_decay: float | None = None, step: int | None = None, grad_scale: float = 1.0,
-               scale_tensor=None, noop_flag=None, commit: bool = True, hyper_tensor=None) -> None:  # fmt: skip
+def adamw_step(master, exp_avg, exp_avg_sq, grad, out=None, **keywords) -> None:
     """One fused AdamW step on flat shards (see the module docstring for the full contract).
 
     Dispatch: the CUDA extension for CUDA tensors, the CPU extension (OpenMP, ``torch.get_num_threads()``
     threads) for CPU tensors, :func:`adamw_step_ref` when the extension is missing; the choice is logged once
     per device type. Arguments are validated before any launch (TypeError/ValueError naming the argument).
     """
-    a = _Step(master, exp_avg, exp_avg_sq, grad, out, lr, beta1, beta2, eps, weight_decay, step, grad_scale,
-              scale_tensor, noop_flag, commit, hyper_tensor)  # fmt: skip
-    _validate(a)
+    a = _bind("adamw_step", master, exp_avg, exp_avg_sq, grad, out, keywords)
     dev = master.device.type
     kind = "adamw_cuda" if dev == "cuda" else "adamw_cpu"
     ext = _build.load(kind)
@@ -388,20 +379,15 @@ def adamw_step(master, exp_avg, exp_avg_sq, grad, out=None, *, lr: float | None 
         ext.adamw_cpu(*_ext_args(a), torch.get_num_threads())
 
 
-def adamw_step_cuda_body_on_cpu(master, exp_avg, exp_avg_sq, grad, out=None, *, lr: float | None = None,
-                                beta1: float | None = None, beta2: float | None = None, eps: float | None = None,
-                                weight_decay: float | None = None, step: int | None = None,
-                                grad_scale: float = 1.0, scale_tensor=None, noop_flag=None, commit: bool = True,
-                                hyper_tensor=None, grid_dim: int = 0, block_dim: int = 0) -> None:  # fmt: skip
+def adamw_step_cuda_body_on_cpu(master, exp_avg, exp_avg_sq, grad, out=None, *, grid_dim: int = 0,
+                                block_dim: int = 0, **keywords) -> None:  # fmt: skip
     """Test hook: run the CUDA kernel's body (indexing, vector path, alignment, tails) on CPU tensors.
 
     Same contract as :func:`adamw_step`; ``grid_dim``/``block_dim`` <= 0 use the CUDA launcher's launch shape.
     Raises RuntimeError (from the harness) on a misaligned vector access or an out-of-bounds access, and
     RuntimeError when the CPU extension is not built.
     """
-    a = _Step(master, exp_avg, exp_avg_sq, grad, out, lr, beta1, beta2, eps, weight_decay, step, grad_scale,
-              scale_tensor, noop_flag, commit, hyper_tensor)  # fmt: skip
-    _validate(a)
+    a = _bind("adamw_step_cuda_body_on_cpu", master, exp_avg, exp_avg_sq, grad, out, keywords)
     if master.device.type != "cpu":
         raise ValueError(f"adamw_step_cuda_body_on_cpu: tensors must be on cpu, got {master.device}.")
     ext = _build.load("adamw_cpu")
@@ -411,3 +397,8 @@ def adamw_step_cuda_body_on_cpu(master, exp_avg, exp_avg_sq, grad, out=None, *, 
         )
     if master.numel():
         ext.adamw_cuda_body_on_cpu(*_ext_args(a), int(grid_dim), int(block_dim))
+
+
+adamw_step.__signature__ = _signature()
+adamw_step_ref.__signature__ = _signature()
+adamw_step_cuda_body_on_cpu.__signature__ = _signature(grid_dim=0, block_dim=0)

@@ -15,8 +15,8 @@ namespace acco {
 
 // The fp32 scalars of one step, in this order: acco_ds/ops/adamw_settings.py's KERNEL_FIELDS lists the same
 // names in the same order and AdamWSettings.hyper_scalars computes them (in double on the host, rounded to
-// fp32 once, as torch does with its Python-float scalars). tests/test_ops_adamw_abi.py checks that the two
-// lists match (this header and the built modules' HYPER_FIELDS / HYPER_OFFSETS).
+// fp32 once, as torch does with its Python-float scalars). tests/ops/test_adamw_settings.py checks that the
+// lists match (this header's and the built modules' HYPER_FIELDS / HYPER_OFFSETS).
 #define ACCO_ADAMW_HYPER_FIELDS(X)                       \
   X(decay)           /* 1 - lr * weight_decay */         \
   X(beta1)           /* beta1 */                         \
