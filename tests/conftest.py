@@ -25,16 +25,34 @@ _SHM_PATTERN = "/dev/shm/deepspeed_allreduce_buffer_*"
 _SHM_AT_START = set(glob.glob(_SHM_PATTERN))
 
 
+def _mapped_shm_buffers() -> set:
+    """The DeepSpeed buffers another live process still maps (a run of another pytest session, say); this
+    process's own (an in-process engine's) are not counted: they are removed as before."""
+    mapped, own = set(), f"/proc/{os.getpid()}/maps"
+    for maps in glob.glob("/proc/[0-9]*/maps"):
+        if maps == own:
+            continue
+        with contextlib.suppress(OSError), open(maps) as fh:
+            mapped.update(
+                line.split(None, 5)[-1].strip() for line in fh if "deepspeed_allreduce_buffer_" in line
+            )
+    return mapped
+
+
 @pytest.fixture(autouse=True)
 def _remove_deepspeed_shm_buffers():
     """DeepSpeed's CPU communication op creates a 69 MB shared-memory buffer per rank
     (``/dev/shm/deepspeed_allreduce_buffer_<uid>_<addr>_<port>_<rank>``) and never unlinks it: each
     launch of the suite would leave its ranks' buffers in RAM (gigabytes over a run). Every test's
     launched ranks have exited when it returns (also those of module-scoped fixtures, which launch
-    before this fixture starts): remove every buffer that appeared since the session started
-    (unlinking one an in-process engine still maps leaves its mapping valid)."""
+    before this fixture starts): remove every buffer that appeared since the session started and that no
+    live process maps (so the ranks of another test session running at the same time keep theirs;
+    unlinking one an in-process engine still maps would leave its mapping valid anyway)."""
     yield
-    for path in set(glob.glob(_SHM_PATTERN)) - _SHM_AT_START:
+    new = set(glob.glob(_SHM_PATTERN)) - _SHM_AT_START
+    if not new:
+        return
+    for path in new - _mapped_shm_buffers():
         with contextlib.suppress(OSError):
             os.unlink(path)
 
