@@ -321,9 +321,11 @@ def test_quick_benchmark_runs(tmp_path):
     assert raw["analysis"]["budget"]["200mbit"]["samples"] == 384
     (run,) = rate["budget"]["runs"]
     if run["how"] == "budget run":  # adaptive computed more than 5% over the budget in its 6 steps
-        assert (
-            run["steps"] == run["schedule"]["steps"] < 6 and run["samples"] < runs["acco-adaptive"]["samples"]
-        )
+        # the steps the budget buys at the full run's samples per step (how many micro-batches adaptive
+        # fits per step varies with the machine's load, so the budget run's own sample count may too)
+        per_step = runs["acco-adaptive"]["samples"] / 6
+        assert run["schedule"]["samples_per_step"] == pytest.approx(per_step)
+        assert run["steps"] == run["schedule"]["steps"] == max(3, round(384 / per_step)) <= 6
     assert ad["val"]["n"] == 1 and "## Framing (b)" in md
     het = raw["analysis"]["hetero"]["rows"]
     assert set(het) == {"zero1", "acco-adaptive"}
