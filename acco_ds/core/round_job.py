@@ -15,7 +15,7 @@ for this job on the side stream, never for the compute stream to drain.
 
 Gradient scaling: the compute side accumulates micro-batch gradients that DeepSpeed's
 ``engine.backward`` already divided by ``gradient_accumulation_steps`` (GAS). The buffers so hold
-``G_i / GAS`` and the average ACCO.md asks for, ``(sum_i G_i) / (sum_i n_i)``, is
+``G_i / GAS`` and the average docs/ALGORITHM.md asks for, ``(sum_i G_i) / (sum_i n_i)``, is
 ``reduced * GAS / total_count``.
 """
 

@@ -1,4 +1,4 @@
-"""The round state machine of ACCO.md: which communication job a round end launches, and when a
+"""The round state machine of docs/ALGORITHM.md: which communication job a round end launches, and when a
 round may end. Pure logic: no tensors, no collectives.
 
 Rounds are numbered from 0. At the end of round r the pipeline (1) waits for the job in flight, if
