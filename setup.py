@@ -61,7 +61,7 @@ MODULES = {
 CXX_FLAGS = ["-O3", "-std=c++17", "-fPIC", "-fvisibility=hidden", "-ffp-contract=off", "-fno-math-errno"]
 CXX_FLAGS += ["-Wall", "-Wextra"]
 # --fmad=false: the GPU does the fp32 operations of adamw_math.h one by one, like the CPU build, so a GPU
-# result is bit-identical to the CPU extension's and to the CPU harness's (tests/test_ops_gpu.py checks it).
+# result is bit-identical to the CPU extension's and to the CPU harness's (tests/gpu/test_kernels_gpu.py checks it).
 NVCC_FLAGS = [
     "-O3",
     "-std=c++17",

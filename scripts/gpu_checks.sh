@@ -12,9 +12,9 @@
 #   bundle        pip install --no-index --find-links .gpu_bundle (only what is not installed yet)
 #   install       acco_ds: pip install --no-index --no-deps --no-build-isolation -e . (pure Python)
 #   build         the CPU and CUDA extensions in place, for this Python, CUDA forced, for this GPU's arch
-#   kernels       tests/test_ops_gpu.py: CUDA AdamW and Triton accumulation equal to the CPU path
-#   pipeline      tests/test_gpu_pipeline.py: ACCO through deepspeed.initialize, W = 1, NCCL, side stream
-#   stress        tests/test_gpu_stress.py: device sleeps shift the streams; trajectories still match
+#   kernels       tests/gpu/test_kernels_gpu.py: CUDA AdamW and Triton accumulation equal to the CPU path
+#   pipeline      tests/gpu/test_pipeline_gpu.py: ACCO through deepspeed.initialize, W = 1, NCCL, side stream
+#   stress        tests/gpu/test_stress_gpu.py: device sleeps shift the streams; trajectories still match
 #   overlap       python -m benchmarks.gpu_overlap (overlap efficiency with a communication stand-in)
 #   bench_kernels python -m benchmarks.kernels --device cuda (commit/peek vs the copy bandwidth, anchors)
 #   goals         scripts/gpu_goals.py: the results against issue 10's goals
@@ -177,9 +177,9 @@ run_step bundle 120 bundle_install
 run_step install 90 env ACCO_DS_BUILD_EXT=0 "$PY" -m pip install --no-index --no-deps --no-build-isolation \
   --no-warn-script-location -e .
 run_step build 180 build
-run_step kernels 150 pytest_step kernels tests/test_ops_gpu.py
-run_step pipeline 150 pytest_step pipeline tests/test_gpu_pipeline.py
-run_step stress 150 pytest_step stress tests/test_gpu_stress.py
+run_step kernels 150 pytest_step kernels tests/gpu/test_kernels_gpu.py
+run_step pipeline 150 pytest_step pipeline tests/gpu/test_pipeline_gpu.py
+run_step stress 150 pytest_step stress tests/gpu/test_stress_gpu.py
 # shellcheck disable=SC2086
 run_step overlap 200 "$PY" -m benchmarks.gpu_overlap --out "$RESULTS" ${BENCH_OVERLAP_ARGS:---steps 6}
 # shellcheck disable=SC2086

@@ -33,8 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-TRAJ = ["tests/test_trajectories.py"]
-OPS = ["tests/test_ops_adamw.py"]
+TRAJ = ["tests/core/test_trajectories.py"]
+OPS = ["tests/ops/test_adamw.py"]
 
 
 @dataclass(frozen=True)
@@ -114,7 +114,7 @@ MUTANTS = [
         "acco_ds/core/round_job.py",
         "    scale = avg_scale\n",
         "    scale = avg_scale if fixed_count is not None else torch.full_like(avg_scale, gas / max(local_count, 1))\n",
-        ("tests/test_adaptive.py",),
+        ("tests/core/test_adaptive.py",),
     ),
     Mutant(
         "M09",
@@ -181,7 +181,7 @@ MUTANTS = [
         "acco_ds/core/snapshot.py",
         'b.tilde.copy_(g["tilde"])',
         "b.tilde.zero_()",
-        ("tests/test_checkpoint.py",),
+        ("tests/checkpoint/test_resume.py",),
     ),
     Mutant(
         "M17",
@@ -205,7 +205,7 @@ MUTANTS = [
         "acco_ds/core/round_job.py",
         "applied[0].add_((~(skipped | empty)).double())",
         "applied[0].add_(1.0)",
-        ("tests/test_reliability_nonfinite.py",),
+        ("tests/reliability/test_nonfinite.py",),
     ),
     Mutant(
         "M20",
@@ -213,7 +213,7 @@ MUTANTS = [
         "acco_ds/core/pipeline.py",
         "b.set_norm_ranges(flags, count_replicated=tp_rank == 0)",
         "b.set_norm_ranges(flags, count_replicated=True)",
-        ("tests/test_tensor_parallel.py",),
+        ("tests/deepspeed/test_tensor_parallel.py",),
     ),
     Mutant(
         "M21",
@@ -221,7 +221,31 @@ MUTANTS = [
         "acco_ds/core/committed_view.py",
         "        b.point_params(flat)\n",
         "        b.point_params()\n",
-        ("tests/test_evaluation.py",),
+        ("tests/deepspeed/test_evaluation.py",),
+    ),
+    Mutant(
+        "M22",
+        "a short sync step is averaged over its own micro-batches (ZeRO-1 divides by W * GAS whatever the count)",
+        "acco_ds/core/pipeline.py",
+        "b.acc_flat.mul_(self.counter.count / self.gas)",
+        "b.acc_flat.mul_(1.0)",
+        ("tests/deepspeed/test_engine_boundary.py",),
+    ),
+    Mutant(
+        "M23",
+        "a boundary inside acco's estimate round commits its g~ together with the g~ already committed",
+        "acco_ds/core/pipeline.py",
+        "                    b.tilde.zero_()\n",
+        "                    pass\n",
+        ("tests/deepspeed/test_engine_boundary.py",),
+    ),
+    Mutant(
+        "M24",
+        "ACCO's weight_decay default differs from DeepSpeed AdamW's (0.01 instead of 0)",
+        "acco_ds/config.py",
+        "    weight_decay: float = 0.0\n",
+        "    weight_decay: float = 0.01\n",
+        ("tests/deepspeed/test_adamw_defaults.py",),
     ),
 ]
 

@@ -3,7 +3,7 @@
 The tests that build DeepSpeed engines inside the pytest process (one gloo rank) mean CPU: DeepSpeed's
 accelerator is fixed to the CPU one before DeepSpeed is first imported, so on a machine with a GPU they run as
 here (without it DeepSpeed would pick CUDA and put those engines on the GPU). Launched ranks get their own
-environment from ``tests/launch.rank_env`` (CPU, or CUDA for the GPU tests). ``torch.cuda`` itself stays
+environment from ``tests/ranks/launch.rank_env`` (CPU, or CUDA for the GPU tests). ``torch.cuda`` itself stays
 visible to this process: the GPU kernel tests use it directly.
 
 ``make test-fast`` (``scripts/run_tests.sh --fast``) deselects the tests marked ``launcher`` and sets

@@ -105,8 +105,11 @@ def test_dependency_rules():
             if top == "acco_ds":
                 target = "(root)" if not rest else rest[0]
                 if target != owner and target not in ALLOWED[owner]:
-                    broken.append(f"{path.relative_to(ROOT)} imports {name} ({owner} may not import {target})")
+                    broken.append(
+                        f"{path.relative_to(ROOT)} imports {name} ({owner} may not import {target})"
+                    )
             elif top in EXTERNAL_ONLY_IN and owner not in EXTERNAL_ONLY_IN[top]:
-                broken.append(f"{path.relative_to(ROOT)} imports {name} (only {sorted(EXTERNAL_ONLY_IN[top])})")
+                broken.append(
+                    f"{path.relative_to(ROOT)} imports {name} (only {sorted(EXTERNAL_ONLY_IN[top])})"
+                )
     assert not broken, "\n".join(broken)
-

@@ -64,6 +64,11 @@ def default_world_size() -> int:
     return 2
 
 
+def launcher_prefix() -> List[str]:
+    """DeepSpeed's launcher (what the ``deepspeed`` command runs), with this interpreter, unbuffered."""
+    return [sys.executable, "-u", "-m", "deepspeed.launcher.runner"]
+
+
 def launch_command(
     spec_path: str | None,
     world: int,
@@ -73,7 +78,7 @@ def launch_command(
 ) -> List[str]:
     """The launcher argv. ``target`` is a module (run as ``python -m``) or a ``.py`` script path;
     ``--spec spec_path`` (when given) and ``extra`` are passed to every rank."""
-    cmd = [sys.executable, "-u", "-m", "deepspeed.launcher.runner", "--num_gpus", str(world)]
+    cmd = launcher_prefix() + ["--num_gpus", str(world)]
     cmd += ["--master_addr", "127.0.0.1", "--master_port", str(port), "--log_level", "warning"]
     cmd += [target] if target.endswith(".py") else ["--module", target]
     if spec_path:

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from tests.launch import REPO
+from tests.ranks.launch import REPO
 
 
 def _bench(*args) -> subprocess.CompletedProcess:

@@ -19,7 +19,7 @@ from acco_ds.core.pipeline import ACCOPipeline
 from acco_ds.core.round_job import Hyper
 from acco_ds.plan import memory_model
 from benchmarks.memory import table as memory_table
-from tests.dist.inproc import ensure_single_rank_group
+from tests.ranks.inproc import ensure_single_rank_group
 
 ROOT = Path(__file__).resolve().parents[2]
 

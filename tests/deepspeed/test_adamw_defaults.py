@@ -20,8 +20,8 @@ from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_st
 
 import acco_ds  # noqa: F401  (registers "ACCO")
 from acco_ds.config import ACCOConfig
-from tests.dist import toy
-from tests.dist.inproc import ensure_single_rank_group
+from tests.ranks import toy
+from tests.ranks.inproc import ensure_single_rank_group
 
 SHARED_KEYS = ("lr", "betas", "eps", "weight_decay")
 STEPS, GAS, LR, CLIP = 6, 2, 1e-2, 0.5

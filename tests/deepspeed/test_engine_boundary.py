@@ -1,7 +1,7 @@
 """The engine decides where an optimizer step ends (docs/ALGORITHM.md, "When the engine ends a step early"):
 steps of 1 to 5 micro-batches with gradient_accumulation_steps=4, marked by the loop
 (``set_gradient_accumulation_boundary``), held in ``no_sync()``, inside ``coalesce_grad_reduction()``, or
-ended by ``engine.step()`` alone. 2 ranks on CPU, one launch (tests/dist/boundary_worker.py), the toy model
+ended by ``engine.step()`` alone. 2 ranks on CPU, one launch (tests/ranks/boundary_worker.py), the toy model
 in fp32 with no clipping (the moments then carry the gradient's scale).
 
 sync equals DeepSpeed's ZeRO-1 + AdamW step by step (a short step's gradient is sum / (W * GAS), as
@@ -16,8 +16,10 @@ import pytest
 import torch
 
 from acco_ds.core.reference import RefHyper, reference_run
-from tests.dist import toy
-from tests.launch import REPO, rank_env, run_deepspeed
+from tests.ranks import toy
+from tests.ranks.launch import REPO, rank_env, run_deepspeed
+
+pytestmark = pytest.mark.launcher  # starts ranks through a launcher (left out by make test-fast)
 
 WORLD, GAS, LR, WD = 2, 4, 0.02, 0.1
 # a full step, a step of GAS/2 (acco: the boundary at its PEEK round's last micro-batch), one micro-batch right
@@ -25,7 +27,7 @@ WORLD, GAS, LR, WD = 2, 4, 0.02, 0.1
 # than GAS), 1 in a running pipeline, a full step
 SIZES = [4, 2, 1, 4, 3, 4, 5, 1, 4]
 TOL, MOMENT_TOL, NORM_TOL = 2e-6, 1e-5, 1e-5
-ZERO1_MOMENT_TOL = 1e-4  # as tests/test_trajectories.py: DeepSpeed reduces in another order
+ZERO1_MOMENT_TOL = 1e-4  # as tests/core/test_trajectories.py: DeepSpeed reduces in another order
 # (mode, style): mode "zero1" is DeepSpeed's own AdamW
 RUNS = [
     ("zero1", "manual"),
@@ -78,7 +80,7 @@ def results(tmp_path_factory):
     ]
     (tmp / "scenarios.json").write_text(json.dumps(scenarios))
     args = ["--scenarios", tmp / "scenarios.json", "--out", tmp]
-    run_deepspeed(REPO / "tests" / "dist" / "boundary_worker.py", WORLD, args, env=rank_env())
+    run_deepspeed(REPO / "tests" / "ranks" / "boundary_worker.py", WORLD, args, env=rank_env())
     return torch.load(tmp / "results.pt", weights_only=False)
 
 

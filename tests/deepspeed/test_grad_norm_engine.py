@@ -12,7 +12,7 @@ import torch
 
 import acco_ds  # noqa: F401  (registers "ACCO")
 from tests.core.test_grad_norm import swamping_shard
-from tests.dist.inproc import ensure_single_rank_group
+from tests.ranks.inproc import ensure_single_rank_group
 
 N, N_LARGE = 3_200_000, 8192
 REL = 1e-7

@@ -21,8 +21,8 @@ from deepspeed.utils import safe_get_full_fp32_param
 
 import acco_ds  # noqa: F401  (registers "ACCO")
 from acco_ds.core.reference import RefHyper, reference_run
-from tests.dist import toy
-from tests.dist.inproc import ensure_single_rank_group
+from tests.ranks import toy
+from tests.ranks.inproc import ensure_single_rank_group
 
 STEPS, GAS, LR, WD, CLIP = 6, 2, 2e-2, 0.1, 0.5
 TOL = 2e-6  # fp32 weights, max abs: summation order only

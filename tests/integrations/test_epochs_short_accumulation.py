@@ -5,7 +5,7 @@ accelerate mark as a boundary (docs/ALGORITHM.md, "When the engine ends a step e
 
 DeepSpeed's own AdamW makes 12 optimizer steps; so does ACCO in every mode. sync ends at AdamW's weights (a
 short step's gradient is sum / (W * GAS), as ZeRO-1's); acco (fixed) and adaptive accumulation train through.
-One launch runs the six runs (tests/dist/epochs_worker.py)."""
+One launch runs the six runs (tests/ranks/epochs_worker.py)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,9 @@ import math
 import pytest
 import torch
 
-from tests.launch import REPO, run_deepspeed
+from tests.ranks.launch import REPO, run_deepspeed
+
+pytestmark = pytest.mark.launcher  # starts ranks through a launcher (left out by make test-fast)
 
 WORLD, GAS, MICRO, SAMPLES, EPOCHS = 2, 4, 2, 88, 2
 BATCHES = SAMPLES // (WORLD * MICRO)  # 22 micro-batches per rank per epoch
@@ -72,7 +74,7 @@ def runs(tmp_path_factory):
     (tmp / "configs.json").write_text(json.dumps(CONFIGS))
     args = ["--output_dir", tmp, "--configs", tmp / "configs.json", "--samples", SAMPLES, "--epochs", EPOCHS]
     run_deepspeed(
-        REPO / "tests" / "dist" / "epochs_worker.py", WORLD, args + ["--gradient_accumulation_steps", GAS]
+        REPO / "tests" / "ranks" / "epochs_worker.py", WORLD, args + ["--gradient_accumulation_steps", GAS]
     )
     return torch.load(tmp / "result.pt", weights_only=False)
 

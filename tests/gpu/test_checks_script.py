@@ -1,0 +1,96 @@
+"""scripts/gpu_checks.sh and scripts/gpu_goals.py on a machine without a GPU: the script is valid bash and
+stops at once saying why; the goals report never calls a missing result met; the JUnit files merge."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _load_script_module(name: str):
+    """A module of scripts/ (not a package: the GPU machine runs it as ``python scripts/NAME.py``)."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+gpu_goals = _load_script_module("gpu_goals")
+
+
+def test_scripts_are_valid_bash():
+    for name in ("gpu_checks.sh", "gpu_bundle.sh"):
+        r = subprocess.run(["bash", "-n", str(ROOT / "scripts" / name)], capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the behaviour without a GPU")
+def test_gpu_checks_without_a_gpu_stops_and_says_why(tmp_path):
+    env = dict(os.environ, OUT=str(tmp_path))
+    r = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_checks.sh")], env=env, capture_output=True,
+                       text=True, timeout=120)  # fmt: skip
+    assert r.returncode == 3, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "no usable CUDA GPU" in r.stdout + r.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gpu_checks.log", "summary.md"]
+    summary = (tmp_path / "summary.md").read_text()
+    assert "| versions | ok |" in summary and "| gpu | FAILED" in summary and "nothing was checked" in summary
+
+
+def _junit(path: Path, name: str, tests: int, failures: int = 0, skipped: int = 0) -> None:
+    suite = ET.Element("testsuite", name=name, tests=str(tests), failures=str(failures), errors="0",
+                       skipped=str(skipped))  # fmt: skip
+    ET.ElementTree(suite).write(path)
+
+
+def test_merged_junit_and_test_goal(tmp_path):
+    _junit(tmp_path / "a.xml", "kernels", 10)
+    _junit(tmp_path / "b.xml", "pipeline", 7, failures=1)
+    (tmp_path / "empty.xml").write_text("")
+    out = tmp_path / "pytest_gpu.xml"
+    assert gpu_goals.merge_junit(out, [tmp_path / "a.xml", tmp_path / "b.xml", tmp_path / "empty.xml",
+                                       tmp_path / "missing.xml"]) == 2  # fmt: skip
+    root = ET.parse(out).getroot()
+    assert root.tag == "testsuites" and root.get("tests") == "17" and root.get("failures") == "1"
+    assert "| every GPU test passes | 17 tests: 1 failed" in gpu_goals.tests_goal(tmp_path)
+    assert gpu_goals.tests_goal(tmp_path).endswith("| NOT met |")
+    gpu_goals.merge_junit(out, [tmp_path / "a.xml"])
+    assert gpu_goals.tests_goal(tmp_path).endswith("| met |")
+
+
+def test_kernel_and_overlap_goals(tmp_path):
+    assert gpu_goals.goals(tmp_path).count("| no result |") == 5  # nothing measured: nothing is met
+    n = 100_000_000
+    copy_gbs = 3000.0
+    kernels = {
+        "stream": {"probes": {"copy": {"gbs": copy_gbs}, "update": {"gbs": 3100.0}}},
+        "results": [
+            {"params": 1_000_000, "median_s": {"commit": 1.0, "peek": 1.0}},  # small: not judged
+            {"params": n, "median_s": {"commit": 28 * n / (0.9 * copy_gbs * 1e9),
+                                       "peek": 16 * n / (0.8 * copy_gbs * 1e9), "clone_step_restore": 1.0}},
+        ],
+    }  # fmt: skip
+    (tmp_path / "kernels_cuda.json").write_text(json.dumps(kernels))
+    rows = gpu_goals.kernel_goals(tmp_path)
+    assert "commit 100M 90%" in rows[0] and "peek 100M 80%" in rows[0] and rows[0].endswith("| NOT met |")
+    assert rows[1].endswith("| met |")
+    settings = [{"mode": "acco", "factor": f, "efficiency": e, "host_syncs_per_step": s, "host_ahead": 1.0}
+                for f, e, s in ((0.25, 0.95, 0), (2.0, 0.91, 0))]  # fmt: skip
+    settings.append(
+        {"mode": "sync", "factor": 1.0, "efficiency": 0.5, "host_syncs_per_step": 3, "host_ahead": 0}
+    )
+    data = {"meta": {"compute_syncs_per_step": 0.0}, "settings": settings}
+    (tmp_path / "gpu_overlap.json").write_text(json.dumps(data))
+    eff, host = gpu_goals.overlap_goals(tmp_path)
+    assert "x0.25 95%, x2 91%" in eff and eff.endswith("| met |") and host.endswith("| met |")
+    settings[1]["host_syncs_per_step"] = 2
+    (tmp_path / "gpu_overlap.json").write_text(json.dumps(data))
+    assert gpu_goals.overlap_goals(tmp_path)[1].endswith("| NOT met |")

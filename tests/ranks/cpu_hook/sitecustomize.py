@@ -1,0 +1,29 @@
+"""Start-up hook of the CPU test ranks: hides CUDA from a rank before anything imports torch.
+
+``tests/ranks/launch.rank_env()`` puts this folder first on PYTHONPATH and sets ``ACCO_DS_TEST_HIDE_CUDA=1`` for
+ranks that mean CPU (gloo). The ``deepspeed`` launcher sets ``CUDA_VISIBLE_DEVICES=0,...,W-1`` in every rank,
+even with ``DS_ACCELERATOR=cpu``, so on a machine with one GPU the ranks would see it (accelerate and the HF
+Trainer then pick NCCL and cuda:<local_rank>, which does not exist for rank 1). Python imports
+``sitecustomize`` at start-up; this one empties ``CUDA_VISIBLE_DEVICES`` and then runs the next
+``sitecustomize`` on the path, if any, so an environment's own hook still runs.
+"""
+
+import importlib.machinery
+import importlib.util
+import os
+import sys
+
+if os.environ.get("ACCO_DS_TEST_HIDE_CUDA") == "1":
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+
+def _chain() -> None:
+    here = os.path.dirname(os.path.abspath(__file__))
+    rest = [p for p in sys.path if os.path.abspath(p or ".") != here]
+    spec = importlib.machinery.PathFinder.find_spec("sitecustomize", rest)
+    if spec is not None and spec.loader is not None:
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+
+
+_chain()

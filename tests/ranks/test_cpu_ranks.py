@@ -1,0 +1,75 @@
+"""The CPU test ranks run on the CPU also where a GPU is visible (tests/ranks/launch.py, rank_env).
+
+The ``deepspeed`` launcher writes ``CUDA_VISIBLE_DEVICES=0,...,W-1`` into every rank's environment whatever
+the accelerator; this machine has no GPU, so the check is on what a rank's torch would see: the variable must
+be empty in the rank when torch is imported, and DeepSpeed's accelerator must be the CPU one.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.ranks.launch import CPU_RANKS_HOOK, HIDE_CUDA_ENV, rank_env, run_deepspeed
+
+RANK_SCRIPT = """
+import json, os, sys
+seen = {"cuda_visible": os.environ.get("CUDA_VISIBLE_DEVICES"), "ds_accelerator": os.environ.get("DS_ACCELERATOR")}
+import torch
+seen["cuda_available"] = torch.cuda.is_available()
+rank = os.environ["RANK"]
+with open(os.path.join(sys.argv[-1], f"rank{rank}.json"), "w") as f:
+    json.dump(seen, f)
+"""
+
+
+@pytest.mark.launcher
+def test_launched_cpu_ranks_do_not_see_cuda(tmp_path):
+    script = tmp_path / "rank.py"
+    script.write_text(RANK_SCRIPT)
+    run_deepspeed(script, 2, [tmp_path], timeout=300)
+    for rank in (0, 1):
+        seen = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert seen == {"cuda_visible": "", "ds_accelerator": "cpu", "cuda_available": False}, seen
+
+
+def test_rank_env_for_gpu_ranks_leaves_cuda_alone(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    env = rank_env(accelerator="cuda", EXTRA=1)
+    assert env["DS_ACCELERATOR"] == "cuda" and env["CUDA_VISIBLE_DEVICES"] == "0" and env["EXTRA"] == "1"
+    assert HIDE_CUDA_ENV not in env and str(CPU_RANKS_HOOK) not in env["PYTHONPATH"].split(":")
+    cpu = rank_env()
+    assert cpu["DS_ACCELERATOR"] == "cpu" and cpu["CUDA_VISIBLE_DEVICES"] == "" and cpu[HIDE_CUDA_ENV] == "1"
+    assert cpu["PYTHONPATH"].split(":")[0] == str(CPU_RANKS_HOOK)
+
+
+def test_acco_train_ranks_go_to_the_cpu_when_gpus_are_fewer(monkeypatch, capsys):
+    from acco_ds.cli import launch
+
+    monkeypatch.delenv("DS_ACCELERATOR", raising=False)
+    monkeypatch.setattr(launch, "_cuda_device_count", lambda: 1)
+    env = launch.rank_env(2, world=2)
+    assert env["DS_ACCELERATOR"] == "cpu" and env["CUDA_VISIBLE_DEVICES"] == ""
+    assert "2 ranks but 1 GPU(s)" in capsys.readouterr().err
+    assert "DS_ACCELERATOR" not in launch.rank_env(1, world=1)  # one GPU per rank: NCCL on the GPU
+    monkeypatch.setattr(launch, "_cuda_device_count", lambda: 0)
+    assert launch.rank_env(1, world=1)["DS_ACCELERATOR"] == "cpu"
+    monkeypatch.setenv("DS_ACCELERATOR", "cuda")
+    monkeypatch.setattr(launch, "_cuda_device_count", lambda: 1)
+    assert launch.rank_env(1, world=2)["DS_ACCELERATOR"] == "cuda"  # the user's choice is kept
+
+
+def test_ds_accelerator_cpu_makes_a_cpu_run_on_a_gpu_machine(monkeypatch):
+    """The tests' processes carry DS_ACCELERATOR=cpu (tests/conftest.py): acco-train started from a test then
+    plans 2 CPU ranks in fp32, as on a machine without a GPU, whatever torch sees."""
+    from acco_ds.cli import args, launch
+
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    monkeypatch.setattr("torch.cuda.device_count", lambda: 1)
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    assert launch._cuda_device_count() == 0 and launch.default_world_size() == 2
+    a = args.parse(["--out", "x"])
+    assert a.world_size == 2 and a.dtype == "fp32"
+    monkeypatch.delenv("DS_ACCELERATOR")
+    assert launch._cuda_device_count() == 1 and launch.default_world_size() == 1

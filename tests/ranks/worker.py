@@ -1,0 +1,76 @@
+"""Per-rank worker for the multi-rank tests, started by the ``deepspeed`` launcher.
+
+Runs each scenario of a JSON list (a DeepSpeed config + steps) on the toy model and, on rank 0,
+saves per step: the lr the step used, the committed fp32 parameters and Adam moments read back
+through DeepSpeed's public ``safe_get_full_fp32_param`` / ``safe_get_full_optimizer_state``
+(collectives) and ``engine.get_global_grad_norm()``, plus ACCO's state sizes/stats. ``final_norm``:
+the norm of the last commit, which acco/dpu report only once ``finish()`` has applied it.
+"""
+
+from __future__ import annotations
+
+import os
+
+import deepspeed  # noqa: E402
+import torch
+from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state  # noqa: E402
+
+import acco_ds  # noqa: E402,F401
+from tests.ranks import rank_start, toy  # noqa: E402
+
+
+def run_scenario(sc: dict, rank: int) -> dict:
+    cfg = sc["config"]
+    gas = cfg["gradient_accumulation_steps"]
+    model = toy.build()
+    engine, _, _, _ = deepspeed.initialize(model=model, config=cfg, model_parameters=model.parameters())
+    params = toy.trainable(engine.module)
+    lrs, traj, norms = [], [], []
+    moments = {"exp_avg": [], "exp_avg_sq": []}
+    for step in range(sc["steps"]):
+        lrs.append(float(engine.get_lr()[0]))
+        for j in range(gas):
+            x, y = toy.micro_batch(rank, step * gas + j)
+            loss = engine(x.to(engine.device), y.to(engine.device))
+            engine.backward(loss)
+            engine.step()
+        traj.append(toy.flat(safe_get_full_fp32_param(p) for p in params).cpu())
+        for key, per_step in moments.items():
+            per_step.append(toy.flat(safe_get_full_optimizer_state(p, key) for p in params).cpu())
+        norm = engine.get_global_grad_norm()
+        norms.append(None if norm is None else float(norm))
+    out = {"lrs": lrs, "traj": traj, "norms": norms, "moments": moments}
+    for key, per_step in moments.items():
+        out[key] = per_step[-1]
+    opt = engine.optimizer
+    if hasattr(opt, "pipeline"):
+        out["state_numel"] = opt.state_numel_per_rank()
+        out["state_shapes"] = [
+            [tuple(b.master.shape), tuple(b.exp_avg.shape), tuple(b.exp_avg_sq.shape)]
+            for b in opt.pipeline.groups
+        ]
+        out["model_holds_at_boundary"] = opt.pipeline.model_holds
+        opt.finish()
+        out["final_norm"] = float(opt.pipeline.last_grad_norm)
+        out["final_model"] = toy.flat(params).cpu()
+        out["stats"] = opt.stats()
+        opt.pipeline.close()
+    return out
+
+
+def main() -> None:
+    ap = rank_start.scenario_parser()
+    ap.add_argument("--backend", default="gloo", choices=["gloo", "nccl"])
+    args = ap.parse_args()
+    rank = rank_start.init_rank(args.backend)
+    results = {}
+    for sc in rank_start.load_scenarios(args.scenarios):
+        results[sc["name"]] = run_scenario(sc, rank)
+        results[sc["name"]]["world_size"] = torch.distributed.get_world_size()
+    rank_start.attach_per_rank(results, "stats_per_rank", lambda r: r.get("stats"))
+    if rank == 0:
+        torch.save(results, os.path.join(args.out, "results.pt"))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,130 @@
+"""A process that ends while acco_ds's threads are inside a C++ call still exits with status 0.
+
+At finalisation CPython ends a daemon thread that takes the GIL back with pthread_exit; inside
+pybind11's noexcept GIL guard (a store or gloo call returning) that is ``std::terminate``: SIGABRT,
+"terminate called without an active exception", in a job that trained fine (seen in CI on the
+resume phase of tests/checkpoint/test_damaged_and_interrupted.py). acco_ds joins its heartbeat and worker threads
+at exit (``core.liveness`` / ``core.comm`` atexit hooks).
+
+Here the heartbeat thread is held inside a blocking store call (``TCPStore.wait`` on a key, ended by
+that key or after 1 s: within the 2 s store timeout the monitor sets, which bounds every store call and
+so the join at exit) when the main thread returns. Nothing is timed: the main thread returns once the
+thread has flagged that it enters the call and the kernel shows it asleep in ``poll`` there. An object
+cleared at module teardown (after the atexit hooks) then sets the key, so that a thread still inside the
+call returns while the interpreter finalises, and keeps finalisation busy until the call has returned.
+With the hooks the thread was joined before that (its call ended by its own bound); without them the
+process exits with SIGABRT (rc -6) and "terminate called without an active exception".
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import time
+
+from tests.ranks.launch import REPO, free_port
+
+SCRIPT = textwrap.dedent(
+    """
+    import sys, threading, time
+    from datetime import timedelta
+    import torch.distributed as dist
+    from acco_ds.core.liveness import PeerMonitor
+
+    inside, returned = threading.Event(), threading.Event()
+
+    class SlowStore:
+        # a TCPStore whose first multi_get blocks in C++ (GIL released) until the key "release" is set,
+        # at most 1 s
+        def __init__(self, store):
+            self.store = store
+        def clone(self):
+            return SlowStore(self.store.clone())
+        def set_timeout(self, t):
+            self.store.set_timeout(t)
+        def add(self, key, n):
+            return self.store.add(key, n)
+        def multi_get(self, keys):
+            if not inside.is_set():
+                inside.set()
+                try:
+                    self.store.wait(["release"], timedelta(seconds=1))
+                except Exception:
+                    pass
+                print("SLOW_CALL_RETURNED", flush=True)
+                returned.set()
+            return self.store.multi_get(keys)
+
+    def blocked_in_poll(tid):
+        # the kernel's view of thread tid: asleep in poll() (the store client waiting on its socket), not
+        # on a futex (the GIL, a Python lock); True where /proc cannot tell
+        task = f"/proc/self/task/{tid}"
+        try:
+            with open(f"{task}/wchan") as f:
+                wchan = f.read()
+            with open(f"{task}/syscall") as f:
+                nr = f.read().split()[0]
+        except OSError:
+            return True
+        return "poll" in wchan or nr in {"7", "271"}  # x86_64 poll, ppoll
+
+    store = dist.TCPStore("127.0.0.1", int(sys.argv[1]), 1, is_master=True, timeout=timedelta(seconds=30))
+    monitor = PeerMonitor([0], 0, 0.2, prefix="t", store=SlowStore(store))
+    monitor.start()
+
+    class SlowTeardown:
+        # in a module of its own, cleared (unlike __main__, which the thread keeps alive) while the
+        # interpreter finalises: releases a thread still inside the store call, then waits for its return
+        def __init__(self, store):
+            self.store = store
+        def __del__(self, returned=returned):
+            self.store.set("release", "1")
+            returned.wait(20)
+
+    import types
+    slowmod = types.ModuleType("slowmod")
+    slowmod.teardown = SlowTeardown(store)
+    sys.modules["slowmod"] = slowmod
+    del slowmod
+    if not inside.wait(60):
+        sys.exit("the heartbeat thread never reached the store call")
+    tid = monitor._thread.native_id
+    while not blocked_in_poll(tid) and not returned.is_set():
+        time.sleep(0.001)
+    if returned.is_set():
+        sys.exit("NOT_IN_CALL: the store call returned before the main thread could return")
+    print("MAIN_RETURNS", flush=True)
+    """
+)
+
+
+def test_exit_while_the_heartbeat_thread_is_in_a_store_call():
+    t0 = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(free_port())],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    took = time.monotonic() - t0
+    out = proc.stdout + proc.stderr
+    assert "MAIN_RETURNS" in out, out[-2000:]
+    assert proc.returncode == 0, f"rc={proc.returncode}\n{out[-2000:]}"
+    assert "terminate called" not in out
+    assert "SLOW_CALL_RETURNED" in out  # the exit waited for the thread to leave the call
+    assert took < 60, f"the exit took {took:.1f} s"
+
+
+def test_thread_executor_close_drains_and_joins():
+    from acco_ds.core.comm import _OPEN_EXECUTORS, ThreadExecutor
+
+    ex = ThreadExecutor(group=None, timeout_s=10.0)
+    assert ex in _OPEN_EXECUTORS
+    done = []
+    ex.launch("slow", lambda: (time.sleep(0.3), done.append(1)))
+    ex.launch("second", lambda: done.append(2))
+    ex.close()
+    assert done == [1, 2] and not ex._thread.is_alive() and ex not in _OPEN_EXECUTORS
+    ex.close()  # idempotent
