@@ -17,7 +17,7 @@
 #   stress        tests/gpu/test_stress_gpu.py: device sleeps shift the streams; trajectories still match
 #   overlap       python -m benchmarks.gpu_overlap (overlap efficiency with a communication stand-in)
 #   bench_kernels python -m benchmarks.kernels --device cuda (commit/peek vs the copy bandwidth, anchors)
-#   goals         scripts/gpu_goals.py: the results against issue 10's goals
+#   goals         scripts/gpu_goals.py: the results against the GPU goals (docs/GPU.md)
 #
 # Results in $OUT (else $RESULTS_DIR, else /tmp/acco_ds_gpu_checks), at most 8 files: gpu_checks.log,
 # summary.md (steps + goals), pytest_gpu.xml, kernels_cuda.md/.json, gpu_overlap.md/.json.

@@ -1,4 +1,4 @@
-"""The results of scripts/gpu_checks.sh against issue 10's goals, and its JUnit files merged into one.
+"""The results of scripts/gpu_checks.sh against the GPU goals of docs/GPU.md, and its JUnit files merged into one.
 
     python scripts/gpu_goals.py merge-junit OUT.xml IN.xml ...   # one <testsuites> file (missing inputs skipped)
     python scripts/gpu_goals.py goals RESULTS_DIR                # Markdown on stdout
@@ -130,7 +130,7 @@ def overlap_goals(results: Path) -> list:
 
 
 def goals(results: Path) -> str:
-    lines = ["| goal (issue 10) | measured | verdict |", "|---|---|---|", tests_goal(results)]
+    lines = ["| GPU goal | measured | verdict |", "|---|---|---|", tests_goal(results)]
     lines += kernel_goals(results) + overlap_goals(results)
     return "\n".join(lines) + "\n"
 
