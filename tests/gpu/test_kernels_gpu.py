@@ -16,6 +16,7 @@ import torch
 from acco_ds.ops import _build
 from acco_ds.ops.accumulate import accumulate_grads, accumulate_grads_ref, copy_flat, copy_flat_ref
 from acco_ds.ops.adamw import adamw_step, adamw_step_cuda_body_on_cpu, adamw_step_ref, hyper_tensor
+from tests.ops.adamw_oracle import assert_matches_torch_adamw, ulp_atol
 
 pytestmark = [
     pytest.mark.gpu,
@@ -49,10 +50,6 @@ def poisoned(n, dtype, device="cuda"):
     return torch.full((n,), float("nan"), dtype=dtype, device=device)
 
 
-def ulp_atol(x):
-    return float(x.abs().max()) * 2.0**-23
-
-
 @pytest.mark.parametrize("hyper", [False, True])
 @pytest.mark.parametrize("wd", [0.0, 0.1])
 @pytest.mark.parametrize("gdtype", DTYPES)
@@ -78,13 +75,7 @@ def test_cuda_matches_torch_adamw_100_steps(n, gdtype, wd, hyper):
         else:
             adamw_step(master, m, v, grad, out, weight_decay=wd, step=step, **HP)
         assert torch.equal(out, master.to(torch.bfloat16))
-    st32, st64 = opt32.state[p32], opt64.state[p64]
-    for ours, t32, t64 in ((master, p32.detach(), p64.detach()), (m, st32["exp_avg"], st64["exp_avg"]),
-                           (v, st32["exp_avg_sq"], st64["exp_avg_sq"])):  # fmt: skip
-        torch.testing.assert_close(ours, t32, rtol=2e-5, atol=1e-6)
-        err_ours = (ours.double() - t64).abs().max().item()
-        err_torch = (t32.double() - t64).abs().max().item()
-        assert err_ours <= 2 * err_torch + ulp_atol(t64), (err_ours, err_torch)
+    assert_matches_torch_adamw(master, m, v, opt32, p32, opt64, p64)
 
 
 @pytest.mark.parametrize("commit", [True, False])

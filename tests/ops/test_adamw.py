@@ -15,6 +15,7 @@ import torch
 
 from acco_ds.ops import _build
 from acco_ds.ops.adamw import adamw_step, adamw_step_cuda_body_on_cpu, adamw_step_ref
+from tests.ops.adamw_oracle import assert_matches_torch_adamw, ulp_atol
 
 HP = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8)
 SIZES = [1, 7, 4096, 278011]
@@ -62,10 +63,6 @@ def poisoned(n: int, dtype) -> torch.Tensor:
     return torch.full((n,), float("nan"), dtype=dtype)
 
 
-def ulp_atol(x: torch.Tensor) -> float:
-    return float(x.abs().max()) * 2.0**-23
-
-
 @pytest.mark.parametrize("wd", [0.0, 0.1])
 @pytest.mark.parametrize("gdtype", DTYPES)
 @pytest.mark.parametrize("n", SIZES)
@@ -85,15 +82,7 @@ def test_matches_torch_adamw_100_steps(step_fn, n, gdtype, wd):
         out = poisoned(n, torch.bfloat16)
         step_fn(master, m, v, grad, out, weight_decay=wd, step=step, **HP)
         assert torch.equal(out, master.to(torch.bfloat16)), f"bf16 out != cast(master) at step {step}"
-    st32, st64 = opt32.state[p32], opt64.state[p64]
-    for ours, t32, t64 in ((master, p32.detach(), p64.detach()), (m, st32["exp_avg"], st64["exp_avg"]),
-                           (v, st32["exp_avg_sq"], st64["exp_avg_sq"])):  # fmt: skip
-        # element-wise against torch in fp32 ...
-        torch.testing.assert_close(ours, t32, rtol=2e-5, atol=1e-6)
-        # ... and our error at most 2x torch's own fp32 error against fp64 (+1 ulp of slack).
-        err_ours = (ours.double() - t64).abs().max().item()
-        err_torch = (t32.double() - t64).abs().max().item()
-        assert err_ours <= 2 * err_torch + ulp_atol(t64), (err_ours, err_torch)
+    assert_matches_torch_adamw(master, m, v, opt32, p32, opt64, p64)
 
 
 @pytest.mark.parametrize("odtype", DTYPES)
