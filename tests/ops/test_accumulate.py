@@ -219,6 +219,16 @@ def test_launch_plan_splits_aligned_from_unaligned():
     assert accumulate.launch_plan(buffer, [torch.zeros(0)], [0]) == []
 
 
+def assert_prints_ok(code: str, timeout: int) -> None:
+    """``code`` run by a fresh interpreter in the repository root exits 0, its last line (after the
+    ``print('ok')`` appended here) ``ok``."""
+    code += "print('ok')\n"
+    r = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=timeout
+    )
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-2000:]
+
+
 def test_import_needs_no_triton():
     code = (
         "import sys; sys.modules['triton'] = None\n"  # makes `import triton` raise ImportError
@@ -226,10 +236,8 @@ def test_import_needs_no_triton():
         "import acco_ds.ops.accumulate as a\n"
         "b = torch.zeros(8); a.accumulate_grads(b, [torch.ones(4)], [2]); assert b.sum() == 4\n"
         "assert not a._triton_available()\n"
-        "print('ok')\n"
     )
-    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-2000:]
+    assert_prints_ok(code, timeout=120)
 
 
 def test_importing_acco_ds_does_not_import_triton():
@@ -240,10 +248,8 @@ def test_importing_acco_ds_does_not_import_triton():
         "import acco_ds, acco_ds.ops, acco_ds.ops.accumulate, acco_ds.ops.adamw\n"
         "assert 'triton' not in sys.modules, sorted(m for m in sys.modules if m.startswith('triton'))\n"
         "assert 'acco_ds.ops.triton_kernels' not in sys.modules\n"
-        "print('ok')\n"
     )
-    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-2000:]
+    assert_prints_ok(code, timeout=300)
 
 
 def test_triton_kernel_under_interpreter():
