@@ -20,7 +20,6 @@ import os
 import shutil
 import subprocess
 
-import deepspeed
 import pytest
 import torch
 from deepspeed.utils import safe_get_full_fp32_param
@@ -29,6 +28,7 @@ from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoin
 import acco_ds  # noqa: F401
 from acco_ds.deepspeed.checkpoint import ACCOCheckpointError
 from acco_ds.deepspeed.checkpoint.guard import STAGING_SUFFIX
+from tests.checkpoint.common import acco_engine
 from tests.ranks import toy
 from tests.ranks.inproc import ensure_single_rank_group
 from tests.ranks.launch import REPO, deepspeed_cmd, free_port, rank_env
@@ -110,16 +110,7 @@ def one_rank():
 
 
 def _engine(model=None):
-    cfg = {
-        "train_micro_batch_size_per_gpu": toy.MICRO_BATCH,
-        "gradient_accumulation_steps": 2,
-        "optimizer": {"type": "ACCO", "params": {"lr": 0.02}},
-        "zero_optimization": {"stage": 1},
-        "steps_per_print": 10**9,
-    }
-    model = model if model is not None else toy.build()
-    engine, *_ = deepspeed.initialize(model=model, config=cfg, model_parameters=model.parameters())
-    return engine
+    return acco_engine(model if model is not None else toy.build())
 
 
 def _train(engine, steps: int, start: int = 0):

@@ -24,17 +24,15 @@ model) is refused with the file or parameter named before anything changes, and 
 
 from __future__ import annotations
 
-import hashlib
 import shutil
 
-import deepspeed
 import pytest
 import torch
-from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
 import acco_ds  # noqa: F401
 from acco_ds.core.reference import RefHyper, RefState, reference_run
 from acco_ds.deepspeed.checkpoint import ACCOCheckpointError
+from tests.checkpoint.common import acco_engine, digest, full_state
 from tests.ranks import ckpt_runs, toy
 from tests.ranks.inproc import ensure_single_rank_group
 
@@ -225,40 +223,17 @@ class Wider(toy.Toy):
 
 def _engine(model):
     ensure_single_rank_group()
-    cfg = {
-        "train_micro_batch_size_per_gpu": toy.MICRO_BATCH,
-        "gradient_accumulation_steps": 2,
-        "optimizer": {"type": "ACCO", "params": {"lr": 0.02}},
-        "zero_optimization": {"stage": 1},
-        "steps_per_print": 10**9,
-    }
-    engine, *_ = deepspeed.initialize(model=model, config=cfg, model_parameters=model.parameters())
-    return engine
-
-
-def _state(engine):
-    ps = toy.trainable(engine.module)
-    return [toy.flat(safe_get_full_fp32_param(p) for p in ps), toy.flat(p.detach() for p in ps)] + [
-        toy.flat(safe_get_full_optimizer_state(p, k) for p in ps) for k in ("exp_avg", "exp_avg_sq")
-    ]
-
-
-def _digest(folder) -> dict:
-    return {
-        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-        for p in folder.rglob("*")
-        if p.is_file()
-    }
+    return acco_engine(model)
 
 
 def _refused(engine, folder, match: str) -> None:
-    before, was = _digest(folder), _state(engine)
+    before, was = digest(folder), full_state(engine)
     try:
         with pytest.raises(ACCOCheckpointError, match=match):
             engine.load_checkpoint(folder, tag="mid")
-        for a, b in zip(was, _state(engine)):
+        for a, b in zip(was, full_state(engine)):
             assert torch.equal(a, b), "the refused load changed the run"
-        assert _digest(folder) == before, "a load wrote into the checkpoint folder"
+        assert digest(folder) == before, "a load wrote into the checkpoint folder"
     finally:
         engine.optimizer.pipeline.close()
 

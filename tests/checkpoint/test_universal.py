@@ -12,17 +12,15 @@ Bad input (one rank, in this process): a universal checkpoint without Adam momen
 
 from __future__ import annotations
 
-import hashlib
 import shutil
 
-import deepspeed
 import pytest
 import torch
-from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
 import acco_ds  # noqa: F401
 from acco_ds.core.reference import RefHyper, RefState, reference_run
 from acco_ds.deepspeed.checkpoint import ACCOCheckpointError
+from tests.checkpoint.common import acco_engine, digest, full_state
 from tests.ranks import ckpt_runs, toy
 from tests.ranks.inproc import ensure_single_rank_group
 
@@ -121,33 +119,7 @@ def test_conversion_of_acco_needs_no_inject_flag(runs):
 # -- bad input, one rank in this process ---------------------------------------------------------------
 def _engine(universal: bool):
     ensure_single_rank_group()
-    model = toy.build(5)
-    cfg = {
-        "train_micro_batch_size_per_gpu": toy.MICRO_BATCH,
-        "gradient_accumulation_steps": 2,
-        "optimizer": {"type": "ACCO", "params": {"lr": 0.02}},
-        "zero_optimization": {"stage": 1},
-        "steps_per_print": 10**9,
-    }
-    if universal:
-        cfg["checkpoint"] = {"load_universal": True}
-    engine, *_ = deepspeed.initialize(model=model, config=cfg, model_parameters=model.parameters())
-    return engine
-
-
-def _state(engine):
-    ps = toy.trainable(engine.module)
-    return [toy.flat(safe_get_full_fp32_param(p) for p in ps), toy.flat(p.detach() for p in ps)] + [
-        toy.flat(safe_get_full_optimizer_state(p, k) for p in ps) for k in ("exp_avg", "exp_avg_sq")
-    ]
-
-
-def _digest(folder) -> dict:
-    return {
-        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-        for p in folder.rglob("*")
-        if p.is_file()
-    }
+    return acco_engine(toy.build(5), **({"checkpoint": {"load_universal": True}} if universal else {}))
 
 
 @pytest.mark.parametrize("missing", ["exp_avg.pt", "step.pt"])
@@ -156,20 +128,20 @@ def test_universal_without_moments_is_refused_before_any_change(runs, tmp_path, 
     shutil.copytree(runs["out"] / "uni_z1", folder)
     for f in (folder / "z1_universal" / "zero").glob(f"*/{missing}"):
         f.unlink()
-    before = _digest(folder)
+    before = digest(folder)
     engine = _engine(universal=True)
     try:
-        was = _state(engine)
+        was = full_state(engine)
         with pytest.raises(
             ACCOCheckpointError, match=rf"no Adam state '{missing[:-3]}' for parameter .*{missing}"
         ):
             engine.load_checkpoint(folder)
-        for a, b in zip(was, _state(engine)):
+        for a, b in zip(was, full_state(engine)):
             assert torch.equal(a, b), "the refused load changed the run"
         # the weights alone load (new moments)
         path, _ = engine.load_checkpoint(folder, load_optimizer_states=False)
         assert path is not None
-        assert torch.equal(_state(engine)[0], runs["jobs"]["z1"][0]["at_save"]["master"])
+        assert torch.equal(full_state(engine)[0], runs["jobs"]["z1"][0]["at_save"]["master"])
     finally:
         engine.optimizer.pipeline.close()
-    assert _digest(folder) == before, "a load wrote into the checkpoint folder"
+    assert digest(folder) == before, "a load wrote into the checkpoint folder"
