@@ -22,31 +22,20 @@ from accelerate import Accelerator  # noqa: E402
 from accelerate.state import AcceleratorState, GradientState, PartialState  # noqa: E402
 from accelerate.utils import DeepSpeedPlugin, DummyOptim  # noqa: E402
 from deepspeed.utils import safe_get_full_fp32_param  # noqa: E402
-from transformers import Trainer, TrainingArguments  # noqa: E402
+from transformers import Trainer  # noqa: E402
 
 import acco_ds  # noqa: E402,F401  (the only change a user makes)
 from tests.ranks import cpu_accelerate_shim  # noqa: E402
-from tests.ranks.hf_worker import Tokens, tiny_llama  # noqa: E402
+from tests.ranks.hf_worker import Tokens, tiny_llama, trainer_args  # noqa: E402
 
 
 def train(name: str, config: dict, args) -> dict:
-    training_args = TrainingArguments(
+    training_args = trainer_args(
+        args,
         output_dir=os.path.join(args.output_dir, name),
         deepspeed=config,
-        per_device_train_batch_size=2,
-        gradient_accumulation_steps=args.gradient_accumulation_steps,
         num_train_epochs=args.epochs,
         save_strategy="no",
-        logging_steps=1,
-        learning_rate=3e-3,
-        lr_scheduler_type="linear",
-        warmup_steps=2,
-        weight_decay=0.01,
-        max_grad_norm=1.0,
-        report_to=[],
-        seed=0,
-        dataloader_num_workers=0,
-        disable_tqdm=True,
     )
     trainer = Trainer(model=tiny_llama(), args=training_args, train_dataset=Tokens(samples=args.samples))
     trainer.train()

@@ -17,7 +17,6 @@ import os
 import torch
 from deepspeed.utils import safe_get_full_fp32_param  # noqa: E402
 from transformers import (  # noqa: E402
-    LlamaConfig,
     LlamaForCausalLM,
     Trainer,
     TrainerCallback,
@@ -25,24 +24,35 @@ from transformers import (  # noqa: E402
 )
 
 import acco_ds  # noqa: E402,F401  (the only change a user makes)
-from tests.ranks import cpu_accelerate_shim  # noqa: E402
+from tests.ranks import cpu_accelerate_shim, llama  # noqa: E402
 
 VOCAB, SEQ, SAMPLES = 96, 16, 64
 
 
 def tiny_llama() -> LlamaForCausalLM:
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=SEQ,
-        tie_word_embeddings=True,
+    """The tiny Llama (tests/ranks/llama.py) of this script's vocabulary and length, 2 key/value heads, tied."""
+    return llama.tiny_llama(VOCAB, SEQ, kv_heads=2, tied=True)
+
+
+def trainer_args(args, **kw) -> TrainingArguments:
+    """The Trainer settings of the Hugging Face rank scripts (this one and ``epochs_worker``): micro-batch 2,
+    ``args.gradient_accumulation_steps``, linear LR 3e-3 with 2 warm-up steps, weight decay 0.01, clipping
+    1.0, seed 0, a log every step; ``kw``: the rest (output folder, config, length, saving, evaluation)."""
+    return TrainingArguments(
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=args.gradient_accumulation_steps,
+        logging_steps=1,
+        learning_rate=3e-3,
+        lr_scheduler_type="linear",
+        warmup_steps=2,
+        weight_decay=0.01,
+        max_grad_norm=1.0,
+        report_to=[],
+        seed=0,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+        **kw,
     )
-    torch.manual_seed(0)
-    return LlamaForCausalLM(config)
 
 
 class Tokens(torch.utils.data.Dataset):
@@ -117,24 +127,13 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
     cpu_accelerate_shim.apply()  # CPU-only test machines (see the module); a no-op on GPU
-    training_args = TrainingArguments(
+    training_args = trainer_args(
+        args,
         output_dir=args.output_dir,
         deepspeed=args.deepspeed,
-        per_device_train_batch_size=2,
-        gradient_accumulation_steps=args.gradient_accumulation_steps,
         max_steps=args.max_steps,
         save_strategy="steps",
         save_steps=args.save_steps,
-        logging_steps=1,
-        learning_rate=3e-3,
-        lr_scheduler_type="linear",
-        warmup_steps=2,
-        weight_decay=0.01,
-        max_grad_norm=1.0,
-        report_to=[],
-        seed=0,
-        dataloader_num_workers=0,
-        disable_tqdm=True,
         eval_strategy="steps" if args.eval_steps else "no",
         eval_steps=args.eval_steps or None,
         per_device_eval_batch_size=EVAL_BATCH,

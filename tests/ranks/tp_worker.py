@@ -17,27 +17,17 @@ import deepspeed  # noqa: E402
 import torch
 import torch.distributed as dist
 from deepspeed.utils import groups, safe_get_full_fp32_param, safe_get_full_optimizer_state  # noqa: E402
-from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+from transformers import LlamaForCausalLM  # noqa: E402
 
 import acco_ds  # noqa: E402,F401
-from tests.ranks import rank_start  # noqa: E402
+from tests.ranks import llama, rank_start  # noqa: E402
 
 VOCAB, SEQ, MICRO = 64, 12, 2
 
 
 def tiny_llama() -> LlamaForCausalLM:
-    cfg = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        max_position_embeddings=SEQ,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(0)
-    return LlamaForCausalLM(cfg)
+    """The tiny Llama (tests/ranks/llama.py) of this script's vocabulary and length, 4 key/value heads, untied."""
+    return llama.tiny_llama(VOCAB, SEQ, kv_heads=4, tied=False)
 
 
 class _CopyToTP(torch.autograd.Function):
