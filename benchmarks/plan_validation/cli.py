@@ -113,32 +113,49 @@ def step_row(rate: str, label: str, run: dict, p, dp_world: int, micro_batch: in
     }
 
 
-def e2e_inputs(setup: dict, t_mb: float, bw: float, hbm: float, bucket: float) -> PlanInputs:
+def cpu_inputs(setup: dict, t_mb: float, hbm: float, bucket: float, **topology) -> PlanInputs:
+    """The plan's inputs for a CPU benchmark run of ``setup`` (its micro-batch, GAS, and bf16 or fp32 for the
+    parameters and the communication): one micro-batch ``t_mb`` s, memory bandwidth ``hbm``, reduce bucket
+    ``bucket``; ``topology``: the parameters, nodes, ranks per node, tp and the link."""
     dt = "bf16" if setup.get("bf16") else "fp32"
     return PlanInputs(
-        params=setup["n_params"],
         t_micro_batch=t_mb,
         micro_batch=setup["micro_batch"],
         gas=setup["grad_accum"],
-        nodes=1,
-        gpus_per_node=setup["world"],
-        tp=1,
         param_dtype=dt,
         comm_dtype=dt,
-        intra_bw=bw,
-        intra_latency=0.0,
         hbm_bw=hbm,
         accelerator="cpu",
         reduce_bucket=bucket,
+        **topology,
     )
+
+
+def e2e_inputs(setup: dict, t_mb: float, bw: float, hbm: float, bucket: float) -> PlanInputs:
+    topology = dict(params=setup["n_params"], nodes=1, gpus_per_node=setup["world"], tp=1)
+    return cpu_inputs(setup, t_mb, hbm, bucket, intra_bw=bw, intra_latency=0.0, **topology)
+
+
+def _calibrated(res: dict) -> tuple:
+    """A sweep's compute-only figures (``analysis.compute_only``), their mean micro-batch time, and the
+    DeepSpeed settings each contender ran with (``{}`` where the results predate them)."""
+    comp = analysis.compute_only(res)
+    return comp, comp["t_mb_mean"], res.get("ds_settings", {})
+
+
+def _measured_runs(block: dict, ds: dict, default_bucket: float):
+    """``(label, run, reduce bucket)`` for each contender's run of one rate's ``block`` that has a step time;
+    the bucket: the one DeepSpeed's settings ``ds`` name for it, else ``default_bucket``."""
+    for label, run in block["runs"].items():
+        if label not in CONTENDERS or not isinstance(run, dict) or "step_time_s" not in run:
+            continue
+        yield label, run, (ds.get(label) or {}).get("reduce_bucket_size") or default_bucket
 
 
 def validate_e2e(e2e: dict, hbm: float) -> dict:
     res = e2e["results"]
     setup, W = res["setup"], res["setup"]["world"]
-    comp = analysis.compute_only(res)
-    t_mb = comp["t_mb_mean"]
-    ds = res.get("ds_settings", {})
+    comp, t_mb, ds = _calibrated(res)
     rows, calib = [], []
     for rate, block in res["rates"].items():
         c = block["comm"]
@@ -156,10 +173,7 @@ def validate_e2e(e2e: dict, hbm: float) -> dict:
                 "bw_from_ag": (W - 1) / W * c["bytes"] / c["ag_s"],
             }
         )
-        for label, run in block["runs"].items():
-            if label not in CONTENDERS or not isinstance(run, dict) or "step_time_s" not in run:
-                continue
-            bucket = (ds.get(label) or {}).get("reduce_bucket_size") or setup["n_params"]
+        for label, run, bucket in _measured_runs(block, ds, setup["n_params"]):
             p = predict(e2e_inputs(setup, t_mb, bw, hbm, bucket)).row(label)
             rows.append(step_row(rate, label, run, p, W, setup["micro_batch"]))
     hetero = []
@@ -215,10 +229,7 @@ def validate_topology(topo: dict, hbm: float) -> dict:
     res = topo["results"]
     setup = res["setup"]
     tp, slice_numel = setup["tp"], setup["n_params"]
-    comp = analysis.compute_only(res)
-    t_mb = comp["t_mb_mean"]
-    ds = res.get("ds_settings", {})
-    dt = "bf16" if setup.get("bf16") else "fp32"
+    comp, t_mb, ds = _calibrated(res)
     rows, calib = [], []
     for rate, block in res["rates"].items():
         c = block["comm"]
@@ -234,26 +245,10 @@ def validate_topology(topo: dict, hbm: float) -> dict:
                 "bw_from_tc_rate": None if rate == "none" else units.parse_bandwidth(rate),
             }
         )
-        for label, run in block["runs"].items():
-            if label not in CONTENDERS or not isinstance(run, dict) or "step_time_s" not in run:
-                continue
-            bucket = (ds.get(label) or {}).get("reduce_bucket_size") or slice_numel
-            inputs = PlanInputs(
-                params=slice_numel * tp,  # the plan divides by tp: each rank's slice
-                t_micro_batch=t_mb,
-                micro_batch=setup["micro_batch"],
-                gas=setup["grad_accum"],
-                nodes=W,
-                gpus_per_node=tp,
-                tp=tp,
-                param_dtype=dt,
-                comm_dtype=dt,
-                inter_bw=node_bw,
-                inter_latency=0.0,
-                hbm_bw=hbm,
-                accelerator="cpu",
-                reduce_bucket=bucket,
-            )
+        for label, run, bucket in _measured_runs(block, ds, slice_numel):
+            # params: the plan divides by tp: each rank's slice
+            topology = dict(params=slice_numel * tp, nodes=W, gpus_per_node=tp, tp=tp)
+            inputs = cpu_inputs(setup, t_mb, hbm, bucket, inter_bw=node_bw, inter_latency=0.0, **topology)
             p = predict(inputs).row(label)
             rows.append(step_row(rate, label, run, p, W, setup["micro_batch"]))
     m = res["machine"]

@@ -23,23 +23,37 @@ def _bw(b) -> str:
     return f"{b * 8 / 1e9:.3g} Gbit/s" if b * 8 >= 1e9 else f"{b * 8 / 1e6:.3g} Mbit/s"
 
 
+def table(head: str, rows) -> list:
+    """The Markdown lines of a table: the header row ``head`` (``| a | b |``), its rule, then one line per
+    list of cells in ``rows``."""
+    return [head, "|" + "---|" * (head.count("|") - 1)] + ["| " + " | ".join(cells) + " |" for cells in rows]
+
+
 def step_table(rows: list) -> list:
     """The Markdown lines of a step-time comparison (rows of ``step_row``)."""
-    L = [
-        "| link | contender | measured s/step | predicted | error | within | measured samples/s | predicted "
-        "| error | micro-batches/step/rank measured / predicted |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in rows:
+
+    def cells(r):
         mbs = ""
         if r["contender"] == "acco-adaptive":
             mbs = f"{r['measured_mb_per_step']:.2f} / {r['predicted_mb_per_step']:g}"
-        L.append(
-            f"| {r['rate']} | {r['contender']} | {r['measured_step_s']:.3f} | {r['predicted_step_s']:.3f} "
-            f"| {_pct(r['step_err'])} | {_ok(r['step_err'])} | {r['measured_samples_per_s']:.1f} "
-            f"| {r['predicted_samples_per_s']:.1f} | {_pct(r['samples_err'])} | {mbs} |"
-        )
-    return L
+        return [
+            r["rate"],
+            r["contender"],
+            f"{r['measured_step_s']:.3f}",
+            f"{r['predicted_step_s']:.3f}",
+            _pct(r["step_err"]),
+            _ok(r["step_err"]),
+            f"{r['measured_samples_per_s']:.1f}",
+            f"{r['predicted_samples_per_s']:.1f}",
+            _pct(r["samples_err"]),
+            mbs,
+        ]
+
+    return table(
+        "| link | contender | measured s/step | predicted | error | within | measured samples/s | predicted "
+        "| error | micro-batches/step/rank measured / predicted |",
+        map(cells, rows),
+    )
 
 
 def render(v: dict) -> str:
@@ -91,15 +105,21 @@ def render(v: dict) -> str:
             "",
             f"## Heterogeneous ranks (bench_e2e, {e['hetero_rate']}, one rank 2x slower)",
             "",
-            "| contender | measured s/step | predicted | error | within | how |",
-            "|---|---|---|---|---|---|",
         ]
-        for r in e["hetero"]:
-            pred = "-" if r["predicted_step_s"] is None else f"{r['predicted_step_s']:.3f}"
-            L.append(
-                f"| {r['contender']} | {r['measured_step_s']:.3f} | {pred} | {_pct(r['step_err'])} "
-                f"| {_ok(r['step_err'])} | {r['why']} |"
-            )
+        L += table(
+            "| contender | measured s/step | predicted | error | within | how |",
+            (
+                [
+                    r["contender"],
+                    f"{r['measured_step_s']:.3f}",
+                    "-" if r["predicted_step_s"] is None else f"{r['predicted_step_s']:.3f}",
+                    _pct(r["step_err"]),
+                    _ok(r["step_err"]),
+                    r["why"],
+                ]
+                for r in e["hetero"]
+            ),
+        )
     t = v.get("topology")
     L += ["", "## Step time, bench_topology (two nodes, tensor parallelism inside a node)", ""]
     if not t:
@@ -132,14 +152,21 @@ def render(v: dict) -> str:
             "peak RSS minus its RSS before the model was built, which also holds activations, the model as "
             "transformers built it before it was flattened, DeepSpeed's and torch's working memory.",
             "",
-            "| case | contender | measured MiB | predicted MiB | error | measured - predicted MiB |",
-            "|---|---|---|---|---|---|",
         ]
-        for r in mem["rows"]:
-            L.append(
-                f"| {r['case']} | {r['contender']} | {r['measured_bytes'] / 2**20:.0f} "
-                f"| {r['predicted_bytes'] / 2**20:.0f} | {_pct(r['err'])} | {r['unexplained_mib']:.0f} |"
-            )
+        L += table(
+            "| case | contender | measured MiB | predicted MiB | error | measured - predicted MiB |",
+            (
+                [
+                    r["case"],
+                    r["contender"],
+                    f"{r['measured_bytes'] / 2**20:.0f}",
+                    f"{r['predicted_bytes'] / 2**20:.0f}",
+                    _pct(r["err"]),
+                    f"{r['unexplained_mib']:.0f}",
+                ]
+                for r in mem["rows"]
+            ),
+        )
     L += [
         "",
         "## The paper's reported ratios (hardware not measured here: inputs assumed)",
@@ -149,17 +176,26 @@ def render(v: dict) -> str:
         "what was assumed. 'implied' is the bandwidth (of the link named) at which the model gives the "
         "reported ratio, everything else as assumed; none means no bandwidth does.",
         "",
+    ]
+    L += table(
         "| case | reported | ratio | framing | mode | predicted ratio | comm/compute | best ratio the model allows "
         "| implied bandwidth | assumed |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for p in v["paper"]:
-        imp = "none" if p["implied_bw"] is None else f"{p['vary']} {_bw(p['implied_bw'])}"
-        L.append(
-            f"| {p['case']} | {p['reported']} | {p['ratio']:.2f} | {p['framing']} | {p['mode']} "
-            f"| {p['predicted_ratio']:.2f} | {p['comm_compute_ratio']:.3f} | {p['best_ratio']:.2f} | {imp} "
-            f"| {p['assumed']} |"
-        )
+        (
+            [
+                p["case"],
+                p["reported"],
+                f"{p['ratio']:.2f}",
+                p["framing"],
+                p["mode"],
+                f"{p['predicted_ratio']:.2f}",
+                f"{p['comm_compute_ratio']:.3f}",
+                f"{p['best_ratio']:.2f}",
+                "none" if p["implied_bw"] is None else f"{p['vary']} {_bw(p['implied_bw'])}",
+                p["assumed"],
+            ]
+            for p in v["paper"]
+        ),
+    )
     if v.get("notes"):
         L += ["", "## Notes", ""] + [f"- {n}" for n in v["notes"]]
     return "\n".join(L) + "\n"
