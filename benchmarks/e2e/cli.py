@@ -205,7 +205,9 @@ def run_all(a) -> dict:
         if not a.no_budget and "acco-adaptive" in rounds:
 
             def at_budget(seed, schedule, rate=rate):
-                return runs.run_contender(setup, "acco-adaptive", rate, None, f"/s{seed}", seed, schedule)
+                return runs.run_contender(
+                    setup, "acco-adaptive", rate, None, f"/s{seed}", seed, schedule=schedule
+                )
 
             block["budget"] = sweep.budget_runs(setup, block, rate, failed, _log, at_budget)
         results["rates"][rate] = block

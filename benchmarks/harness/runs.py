@@ -221,17 +221,10 @@ def contender_spec(
     return _spec(setup, run_dir, label, mode, acc, cfg, slow or {}, seed, steps)
 
 
-def run_contender(
-    setup: Setup,
-    label: str,
-    rate: str,
-    slow: dict | None = None,
-    tag: str = "",
-    seed: int | None = None,
-    schedule: dict | None = None,
-) -> dict:
-    """One training run of ``label`` on a link of ``rate`` (all ranks in one throttled namespace)."""
-    spec = contender_spec(setup, label, rate, slow, tag, seed, schedule)
+def run_contender(setup: Setup, label: str, rate: str, *spec_args, schedule: dict | None = None) -> dict:
+    """One training run of ``label`` on a link of ``rate`` (all ranks in one throttled namespace);
+    ``spec_args`` and ``schedule``: ``contender_spec``'s (slow, tag, seed), the schedule kept in the summary."""
+    spec = contender_spec(setup, label, rate, *spec_args, schedule=schedule)
     s = launch_and_summarize(setup, spec, rate)
     if schedule:
         s["schedule"] = schedule
