@@ -9,6 +9,12 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=$(bash scripts/project_python.sh) || exit 1
 export PATH="$(dirname "$PY"):$PATH"
+# DeepSpeed JIT-builds its CPU ops (fused_adam, the shm communication op) with torch's extension loader: keep
+# them in the project environment, built by its own ninja. A shared ~/.cache/torch_extensions is rebuilt every
+# time another ninja version touched it, and a build killed half-way there leaves a lock every later run
+# waits on forever.
+TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$("$PY" -c 'import sys; print(sys.prefix)')/torch_extensions}
+export TORCH_EXTENSIONS_DIR
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 select=()
 if [ "${1:-}" = "--fast" ]; then
