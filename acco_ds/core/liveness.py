@@ -197,7 +197,9 @@ class PeerMonitor:
         t0 = time.monotonic()
         while True:  # until a rank has been silent for two periods, the store died, or four periods
             with self._lock:
-                end = self._store_down_at or self._view_at
+                # silence as of the last view: once the store is down no counter moves any more, and
+                # measuring up to the moment the failed store call returned would name a live rank
+                end = self._view_at
                 silent = {
                     r: end - self._changed_at.get(r, self._view_since) for r in self.ranks if r != self.rank
                 }
