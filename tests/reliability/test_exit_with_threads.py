@@ -128,3 +128,52 @@ def test_thread_executor_close_drains_and_joins():
     ex.close()
     assert done == [1, 2] and not ex._thread.is_alive() and ex not in _OPEN_EXECUTORS
     ex.close()  # idempotent
+
+
+GROUP_AT_EXIT = textwrap.dedent(
+    """
+    import atexit, sys
+    import torch, torch.distributed as dist
+
+    # registered before acco_ds is imported, so it runs after acco_ds's exit hooks (atexit is LIFO)
+    atexit.register(lambda: print("GROUP_AFTER_EXIT_HOOKS", dist.is_initialized(), flush=True))
+    import acco_ds.core.comm as comm
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{sys.argv[1]}", rank=0, world_size=1)
+    out = torch.empty(4)
+    dist.all_gather_into_tensor(out, torch.ones(4), async_op=True).wait()
+    if sys.argv[2] == "failed_round":
+        comm._note_comm_failure()
+    if sys.argv[2] == "uncaught":
+        raise ValueError("the script failed")
+    """
+)
+
+
+def _group_after_exit(how: str) -> tuple:
+    proc = subprocess.run(
+        [sys.executable, "-c", GROUP_AT_EXIT, str(free_port()), how],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    out = proc.stdout + proc.stderr
+    assert "GROUP_AFTER_EXIT_HOOKS" in out, out[-2000:]
+    return proc.returncode, "GROUP_AFTER_EXIT_HOOKS True" in out, out
+
+
+def test_clean_gloo_exit_destroys_the_process_groups():
+    """A gloo job that ends cleanly has its process groups destroyed before finalisation (gloo's worker
+    threads joined; scripts/gloo_exit_stress.py measures the aborts this prevents)."""
+    rc, still_initialized, out = _group_after_exit("clean")
+    assert rc == 0 and not still_initialized, out[-2000:]
+
+
+def test_failed_round_or_uncaught_exception_leaves_the_groups_alone():
+    """After a failed round or an uncaught exception a collective may be stuck on a lost peer: destroying
+    the group would join it and hold the exit up to the group's timeout."""
+    rc, still_initialized, out = _group_after_exit("failed_round")
+    assert rc == 0 and still_initialized, out[-2000:]
+    rc, still_initialized, out = _group_after_exit("uncaught")
+    assert rc == 1 and still_initialized and "the script failed" in out, out[-2000:]
