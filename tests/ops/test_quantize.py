@@ -1,0 +1,169 @@
+"""acco_ds.ops.quantize against an fp64 reference written here: per-block scales, the error bound
+|x - deq| <= scale / 2, round half to even, odd sizes (short last block), all-zero blocks, huge and tiny
+magnitudes, bf16 and fp32 inputs, non-finite values, and the error-feedback residual."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from acco_ds.ops.quantize import QMAX, dequantize, num_blocks, quantize, quantize_with_residual
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def ref_blocks(x: torch.Tensor, block_size: int):
+    """(values fp64, absmax fp64) per block, in Python floats: the reference."""
+    xs = x.double().tolist()
+    out = []
+    for lo in range(0, len(xs), block_size):
+        block = xs[lo : lo + block_size]
+        out.append((block, max((abs(v) for v in block), default=0.0)))
+    return out
+
+
+def check_against_reference(x: torch.Tensor, block_size: int) -> None:
+    q, scales = quantize(x, block_size)
+    assert q.dtype == torch.int8 and q.shape == x.shape
+    assert scales.dtype == torch.float32 and scales.numel() == num_blocks(x.numel(), block_size)
+    deq = dequantize(q, scales, block_size)
+    assert deq.dtype == torch.float32
+    qs, ss, ds = q.tolist(), scales.double().tolist(), deq.double().tolist()
+    for b, (block, absmax) in enumerate(ref_blocks(x, block_size)):
+        scale = ss[b]
+        want = absmax / QMAX
+        if absmax == 0.0:
+            assert scale == 0.0
+        else:
+            # absmax / 127 rounded up to fp32: at least the exact value, at most one fp32 step above it
+            assert want <= scale <= want * (1 + 2**-23) + 2**-149, (b, scale, want)
+        for j, v in enumerate(block):
+            i = b * block_size + j
+            assert -QMAX <= qs[i] <= QMAX
+            assert ds[i] == float(torch.tensor(qs[i] * scale, dtype=torch.float64).float())
+            # the bound, in fp64 from the int8 value and the fp32 scale (q * scale is exact in fp64)
+            err = abs(v - qs[i] * scale)
+            assert err <= scale * (0.5 + 2**-16), (i, v, qs[i], scale, err)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("n", "block_size"), [(1, 256), (7, 4), (255, 256), (257, 256), (1000, 64), (33, 1)])
+def test_matches_fp64_reference(dtype, n, block_size):
+    g = torch.Generator().manual_seed(n * 31 + block_size)
+    x = (torch.randn(n, generator=g) * torch.logspace(-3, 3, n)).to(DTYPES[dtype])
+    check_against_reference(x, block_size)
+
+
+def test_round_half_to_even_and_the_clamp():
+    # block [127, t]: scale exactly 1, so q = round(t) with ties to even
+    for t, want in [(2.5, 2), (3.5, 4), (-2.5, -2), (-3.5, -4), (0.5, 0), (1.5, 2), (126.5, 126)]:
+        q, scales = quantize(torch.tensor([127.0, t]), 2)
+        assert scales.tolist() == [1.0]
+        assert q.tolist() == [127, want], t
+    q, _ = quantize(torch.tensor([-5.0, 5.0, 1.0]), 3)
+    assert q.tolist() == [-127, 127, 25]  # 1 / (5 / 127) = 25.4
+
+
+def test_all_zero_blocks_and_odd_sizes():
+    x = torch.zeros(10)
+    x[8] = -3.0  # blocks of 4: [0 0 0 0] [0 0 0 0] [0 -3] (short)
+    q, scales = quantize(x, 4)
+    assert scales.tolist() == [0.0, 0.0, pytest.approx(3.0 / 127, rel=1e-6)]
+    assert q.tolist() == [0] * 8 + [-127, 0]
+    assert dequantize(q, scales, 4)[:8].eq(0).all()
+    q, scales = quantize(torch.zeros(0), 8)
+    assert q.numel() == 0 and scales.numel() == 0
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_huge_and_tiny_magnitudes(dtype):
+    big = torch.finfo(DTYPES[dtype]).max
+    tiny = torch.finfo(DTYPES[dtype]).tiny  # smallest normal
+    blocks = [
+        [big, -big / 3, 1.0, 0.0],
+        [tiny, -tiny * 5, tiny / 4, 0.0],  # tiny / 4: subnormal
+        [1e-40, -3e-41, 1e-44, 0.0],  # subnormal fp32 (bf16 keeps its own nearest)
+        [1e30, 1e-30, -1e10, 7.0],
+    ]
+    x = torch.tensor([v for b in blocks for v in b], dtype=torch.float64).to(DTYPES[dtype])
+    check_against_reference(x, 4)
+
+
+def test_smallest_subnormal_absmax_keeps_the_bound():
+    # absmax / 127 underflows fp32: the scale rounds up to the smallest subnormal, not down to 0
+    s = 2.0**-149
+    x = torch.tensor([s, -s, 0.0, 3 * s])
+    q, scales = quantize(x, 4)
+    assert scales.tolist() == [s]
+    assert q.tolist() == [1, -1, 0, 3]
+    check_against_reference(x, 4)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_non_finite_input_gives_a_non_finite_scale(bad, dtype):
+    x = torch.arange(12, dtype=torch.float32).to(DTYPES[dtype])
+    x[5] = bad  # block 1 of 3 (blocks of 4)
+    q, scales = quantize(x, 4)
+    assert math.isfinite(scales[0]) and math.isfinite(scales[2])
+    assert not math.isfinite(scales[1])
+    deq = dequantize(q, scales, 4)
+    assert deq[4:8].isnan().all()  # whatever dequantizes it sees a non-finite value
+    assert deq[:4].isfinite().all() and deq[8:].isfinite().all()
+    # and so does a sum of squares (the round's global norm)
+    assert not torch.isfinite(deq.double().square().sum())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_quantize_with_residual_writes_what_was_lost(dtype):
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(301, generator=g).to(DTYPES[dtype])
+    residual = (torch.randn(301, generator=g) * 0.01).to(DTYPES[dtype])
+    v = x.float() + residual.float()  # fp32, as the function adds them
+    q, scales = quantize_with_residual(x, residual, 32)
+    q2, s2 = quantize(v, 32)
+    assert torch.equal(q, q2) and torch.equal(scales, s2)  # the quantization of v
+    deq = dequantize(q, scales, 32)
+    want = (v - deq).to(DTYPES[dtype])
+    assert torch.equal(residual, want)
+    per_elem = scales.double().repeat_interleave(32)[:301]
+    assert (residual.double().abs() <= per_elem * (0.5 + 2**-8)).all()
+
+
+def test_residual_telescopes_over_rounds():
+    """sum of what was sent (dequantized) + the final residual == the exact sum of the inputs."""
+    g = torch.Generator().manual_seed(5)
+    residual = torch.zeros(97)
+    sent = torch.zeros(97, dtype=torch.float64)
+    exact = torch.zeros(97, dtype=torch.float64)
+    for _ in range(50):
+        x = torch.randn(97, generator=g) * torch.rand(1, generator=g) * 10
+        exact += x.double()
+        q, s = quantize_with_residual(x, residual, 16)
+        sent += dequantize(q, s, 16).double()
+    assert (sent + residual.double() - exact).abs().max() < 1e-4
+
+
+def test_residual_of_a_non_finite_block_is_zeroed():
+    x = torch.ones(8)
+    x[1] = float("nan")
+    residual = torch.full((8,), 0.25)
+    _, scales = quantize_with_residual(x, residual, 4)
+    assert scales[0].isnan() and scales[1] == pytest.approx(1.25 / 127)
+    assert residual[:4].eq(0).all()
+    assert residual[4:].isfinite().all()
+
+
+def test_bad_arguments_are_refused():
+    with pytest.raises(ValueError, match="block_size"):
+        quantize(torch.ones(4), 0)
+    with pytest.raises(TypeError, match="float32 or bfloat16"):
+        quantize(torch.ones(4, dtype=torch.float64), 4)
+    with pytest.raises(ValueError, match="flat"):
+        quantize(torch.ones(2, 2), 4)
+    with pytest.raises(ValueError, match="residual must match"):
+        quantize_with_residual(torch.ones(4), torch.zeros(5), 4)
+    with pytest.raises(ValueError, match="scales must be fp32"):
+        dequantize(torch.zeros(4, dtype=torch.int8), torch.zeros(2), 4)
