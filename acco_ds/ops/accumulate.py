@@ -19,10 +19,14 @@ Backends (``backend=``):
   default for CPU tensors.
 - ``"ref"``: pure torch (the fallback when the chosen backend is missing; the choice is logged once).
 
-Streams: Triton kernels are enqueued on the current CUDA stream; the chunk table is built in pinned host memory
-and copied host-to-device without blocking the host, on that stream, once per (stream, addresses, offsets, sizes):
-the cache keeps the pinned copy and the device copy together. The caller must keep ``grads`` alive until the
-stream has run (as for any CUDA op).
+Streams: Triton kernels are enqueued on the current CUDA stream. The chunk table of a launch holds no address
+(each row: the gradient's element distance from the launch's first gradient, which the kernel takes as an
+argument; buffer offset; chunk start; numel), so it depends on the layout only and is built once per (stream,
+layout): in pinned host memory, copied host-to-device without blocking the host, on that stream, and cached
+with its pinned copy. A call with one gradient (the per-parameter fold of mixed dtypes, ``copy_flat``) hits the
+cache whatever address the caching allocator gives that gradient. The cache keeps every layout in use up to
+``_TABLE_CACHE_ROWS`` rows in all (least recently used first out). The caller must keep ``grads`` alive until
+the stream has run (as for any CUDA op).
 Triton is imported lazily (acco_ds.ops.triton_kernels, at the first Triton launch); importing this module never
 imports triton nor touches ``torch.cuda``.
 """
@@ -250,40 +254,54 @@ _BLOCK = 1024  # elements per loop iteration of a program
 
 
 def _chunk_table(grads: List[torch.Tensor], offsets: List[int]) -> torch.Tensor:
-    """int64 [chunks, 4] rows (grad address, buffer offset, chunk start, grad numel), built on the host."""
-    ptrs = torch.tensor([g.data_ptr() for g in grads], dtype=torch.int64)
+    """int64 [chunks, 4] rows (grad element offset from ``grads[0]``, buffer offset, chunk start, grad numel),
+    built on the host; every grad has the same dtype (one launch). The table holds no address: the kernel adds the
+    first offset to ``grads[0]``'s pointer, its argument."""
+    esize = grads[0].element_size()
+    base = grads[0].data_ptr()
+    deltas = torch.tensor([(g.data_ptr() - base) // esize for g in grads], dtype=torch.int64)
     offs = torch.tensor(offsets, dtype=torch.int64)
     numels = torch.tensor([g.numel() for g in grads], dtype=torch.int64)
     chunks = (numels + _CHUNK - 1) // _CHUNK
     tidx = torch.repeat_interleave(torch.arange(len(grads)), chunks)
     first = torch.cumsum(chunks, 0) - chunks
     cstart = (torch.arange(int(chunks.sum())) - first[tidx]) * _CHUNK
-    return torch.stack([ptrs[tidx], offs[tidx], cstart, numels[tidx]], 1).contiguous()
+    return torch.stack([deltas[tidx], offs[tidx], cstart, numels[tidx]], 1).contiguous()
 
 
-_TABLE_CACHE_SIZE = 16
+_TABLE_CACHE_ROWS = (
+    1 << 20
+)  # rows kept in all (32 MiB on the device + 32 MiB pinned): ~17e9 elements' layouts
 _table_cache: OrderedDict = OrderedDict()
+_table_rows = 0
 _table_lock = threading.Lock()
 
 
 def _table_key(grads: List[torch.Tensor], offsets: List[int], device: torch.device) -> tuple:
+    """The layout of a launch: device, current stream, gradient dtype, element distances from the first
+    gradient, buffer offsets, sizes. Not the addresses: a gradient freed and allocated again elsewhere (every
+    micro-batch) keeps its key."""
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
+    esize = grads[0].element_size()
+    base = grads[0].data_ptr()
     return (
         device,
         stream,
-        tuple(g.data_ptr() for g in grads),
+        grads[0].dtype,
+        tuple((g.data_ptr() - base) // esize for g in grads),
         tuple(offsets),
         tuple(g.numel() for g in grads),
     )
 
 
 def _device_table(grads: List[torch.Tensor], offsets: List[int], device: torch.device) -> torch.Tensor:
-    """The chunk table on ``device``, cached by (current stream, addresses, offsets, sizes): the caching allocator
-    hands the same gradient addresses back micro-batch after micro-batch, so most calls skip the build and the
-    copy. On CUDA the table is built in pinned memory and copied with ``non_blocking=True`` on the current stream
-    (the host does not wait for the stream); the pinned copy is kept with the device copy in the cache entry, so
-    it outlives the copy that reads it. The stream is part of the key: a table uploaded on one stream is not
-    handed to a launch on another before its copy has run there."""
+    """The chunk table on ``device``, built once per layout (:func:`_table_key`) and cached. On CUDA the table is
+    built in pinned memory and copied with ``non_blocking=True`` on the current stream (the host does not wait
+    for the stream); the pinned copy is kept with the device copy in the cache entry, so it outlives the copy that
+    reads it. The stream is part of the key: a table uploaded on one stream is not handed to a launch on another
+    before its copy has run there. Entries leave least recently used first once the cache holds more than
+    ``_TABLE_CACHE_ROWS`` rows (the newest entry always stays)."""
+    global _table_rows
     key = _table_key(grads, offsets, device)
     with _table_lock:
         entry = _table_cache.get(key)
@@ -297,10 +315,21 @@ def _device_table(grads: List[torch.Tensor], offsets: List[int], device: torch.d
     else:
         table = host.to(device)
     with _table_lock:
-        _table_cache[key] = (host, table)
-        if len(_table_cache) > _TABLE_CACHE_SIZE:
-            _table_cache.popitem(last=False)
+        if key not in _table_cache:
+            _table_cache[key] = (host, table)
+            _table_rows += table.shape[0]
+        while _table_rows > _TABLE_CACHE_ROWS and len(_table_cache) > 1:
+            _, (_, old) = _table_cache.popitem(last=False)
+            _table_rows -= old.shape[0]
     return table
+
+
+def _clear_table_cache() -> None:
+    """Drop every cached chunk table (tests)."""
+    global _table_rows
+    with _table_lock:
+        _table_cache.clear()
+        _table_rows = 0
 
 
 def _aligned(buffer: torch.Tensor, grad: torch.Tensor, offset: int) -> bool:
@@ -338,6 +367,7 @@ def _triton_launch(
         table = _device_table(gs, offs, buffer.device)
         kernel[(table.shape[0],)](
             table,
+            gs[0],
             buffer,
             float(scale),
             CHUNK=_CHUNK,

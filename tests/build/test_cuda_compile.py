@@ -1,13 +1,26 @@
-"""Compile-only checks of the CUDA source with nvcc (no GPU needed); skipped where nvcc is absent.
+"""Compile-only checks of the CUDA source with nvcc and of the Triton kernel (no GPU needed); skipped where nvcc
+(or triton's GPU compiler) is absent.
 
-- csrc/adamw/adamw_cuda.cu compiles to a cubin for sm_80 and for sm_90 with every nvcc warning an error;
-- the cubin has vectorised global loads/stores (the kernel's vector path survived compilation);
-- the module object links with cudart statically, as setup.py builds it, and exports the launcher.
+- csrc/adamw/adamw_cuda.cu compiles to a cubin for sm_80 and for sm_90 with every nvcc warning an error, with
+  setup.py's NVCC_FLAGS (read from setup.py, so the checks follow the build);
+- ptxas reports no register spill (0 bytes spill stores and loads) for any kernel;
+- the PTX has vectorised global loads/stores (the kernel's vector path survived compilation) and no ``fma``
+  instruction (bit-identity with the CPU harness rests on ``--fmad=false``);
+- the module object links with cudart statically, as setup.py builds it, and exports the launcher;
+- every variant of the Triton accumulate kernel (gradient dtype x buffer dtype x accumulate/copy x aligned/not:
+  16) compiles for sm_90 without FMA; the aligned ones make every access of the full-chunk path 16 bytes wide,
+  the others none.
+
+Each target is compiled once per session (module-scoped fixtures): about 2 s per nvcc arch and 1 s per Triton
+variant on one core.
 """
 
 from __future__ import annotations
 
+import ast
+import itertools
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -26,9 +39,29 @@ def _nvcc():
     return shutil.which("nvcc")
 
 
+def setup_nvcc_flags() -> list:
+    """setup.py's ``NVCC_FLAGS`` (a literal list), without the host compiler's ``-Xcompiler`` options."""
+    tree = ast.parse((ROOT / "setup.py").read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "NVCC_FLAGS" for t in node.targets):
+            flags = ast.literal_eval(node.value)
+            break
+    else:
+        raise AssertionError("setup.py has no literal NVCC_FLAGS list")
+    out, skip = [], False
+    for f in flags:
+        if skip:
+            skip = False
+        elif f == "-Xcompiler":
+            skip = True
+        else:
+            out.append(f)
+    return out
+
+
 NVCC = _nvcc()
-FLAGS = ["-O3", "-std=c++17", "--fmad=false"]  # as setup.py's NVCC_FLAGS
-pytestmark = pytest.mark.skipif(NVCC is None, reason="nvcc not found (compile-only CUDA checks need it)")
+FLAGS = setup_nvcc_flags()
+needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc not found (compile-only CUDA checks need it)")
 
 
 def run(cmd, cwd):
@@ -37,21 +70,71 @@ def run(cmd, cwd):
     return r
 
 
-@pytest.mark.parametrize("arch", ["80", "90"])
-def test_cuda_source_compiles(arch, tmp_path):
-    cubin = tmp_path / f"adamw_sm{arch}.cubin"
-    run([NVCC, *FLAGS, f"-arch=sm_{arch}", "-cubin", "--Werror", "all-warnings", f"-I{CSRC}",
-         str(CU), "-o", str(cubin)], tmp_path)  # fmt: skip
-    data = cubin.read_bytes()
-    assert data[:4] == b"\x7fELF" and len(data) > 1000
-    ptx = tmp_path / f"adamw_sm{arch}.ptx"
-    run([NVCC, *FLAGS, f"-arch=sm_{arch}", "-ptx", f"-I{CSRC}", str(CU),
-         "-o", str(ptx)], tmp_path)  # fmt: skip
-    text = ptx.read_text()
+@pytest.fixture(scope="module", params=["80", "90"])
+def nvcc_build(request, tmp_path_factory):
+    """adamw_cuda.cu for sm_<arch>, compiled once per session: (arch, cubin bytes, PTX text, ptxas -v output)."""
+    if NVCC is None:
+        pytest.skip("nvcc not found (compile-only CUDA checks need it)")
+    arch = request.param
+    tmp = tmp_path_factory.mktemp(f"nvcc_sm{arch}")
+    cubin, ptx = tmp / "adamw.cubin", tmp / "adamw.ptx"
+    r = run([NVCC, *FLAGS, f"-arch=sm_{arch}", "-cubin", "--Werror", "all-warnings", "-Xptxas", "-v",
+             f"-I{CSRC}", str(CU), "-o", str(cubin)], tmp)  # fmt: skip
+    run([NVCC, *FLAGS, f"-arch=sm_{arch}", "-ptx", f"-I{CSRC}", str(CU), "-o", str(ptx)], tmp)
+    return arch, cubin.read_bytes(), ptx.read_text(), r.stdout + r.stderr
+
+
+def test_cuda_source_compiles(nvcc_build):
+    arch, cubin, ptx, _ = nvcc_build
+    assert cubin[:4] == b"\x7fELF" and len(cubin) > 1000
     for instr in ("ld.global.v4.f32", "st.global.v4.f32", "ld.global.v4.u16", "st.global.v4.u16"):
-        assert instr in text, f"{instr} missing from the sm_{arch} PTX: the vector path was not compiled"
+        assert instr in ptx, f"{instr} missing from the sm_{arch} PTX: the vector path was not compiled"
 
 
+def spills(ptxas_log: str) -> list:
+    """``[(function, spill store bytes, spill load bytes), ...]`` from ``ptxas -v`` output (one per function)."""
+    out, fn = [], None
+    for line in ptxas_log.splitlines():
+        m = re.search(r"Function properties for (\S+)", line)
+        if m:
+            fn = m.group(1)
+        m = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", line)
+        if m:
+            out.append((fn, int(m.group(1)), int(m.group(2))))
+    return out
+
+
+def test_no_register_spills(nvcc_build):
+    arch, _, _, log = nvcc_build
+    entries = len(re.findall(r"Compiling entry function", log))
+    found = spills(log)
+    assert entries > 0 and len(found) >= entries, f"cannot read ptxas -v output for sm_{arch}:\n{log[-3000:]}"
+    spilled = [f for f in found if f[1] or f[2]]
+    assert not spilled, f"register spills on sm_{arch} (function, store bytes, load bytes): {spilled}"
+
+
+def test_spill_parser_reads_ptxas_lines():
+    log = (
+        "ptxas info    : Compiling entry function 'k1' for 'sm_90'\n"
+        "ptxas info    : Function properties for k1\n"
+        "    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads\n"
+        "ptxas info    : Function properties for k2\n"
+        "    8 bytes stack frame, 8 bytes spill stores, 4 bytes spill loads\n"
+    )
+    assert spills(log) == [("k1", 0, 0), ("k2", 8, 4)]
+
+
+FMA = re.compile(r"^\s*(@!?%p\d+\s+)?fma\.", re.M)
+
+
+def test_no_fma_in_cuda_ptx(nvcc_build):
+    """Bit-identity with the CPU harness rests on --fmad=false: not one fused multiply-add in the PTX."""
+    arch, _, ptx, _ = nvcc_build
+    n = len(FMA.findall(ptx))
+    assert n == 0, f"{n} fma instructions in the sm_{arch} PTX (nvcc contracted a*b+c; setup.py flags {FLAGS})"
+
+
+@needs_nvcc
 def test_module_object_links_with_static_cudart(tmp_path):
     obj = tmp_path / "adamw_cuda.o"
     run([NVCC, *FLAGS, "-gencode=arch=compute_80,code=sm_80", "-gencode=arch=compute_90,code=sm_90",
@@ -65,24 +148,33 @@ def test_module_object_links_with_static_cudart(tmp_path):
         assert "cudaLaunchKernel" not in run([nm, "-D", "-C", "--undefined-only", str(so)], tmp_path).stdout
 
 
-@pytest.mark.parametrize("arch", [80, 90])
-def test_triton_accumulate_compiles_for_gpu(arch):
-    """Ahead-of-time compile of the Triton accumulate kernel for a GPU target (no GPU needed): the unmasked
-    full-chunk path is vectorised (16-byte accesses) when the pointers are aligned, and there is no FMA."""
-    triton = pytest.importorskip("triton")
+TRITON_VARIANTS = list(itertools.product((False, True), repeat=4))  # G_BF16, B_BF16, ACC, ALIGNED
+THREADS = 4 * 32  # Triton's default num_warps (the launch sets none) x 32
+
+
+def triton_compile(arch: int, g_bf16: bool, b_bf16: bool, acc: bool, aligned: bool) -> str:
+    """The PTX of one variant of the accumulate kernel for sm_<arch>, as the launch compiles it: no FP fusion,
+    16-byte divisible pointers (torch's allocations; the unaligned launch gets no such hint for the gradients)."""
+    import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     from acco_ds.ops import accumulate
     from acco_ds.ops.triton_kernels.accumulate import accumulate_chunks as kernel
 
-    sig = {"meta_ptr": "*i64", "buf_ptr": "*fp32", "scale": "fp32"}
+    sig = {
+        "meta_ptr": "*i64",
+        "grad_ptr": "*bf16" if g_bf16 else "*fp32",
+        "buf_ptr": "*bf16" if b_bf16 else "*fp32",
+    }
+    sig["scale"] = "fp32"
     sig.update({k: "constexpr" for k in ("CHUNK", "BLOCK", "G_BF16", "B_BF16", "ACC", "ALIGNED")})
-    consts = dict(
-        CHUNK=accumulate._CHUNK, BLOCK=accumulate._BLOCK, G_BF16=True, B_BF16=False, ACC=True, ALIGNED=True
-    )
-    src = ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs={(0,): [["tt.divisibility", 16]],
-                                                                          (1,): [["tt.divisibility", 16]]})  # fmt: skip
+    consts = dict(CHUNK=accumulate._CHUNK, BLOCK=accumulate._BLOCK, G_BF16=g_bf16, B_BF16=b_bf16, ACC=acc,
+                  ALIGNED=aligned)  # fmt: skip
+    attrs = {(0,): [["tt.divisibility", 16]], (2,): [["tt.divisibility", 16]]}
+    if aligned:
+        attrs[(1,)] = [["tt.divisibility", 16]]
+    src = ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs)
     try:
         compiled = triton.compile(
             src, target=GPUTarget("cuda", arch, 32), options={"enable_fp_fusion": False}
@@ -91,8 +183,46 @@ def test_triton_accumulate_compiles_for_gpu(arch):
         if "ptxas" in str(e).lower():
             pytest.skip(f"triton cannot assemble for sm_{arch} here: {e}")
         raise
-    ptx = compiled.asm["ptx"]
-    assert "ld.global.v4.b32" in ptx and "st.global.v4.b32" in ptx, "the full-chunk path is not vectorised"
-    assert "fma.rn.f32" not in ptx, (
-        "x + g*scale was fused into an FMA (results would differ from the reference)"
+    return compiled.asm["ptx"]
+
+
+@pytest.fixture(scope="module")
+def triton_ptx():
+    """Every variant for sm_90, compiled once per session: {(G_BF16, B_BF16, ACC, ALIGNED): PTX}."""
+    pytest.importorskip("triton")
+    return {v: triton_compile(90, *v) for v in TRITON_VARIANTS}
+
+
+def expected_vector_accesses(g_bf16: bool, b_bf16: bool, acc: bool) -> tuple:
+    """16-byte (v4.b32) global loads and stores of one full chunk per thread: the gradient's bytes (+ the buffer's
+    when accumulating) read, the buffer's written, 16 bytes per access."""
+    from acco_ds.ops import accumulate
+
+    per_thread = accumulate._CHUNK // THREADS
+    g, b = (2 if g_bf16 else 4), (2 if b_bf16 else 4)
+    return per_thread * (g + (b if acc else 0)) // 16, per_thread * b // 16
+
+
+@pytest.mark.parametrize("variant", TRITON_VARIANTS, ids=lambda v: "g{}_b{}_{}_{}".format(
+    "bf16" if v[0] else "f32", "bf16" if v[1] else "f32", "acc" if v[2] else "copy", "al" if v[3] else "un"))  # fmt: skip
+def test_triton_variant_compiles_for_gpu(triton_ptx, variant):
+    """No FMA in any variant; the aligned ones: every access of the unmasked full-chunk path 16 bytes wide (as
+    many v4.b32 loads/stores as a chunk's bytes per thread / 16); the unaligned ones: no vector access at all
+    (a misaligned vector access faults)."""
+    ptx = triton_ptx[variant]
+    assert not FMA.search(ptx), f"{variant}: x + g*scale was fused into an FMA (the bits would differ)"
+    loads, stores = ptx.count("ld.global.v4.b32"), ptx.count("st.global.v4.b32")
+    if variant[3]:
+        assert (loads, stores) == expected_vector_accesses(*variant[:3]), (variant, loads, stores)
+    else:
+        assert not re.search(r"(ld|st)\.global\.v\d", ptx), f"{variant}: vector access on the unaligned path"
+
+
+def test_triton_accumulate_compiles_for_sm80():
+    """sm_80 (A100): the aligned bf16-gradient accumulate variant, vectorised and without FMA."""
+    pytest.importorskip("triton")
+    ptx = triton_compile(80, True, False, True, True)
+    assert (ptx.count("ld.global.v4.b32"), ptx.count("st.global.v4.b32")) == expected_vector_accesses(
+        True, False, True
     )
+    assert not FMA.search(ptx)

@@ -311,7 +311,7 @@ def test_triton_mixed_alignment_no_host_sync():
     accumulate_grads(warm[0], warm[1], warm[2], 0.37)  # compiles the kernel variants
     ref, ours = buffer.clone(), buffer.clone()
     accumulate_grads_ref(ref, grads, offsets, 0.37)
-    accumulate._table_cache.clear()
+    accumulate._clear_table_cache()
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -330,7 +330,7 @@ def test_triton_table_cache_is_per_stream():
     g = gen("gpu-stream-table")
     buffer = torch.zeros(4096, device="cuda")
     grad = torch.randn(4096, generator=g).cuda()
-    accumulate._table_cache.clear()
+    accumulate._clear_table_cache()
     accumulate_grads(buffer, [grad], [0], 1.0)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())

@@ -219,6 +219,95 @@ def test_launch_plan_splits_aligned_from_unaligned():
     assert accumulate.launch_plan(buffer, [torch.zeros(0)], [0]) == []
 
 
+class _BuildCounter:
+    """Counts the chunk-table builds (``accumulate._chunk_table`` calls) while active."""
+
+    def __init__(self):
+        self.builds = 0
+        self._orig = accumulate._chunk_table
+
+    def __enter__(self):
+        def counted(*a, **k):
+            self.builds += 1
+            return self._orig(*a, **k)
+
+        accumulate._chunk_table = counted
+        accumulate._clear_table_cache()
+        return self
+
+    def __exit__(self, *exc):
+        accumulate._chunk_table = self._orig
+        accumulate._clear_table_cache()
+
+
+def fold_micro_batches(n_params: int, micro_batches: int, offsets, call, dtype=torch.float32, seed=0) -> set:
+    """What mixed-dtype fold hooks do: per micro-batch, every parameter's gradient freshly allocated (held in a
+    list with the previous ones, so the addresses move) and passed alone, ``call(grad, offset)``. Returns the
+    set of gradient addresses seen."""
+    g = gen("fold", n_params, seed)
+    sizes = [int(o2 - o1) - 3 for o1, o2 in zip(offsets, offsets[1:])]
+    addresses, keep = set(), []
+    for mb in range(micro_batches):
+        keep.append(torch.zeros(17 * (mb + 1)))  # shifts the allocator's next addresses
+        for i in range(n_params):
+            grad = big_grad((sizes[i],), dtype, g)
+            keep.append(grad)
+            addresses.add(grad.data_ptr())
+            call(grad, offsets[i])
+    return addresses
+
+
+def fold_offsets(n_params: int, start: int = 5) -> list:
+    """n_params + 1 offsets: parameter i of 1 + 37*i elements at offsets[i], a gap of 3 after each."""
+    offsets, off = [], start
+    for i in range(n_params + 1):
+        offsets.append(off)
+        off += 1 + 37 * i + 3
+    return offsets
+
+
+def test_chunk_table_built_once_per_layout():
+    """40 parameters folded one by one over 6 micro-batches at moving addresses: one table per parameter, built
+    at the first micro-batch only; a new layout (other offsets) builds new ones; two gradients at a fixed
+    distance share a table wherever they are."""
+    n = 40
+    offsets = fold_offsets(n)
+    with _BuildCounter() as count:
+        seen = fold_micro_batches(
+            n, 6, offsets, lambda g, off: accumulate._device_table([g], [off], g.device)
+        )
+        assert len(seen) > n, (
+            "the addresses did not move between micro-batches: the check would prove nothing"
+        )
+        assert count.builds == n
+        assert len(accumulate._table_cache) == n
+        fold_micro_batches(
+            n, 2, fold_offsets(n, start=9), lambda g, o: accumulate._device_table([g], [o], g.device)
+        )
+        assert count.builds == 2 * n
+        for shift in (0, 64, 4096):
+            flat = torch.zeros(10_000 + shift)[shift:]
+            t = accumulate._device_table([flat[:100], flat[200:300]], [0, 128], flat.device)
+            assert t[:, 0].tolist() == [0, 200] and t[:, 1].tolist() == [0, 128]
+        assert count.builds == 2 * n + 1
+
+
+def test_chunk_table_cache_bounded_by_rows(monkeypatch):
+    """The cache keeps at most ``_TABLE_CACHE_ROWS`` rows (least recently used out, the newest always kept)."""
+    monkeypatch.setattr(accumulate, "_TABLE_CACHE_ROWS", 10)
+    with _BuildCounter() as count:
+        grad = torch.zeros(3)
+        for off in range(12):
+            accumulate._device_table([grad], [off], grad.device)
+        assert len(accumulate._table_cache) == 10 and accumulate._table_rows == 10
+        accumulate._device_table([grad], [11], grad.device)  # still cached
+        accumulate._device_table([grad], [0], grad.device)  # evicted: built again
+        assert count.builds == 13
+        big = torch.zeros(accumulate._CHUNK * 20)
+        accumulate._device_table([big], [0], big.device)  # 20 rows alone: kept, every other entry out
+        assert len(accumulate._table_cache) == 1 and accumulate._table_rows == 20
+
+
 def assert_prints_ok(code: str, timeout: int) -> None:
     """``code`` run by a fresh interpreter in the repository root exits 0, its last line (after the
     ``print('ok')`` appended here) ``ok``."""
@@ -268,18 +357,21 @@ def test_triton_kernel_under_interpreter():
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "triton interpret checks: 24 passed" in r.stdout, r.stdout[-2000:]
     assert "mixed alignment: 4 launches, vector path for [0, 1, 3, 6]" in r.stdout, r.stdout[-2000:]
+    assert "fold: 40 parameters x 4 micro-batches, 40 chunk tables built" in r.stdout, r.stdout[-2000:]
 
 
 class _LaunchSpy:
-    """Wraps the Triton kernel; records ALIGNED and the table rows of every launch."""
+    """Wraps the Triton kernel; records ALIGNED and the gradient addresses of every launch's table rows (the
+    first gradient's address + each row's element offset from it)."""
 
     def __init__(self, kernel):
         self.kernel, self.launches = kernel, []
 
     def __getitem__(self, grid):
-        def launch(table, *args, **kw):
-            self.launches.append((kw["ALIGNED"], table[:, 0].tolist()))
-            return self.kernel[grid](table, *args, **kw)
+        def launch(table, grad, *args, **kw):
+            rows = [grad.data_ptr() + d * grad.element_size() for d in table[:, 0].tolist()]
+            self.launches.append((kw["ALIGNED"], rows))
+            return self.kernel[grid](table, grad, *args, **kw)
 
         return launch
 
@@ -305,6 +397,23 @@ def _mixed_alignment_interpret_check() -> None:
     print(f"mixed alignment: {len(spy.launches)} launches, vector path for {sorted(vector)}")
 
 
+def _fold_interpret_check() -> None:
+    """Fold hooks' calls through the Triton kernel (one bf16 gradient at a time, into an fp32 buffer): the
+    reference's bits, and the chunk tables built once per parameter over the micro-batches."""
+    n = 40
+    offsets = fold_offsets(n)
+    ours, ref = torch.zeros(offsets[-1]), torch.zeros(offsets[-1])
+
+    def both(grad, off):
+        accumulate_grads(ours, [grad], [off], 1.0, backend="triton")
+        accumulate_grads_ref(ref, [grad], [off], 1.0)
+
+    with _BuildCounter() as count:
+        fold_micro_batches(n, 4, offsets, both, dtype=torch.bfloat16)
+    assert torch.equal(ours, ref)
+    print(f"fold: {n} parameters x 4 micro-batches, {count.builds} chunk tables built")
+
+
 def _triton_interpret_checks() -> int:
     assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
     count = 0
@@ -326,6 +435,7 @@ def _triton_interpret_checks() -> int:
     assert torch.equal(ref, ours)
     print(f"triton interpret checks: {count} passed")
     _mixed_alignment_interpret_check()
+    _fold_interpret_check()
     return 0
 
 

@@ -1,9 +1,11 @@
 """The Triton accumulate / cast-copy kernel behind ``acco_ds.ops.accumulate``'s "triton" backend.
 
 ``accumulate_chunks`` computes, for every row of a chunk table, ``buf[off + i] = cast(float(buf[off + i]) +
-float(grad[i]) * scale)`` (ACC) or ``cast(float(grad[i]) * scale)`` over one chunk of one gradient: the fp32
-product rounded, then the sum rounded (launch it with ``enable_fp_fusion=False``: no FMA, the bits of the
-``*_ref`` functions), cast with :mod:`.bf16`'s rule. The table, the launch plan and the launch itself are
+float(grad[i]) * scale)`` (ACC) or ``cast(float(grad[i]) * scale)`` over one chunk of one gradient, the gradient
+at ``grad_ptr + delta`` (``delta``: the row's element distance from the launch's first gradient, so the table
+holds no address and one table serves every call with the same layout): the fp32 product rounded, then the sum
+rounded (launch it with ``enable_fp_fusion=False``: no FMA, the bits of the ``*_ref`` functions), cast with
+:mod:`.bf16`'s rule. The table, the launch plan and the launch itself are
 ``acco_ds.ops.accumulate``'s (``_chunk_table``, ``launch_plan``, ``_triton_launch``).
 """
 
@@ -18,6 +20,7 @@ from acco_ds.ops.triton_kernels.bf16 import bf16_to_f32, f32_to_bf16
 @triton.jit
 def accumulate_chunks(
     meta_ptr,
+    grad_ptr,
     buf_ptr,
     scale,
     CHUNK: tl.constexpr,
@@ -27,20 +30,18 @@ def accumulate_chunks(
     ACC: tl.constexpr,
     ALIGNED: tl.constexpr,
 ):
-    """One program = one row of the int64 chunk table ``meta_ptr``: (grad address, offset in the buffer, chunk
-    start, grad numel). CHUNK: elements per row, a multiple of 1024; BLOCK: elements per loop step; G_BF16 /
-    B_BF16: gradient / buffer dtype is bf16 (else fp32); ACC: add into the buffer (else overwrite it); ALIGNED:
-    every gradient address of the table and the buffer are 16-byte aligned and every offset a multiple of 8
-    (the vectorised path)."""
+    """One program = one row of the int64 chunk table ``meta_ptr``: (gradient element offset from ``grad_ptr``,
+    offset in the buffer, chunk start, grad numel). ``grad_ptr``: the launch's first gradient (bf16 when G_BF16,
+    else fp32); CHUNK: elements per row, a multiple of 1024; BLOCK: elements per loop step; G_BF16 / B_BF16:
+    gradient / buffer dtype is bf16 (else fp32); ACC: add into the buffer (else overwrite it); ALIGNED: every
+    gradient address of the table and the buffer are 16-byte aligned and every offset a multiple of 8 (the
+    vectorised path)."""
     row = meta_ptr + tl.program_id(0).to(tl.int64) * 4
-    gaddr = tl.load(row)
+    gdelta = tl.load(row)
     boff = tl.load(row + 1)
     start = tl.load(row + 2)
     n = tl.load(row + 3)
-    if G_BF16:
-        gp = gaddr.to(tl.pointer_type(tl.bfloat16))
-    else:
-        gp = gaddr.to(tl.pointer_type(tl.float32))
+    gp = grad_ptr + gdelta
     if ALIGNED:  # every address 16-byte aligned, every offset a multiple of 8: vector loads/stores
         gp = tl.multiple_of(gp, 16)
         boff = tl.multiple_of(boff, 8)
