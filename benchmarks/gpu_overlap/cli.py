@@ -17,7 +17,10 @@ compute stream at step boundaries / rounds per step), overlap efficiency = max(T
 (1 = perfect overlap; ``sync`` cannot overlap and shows T_compute + T_side), and the host's side: host
 seconds per round (wall clock between step starts, no sync), the share of steps the host started while the
 device still had the previous step queued (the host ahead), and the host syncs per step made inside the timed
-steps (torch.cuda.synchronize, Event/Stream.synchronize, .item() on CUDA tensors).
+steps (torch.cuda.synchronize, Event/Stream.synchronize, .item() on CUDA tensors; a diagnostic: acco's round end
+waits for the previous round's summary by design). Whether the host ever left the device without work is measured
+on the kernel timeline of ``--profile-steps`` more acco steps per setting (torch.profiler): the host gaps of the
+compute stream (``benchmarks.gpu_overlap.timeline``), kept when over 10 us; scripts/gpu_goals.py judges them.
 
     python -m benchmarks.gpu_overlap --out benchmarks/results/gpu_overlap    # ~1-2 min on an H100
     python -m benchmarks.gpu_overlap --out "$OUT" --quick
@@ -41,6 +44,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import List
 
+from benchmarks.gpu_overlap import timeline
 from benchmarks.harness.cli import parser
 
 FACTORS = (0.0, 0.25, 0.5, 1.0, 1.5, 2.0)
@@ -121,6 +125,10 @@ class Setting:
     host_round_ms: float = float("nan")
     host_ahead: float = float("nan")  # share of steps started while the device had the previous one queued
     host_syncs_per_step: float = float("nan")
+    host_gaps_us: List[float] = field(
+        default_factory=list
+    )  # compute-stream idle the host caused, > 10 us each
+    profiled_steps: int = 0
     rounds: int = 0
     notes: List[str] = field(default_factory=list)
 
@@ -129,18 +137,25 @@ class Setting:
         return efficiency(self.t_compute_ms, self.t_side_ms, self.t_round_ms)
 
 
+def _stall_cell(s: Setting) -> str:
+    if not s.profiled_steps:
+        return "-"
+    n = len(timeline.stalls(s.host_gaps_us))
+    return f"{n} in {s.profiled_steps} steps ({max(s.host_gaps_us, default=0.0):.0f})"
+
+
 def render(settings: List[Setting], meta: dict) -> str:
     """The Markdown report (a table per mode order as given)."""
     head = (
         "| mode | stand-in (x compute) | stand-in ms/round | T_compute ms/round | T_side ms/round | T_round ms | "
-        "overlap efficiency | host ms/round | host ahead | host syncs/step |"
+        "overlap efficiency | host ms/round | host ahead | host syncs/step | host stalls (largest gap us) |"
     )
-    lines = [head, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [head, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for s in settings:
         lines.append(
             f"| {s.mode} | {s.factor:g} | {s.standin_ms:.1f} | {s.t_compute_ms:.1f} | {s.t_side_ms:.1f} | "
             f"{s.t_round_ms:.1f} | {100 * s.efficiency:.0f}% | {s.host_round_ms:.1f} | {100 * s.host_ahead:.0f}% | "
-            f"{s.host_syncs_per_step:.1f} |"
+            f"{s.host_syncs_per_step:.1f} | {_stall_cell(s)} |"
         )
     notes = [f"- {s.mode} x{s.factor:g}: {n}" for s in settings for n in s.notes]
     md = [
@@ -163,7 +178,11 @@ def render(settings: List[Setting], meta: dict) -> str:
         "- Host: wall clock between step starts (no sync) per round; 'host ahead' = share of timed steps the host "
         "started while the previous step's end event was still pending on the device; 'host syncs/step' = calls "
         "of torch.cuda.synchronize, Event/Stream.synchronize and .item() on CUDA tensors inside the timed steps "
-        f"(compute-only run of the same model: {meta['compute_syncs_per_step']:.1f} per step).",
+        f"(compute-only run of the same model: {meta['compute_syncs_per_step']:.1f} per step; a diagnostic: acco "
+        "waits for the previous round's summary at each round end by design). 'host stalls': on the kernel "
+        "timeline (torch.profiler) of extra acco steps, the times the compute stream ran out of queued work for "
+        f"more than {timeline.STALL_THRESHOLD_US:.0f} us because the host had not launched the next op yet (beyond "
+        "the side stream it waited for), and the largest such gap.",
         "",
         "\n".join(lines),
     ]
@@ -371,6 +390,10 @@ def run_mode(mode: str, args, size: ModelSize, data, t_mb_ms: float, per_ms: flo
                 f"ahead {100 * s.host_ahead:.0f}%, syncs/step {s.host_syncs_per_step:.1f}",
                 flush=True,
             )
+            if mode == "acco" and args.profile_steps:
+                s.host_gaps_us = profile_host_gaps(engine, data, args.gas, args.profile_steps)
+                s.profiled_steps = args.profile_steps
+                print(f"{mode} x{factor:g}: host stalls {_stall_cell(s)}", flush=True)
             out.append(s)
     engine.optimizer.finish()
     engine.optimizer.pipeline.close()
@@ -378,6 +401,27 @@ def run_mode(mode: str, args, size: ModelSize, data, t_mb_ms: float, per_ms: flo
     gc.collect()
     torch.cuda.empty_cache()
     return out
+
+
+def profile_host_gaps(engine, data, gas: int, steps: int) -> List[float]:
+    """``steps`` more optimizer steps under torch.profiler: the compute stream's host gaps over 10 us
+    (:func:`benchmarks.gpu_overlap.timeline.host_gaps` of the exported kernel timeline)."""
+    import tempfile
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for i in range(steps):
+            train_step(engine, data, gas, i)
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        trace = json.loads(path.read_text())
+    gaps = timeline.host_gaps(timeline.ops_from_trace(trace))
+    return [round(g, 1) for g in gaps if g > 10.0]
 
 
 def versions() -> str:
@@ -404,6 +448,12 @@ def parse_args(argv=None):
     ap.add_argument("--factors", type=lambda s: [float(x) for x in s.split(",")], default=list(FACTORS))
     ap.add_argument("--steps", type=int, default=None, help="timed steps per setting")
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument(
+        "--profile-steps",
+        type=int,
+        default=1,
+        help="acco steps per setting on the profiler's kernel timeline (0: off)",
+    )
     ap.add_argument(
         "--from-json", default=None, help="re-render gpu_overlap.md into --out from a saved gpu_overlap.json"
     )
