@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import xml.etree.ElementTree as ET
 from pathlib import Path
@@ -43,6 +44,51 @@ def test_gpu_checks_without_a_gpu_stops_and_says_why(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["gpu_checks.log", "summary.md"]
     summary = (tmp_path / "summary.md").read_text()
     assert "| versions | ok |" in summary and "| gpu | FAILED" in summary and "nothing was checked" in summary
+    # the log is complete when the script exits: its last line is the script's last message
+    assert (tmp_path / "gpu_checks.log").read_text().rstrip().splitlines()[-1].endswith("nothing was checked")
+
+
+def script_steps() -> list:
+    """The STEPS table of scripts/gpu_checks.sh: [(name, limit_s, function), ...] in run order."""
+    text = (ROOT / "scripts" / "gpu_checks.sh").read_text()
+    m = re.search(r"^STEPS=\(\n(.*?)^\)", text, re.S | re.M)
+    assert m, "scripts/gpu_checks.sh declares its steps in one STEPS=( ... ) table"
+    rows = [re.fullmatch(r'\s*"(\w+) (\d+) (\w+)"', line) for line in m.group(1).splitlines() if line.strip()]
+    assert all(rows), m.group(1)
+    return [(r.group(1), int(r.group(2)), r.group(3)) for r in rows]
+
+
+def script_budget() -> int:
+    text = (ROOT / "scripts" / "gpu_checks.sh").read_text()
+    return int(re.search(r"^BUDGET=\$\{GPU_CHECKS_BUDGET_S:-(\d+)\}", text, re.M).group(1))
+
+
+def test_steps_fit_the_budget_in_the_order_the_verdicts_need():
+    steps = script_steps()
+    names = [n for n, _, _ in steps]
+    text = (ROOT / "scripts" / "gpu_checks.sh").read_text()
+    assert len(set(names)) == len(names)
+    for _, limit, fn in steps:
+        assert limit >= 10 and re.search(rf"^{fn}\(\) \{{", text, re.M), (
+            fn,
+            "is not a function of the script",
+        )
+    total, budget = sum(limit for _, limit, _ in steps), script_budget()
+    assert budget <= 540 and total <= budget - 30, (
+        f"the step limits add up to {total}s for a {budget}s budget"
+    )
+    pos = {n: i for i, n in enumerate(names)}
+    assert names[:5] == ["versions", "gpu", "bundle", "install", "build"]
+    # the kernel tests and the kernel benchmark (three of the five goals) before the pipeline, the overlap
+    # benchmark and the stress tests; the stress tests (the longest optional check) last
+    assert max(pos["kernels"], pos["bench_kernels"]) < min(pos["pipeline"], pos["overlap"], pos["stress"])
+    assert names[-1] == "stress" and set(names) >= {
+        "kernels",
+        "bench_kernels",
+        "pipeline",
+        "overlap",
+        "stress",
+    }
 
 
 def _junit(path: Path, name: str, tests: int, failures: int = 0, skipped: int = 0) -> None:
