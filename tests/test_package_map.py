@@ -28,6 +28,7 @@ ALLOWED = {
     "deepspeed": {"config", "core", "ops"},
     "cli": {"config", "core", "ops", "deepspeed", "data", "models", "plan", "(root)"},
     "train": {"cli"},
+    "run": {"(root)"},
     "(root)": {"config", "deepspeed"},
 }
 # third-party packages only some of ours may import

@@ -6,6 +6,11 @@ even with ``DS_ACCELERATOR=cpu``, so on a machine with one GPU the ranks would s
 Trainer then pick NCCL and cuda:<local_rank>, which does not exist for rank 1). Python imports
 ``sitecustomize`` at start-up; this one empties ``CUDA_VISIBLE_DEVICES`` and then runs the next
 ``sitecustomize`` on the path, if any, so an environment's own hook still runs.
+
+With ``ACCO_DS_TEST_CPU_ACCELERATE_SHIM=1`` as well, a rank (a process with ``LOCAL_RANK`` set) also applies
+``tests/ranks/cpu_accelerate_shim.py`` at start-up: the HF Trainer then counts DeepSpeed's gloo ranks on a
+CPU-only machine in a script that cannot call the shim itself (an unmodified training script,
+tests/integrations/test_unmodified_scripts.py).
 """
 
 import importlib.machinery
@@ -27,3 +32,8 @@ def _chain() -> None:
 
 
 _chain()
+
+if os.environ.get("ACCO_DS_TEST_CPU_ACCELERATE_SHIM") == "1" and "LOCAL_RANK" in os.environ:
+    from tests.ranks import cpu_accelerate_shim
+
+    cpu_accelerate_shim.apply()
