@@ -23,6 +23,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 MODES = ("acco", "dpu", "sync")
 ACCUMULATIONS = ("fixed", "adaptive")
 COMM_DTYPES = ("auto", "bf16", "fp32")
+COMPRESSIONS = ("none", "int8")
+MAX_BLOCK_SIZE = 1 << 20
 MIN_TIMEOUT_S = 1.0
 """Shortest comm_timeout_s accepted: below it a loaded machine would time out healthy rounds."""
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
@@ -38,6 +40,13 @@ ALLOWED = {
     "comm_dtype": "'auto', 'bf16' or 'fp32'",
     "max_micro_batches_per_round": "null (no bound) or an integer >= 1, with accumulation='adaptive'",
     "comm_timeout_s": f"a number of seconds in [{MIN_TIMEOUT_S:g}, {MAX_TIMEOUT_S:g}]",
+    "compression": "an object with keys among commit, peek, block_size, error_feedback, all_gather, e.g. "
+    '{"commit": "int8", "peek": "int8", "block_size": 256, "error_feedback": true}',
+    "compression.commit": "'none' or 'int8'",
+    "compression.peek": "'none' or 'int8' ('int8' with mode='acco' only: dpu and sync have no peek)",
+    "compression.block_size": f"an integer in [1, {MAX_BLOCK_SIZE}]",
+    "compression.error_feedback": "true or false",
+    "compression.all_gather": "'none'",
 }
 """What each option accepts, quoted in the error messages."""
 
@@ -55,6 +64,58 @@ class _ComboError(ValueError):
 
     def line(self) -> str:
         return f"optimizer.params.{self.key}={self.value!r}: {self.text}"
+
+
+class CompressionConfig(BaseModel):
+    """``optimizer.params.compression``: compressed rounds with error feedback (docs/ALGORITHM.md, "Compressed
+    rounds"). Default: everything off, so the rounds send what they send without the key."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    commit: Literal["none", "int8"] = "none"
+    """The gradient exchange (reduce-scatter) of COMMIT rounds (every round in dpu and sync): 'int8' sends
+    blockwise int8 values and one fp32 scale per block (``acco_ds.ops.quantize``), summed in fp32 by the owner."""
+
+    peek: Literal["none", "int8"] = "none"
+    """The gradient exchange of acco's PEEK rounds (the g~ of the estimate; the commit reuses what it received)."""
+
+    block_size: int = 256
+    """Elements per quantization block (one fp32 scale each), counted inside each rank's shard of the buffer."""
+
+    error_feedback: bool = True
+    """Each rank adds what quantization lost in its last compressed round (a residual, one buffer of the
+    gradient buffer's size and dtype) to the next one, so nothing is lost over rounds, only delayed."""
+
+    all_gather: Literal["none"] = "none"
+    """The parameter all-gather: only 'none'; quantized parameter differences are not built yet."""
+
+    @field_validator("commit", "peek", "all_gather", mode="before")
+    @classmethod
+    def _choice(cls, v):
+        if not isinstance(v, str):
+            raise ValueError("must be a string")
+        return v
+
+    @field_validator("block_size", mode="before")
+    @classmethod
+    def _block_size(cls, v):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v != int(v):
+            raise ValueError("must be an integer")
+        if not 1 <= int(v) <= MAX_BLOCK_SIZE:
+            raise ValueError(f"must be in [1, {MAX_BLOCK_SIZE}]")
+        return int(v)
+
+    @field_validator("error_feedback", mode="before")
+    @classmethod
+    def _bool(cls, v):
+        if not isinstance(v, bool):
+            raise ValueError("must be true or false")
+        return v
+
+    @property
+    def enabled(self) -> bool:
+        """Whether any round is compressed."""
+        return self.commit != "none" or self.peek != "none"
 
 
 def _number(v) -> float:
@@ -115,6 +176,9 @@ class ACCOConfig(BaseModel):
     collectives, before raising an error that names the job and the lost peer (docs/RELIABILITY.md);
     also the timeout of ACCO's process groups, and a tenth of it (within [0.2, 5] s) is the heartbeat
     period used to name the lost rank. DeepSpeed's own collectives keep the default group's timeout."""
+
+    compression: CompressionConfig = Field(default_factory=CompressionConfig)
+    """Compressed gradient exchange with error feedback (CPU/gloo ranks; ``CompressionConfig``). Off by default."""
 
     # -- field checks: each names what is allowed (ALLOWED); from_params adds the key and the value --
     @field_validator("lr", "weight_decay", mode="before")
@@ -184,6 +248,13 @@ class ACCOConfig(BaseModel):
                 "adaptive accumulation needs communication that overlaps the compute and mode='sync' has "
                 "none. Allowed: 'fixed' with mode='sync'; or mode='acco' / 'dpu' with 'adaptive'.",
             )
+        if self.compression.peek != "none" and self.mode != "acco":
+            raise _ComboError(
+                "compression.peek",
+                self.compression.peek,
+                f"mode={self.mode!r} has no peek round to compress. Allowed: 'none' with mode='dpu' or 'sync' "
+                "(compression.commit compresses their rounds); 'int8' with mode='acco'.",
+            )
         if self.accumulation == "fixed" and self.max_micro_batches_per_round is not None:
             raise _ComboError(
                 "max_micro_batches_per_round",
@@ -225,6 +296,25 @@ class ACCOConfig(BaseModel):
                 combo = (e.get("ctx") or {}).get("error")
                 if isinstance(combo, _ComboError):
                     lines.append(combo.line())
+                elif key == "compression" and len(loc) > 1:
+                    sub = str(loc[1])
+                    given = params.get("compression")
+                    value = given.get(sub) if isinstance(given, dict) else None
+                    msg = e["msg"].removeprefix("Value error, ")
+                    if e["type"] == "extra_forbidden":
+                        allowed = ", ".join(sorted(CompressionConfig.model_fields))
+                        lines.append(
+                            f"optimizer.params.compression.{sub}={value!r}: unknown option. Allowed keys: {allowed}."
+                        )
+                        continue
+                    if e["type"] == "literal_error":
+                        msg = "unknown value"
+                        if sub == "all_gather":
+                            msg = "compressed parameter all-gather (quantized differences) is not built yet"
+                    lines.append(
+                        f"optimizer.params.compression.{sub}={value!r}: {msg}. "
+                        f"Allowed: {ALLOWED.get('compression.' + sub, ALLOWED['compression'])}."
+                    )
                 elif e["type"] == "extra_forbidden":
                     allowed = ", ".join(sorted(cls.model_fields))
                     lines.append(

@@ -53,6 +53,12 @@ from acco_ds.ops.accumulate import accumulate_grads
 ALIGN = 16  # elements; 64 B of fp32, 32 B of bf16: keeps every shard start vector-aligned
 
 
+def padded_numel(numel: int, world_size: int) -> int:
+    """Length of a group's flat buffers: ``numel`` rounded up to a multiple of ``world_size * ALIGN`` (at least one)."""
+    unit = world_size * ALIGN
+    return max(unit, -(-numel // unit) * unit)
+
+
 @dataclass(frozen=True)
 class GroupLayout:
     """Where each parameter of a group lives in the flat vector, and which slice rank r owns."""
@@ -74,9 +80,9 @@ class GroupLayout:
             numels.append(p.numel())
             shapes.append(tuple(p.shape))
             off += p.numel()
-        unit = world_size * ALIGN
-        padded = max(unit, -(-off // unit) * unit)
-        return cls(tuple(offsets), tuple(numels), tuple(shapes), off, padded, world_size)
+        return cls(
+            tuple(offsets), tuple(numels), tuple(shapes), off, padded_numel(off, world_size), world_size
+        )
 
     @property
     def shard_numel(self) -> int:

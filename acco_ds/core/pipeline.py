@@ -58,6 +58,7 @@ from acco_ds.config import ACCOConfig, ACCOConfigError
 from acco_ds.core import schedule
 from acco_ds.core.buffers import GroupBuffers, GroupLayout
 from acco_ds.core.comm import check_reducible, make_control_group, make_executor, new_subgroup
+from acco_ds.core.compressed_comm import Compression
 from acco_ds.core.liveness import BlockBoard
 from acco_ds.core.round_job import RoundResult, all_gather_inplace, run_round_job
 from acco_ds.core.schedule import Job, RoundCounter
@@ -78,6 +79,12 @@ class PipelineStats:
     skipped_peeks: int = 0  # peeks skipped for a non-finite g~ (the estimate is then theta itself)
     empty_commits: int = 0  # commits with no micro-batch on any rank (ended by a drain): no-ops
     last_round_counts: List[int] = field(default_factory=list)
+    # bytes this rank put on / took off the wire in its rounds' gradient exchange and parameter all-gather,
+    # counted at the send/receive calls (core.compressed_comm.Traffic); totals and the last round read
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    last_round_bytes_sent: int = 0
+    last_round_bytes_received: int = 0
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -140,6 +147,13 @@ class ACCOPipeline:
         self.device = first.device
         comm_dtype = dtype_of(cfg.comm_dtype, first.dtype)
         check_dtypes(first.dtype, comm_dtype, cfg.comm_dtype)
+        comp = cfg.compression
+        if comp.enabled and self.device.type != "cpu":
+            raise ACCOConfigError(
+                f"optimizer.params.compression={{'commit': {comp.commit!r}, 'peek': {comp.peek!r}}} on a "
+                f"{self.device.type} device: compressed rounds are built for CPU (gloo) ranks only so far (the "
+                "GPU kernels and NCCL path are not built yet). Allowed here: commit 'none' and peek 'none'."
+            )
         self.groups = [
             GroupBuffers(
                 list(ps),
@@ -153,6 +167,18 @@ class ACCOPipeline:
         ]
         for b in self.groups:
             b.install_fold_hooks()
+        # error feedback (compressed rounds): per group, what quantization withheld from the rounds sent so
+        # far, full size in the comm dtype; written by the jobs (comm side), read by snapshots when drained
+        self.compression = {
+            Job.COMMIT: Compression(comp.block_size, comp.error_feedback) if comp.commit == "int8" else None,
+            Job.PEEK: Compression(comp.block_size, comp.error_feedback) if comp.peek == "int8" else None,
+        }
+        self.residuals: List[torch.Tensor | None] = [
+            torch.zeros(b.layout.padded_numel, dtype=comm_dtype, device=self.device)
+            if comp.enabled and comp.error_feedback
+            else None
+            for b in self.groups
+        ]
         self.executor = make_executor(self.device, cfg.comm_timeout_s, dp_group)
         self.control_group = make_control_group(dp_group, cfg.comm_timeout_s)
         self.tp_size = 1 if tp_group is None else dist.get_world_size(tp_group)
@@ -373,6 +399,8 @@ class ACCOPipeline:
             group=self.executor.group,
             norm_group=self.tp_norm_group,
             tilde_count=self.tilde_count,
+            compression=self.compression[plan.job],
+            residuals=self.residuals,
         )
         name = f"round {self.round_index} ({plan.job.value} of step {commit_index})"
         self.in_flight = (self.executor.launch(name, job), plan)
@@ -422,6 +450,11 @@ class ACCOPipeline:
         skipped, empty, count, round_count, *rank_counts = result.summary.tolist()
         count, round_count = int(count), int(round_count)
         self.stats.last_round_counts = [int(c) for c in rank_counts]
+        if result.traffic is not None:
+            self.stats.last_round_bytes_sent = result.traffic.sent
+            self.stats.last_round_bytes_received = result.traffic.received
+            self.stats.bytes_sent += result.traffic.sent
+            self.stats.bytes_received += result.traffic.received
         if result.job is Job.COMMIT:
             self.committed_steps += 1
             if empty:  # nothing to commit: state and parameters unchanged
@@ -533,7 +566,8 @@ class ACCOPipeline:
         """Start over from a committed state: nothing in flight, no pending gradients, a new prologue,
         the model at theta. ``masters``: new fp32 master shards, one per group (a loaded checkpoint);
         None takes theta from the weights the model's parameters hold now (a module-only load wrote
-        them there). Adam moments and step counts are kept. Collective."""
+        them there). Adam moments and step counts are kept; the error-feedback residuals (compressed
+        rounds) are zeroed: what they withheld belongs to the rounds before the restart. Collective."""
         from acco_ds.core.snapshot import drain
 
         drain(self)
@@ -558,6 +592,9 @@ class ACCOPipeline:
             b.new_acc()
             b.point_params()
             b.point_grads()
+        for residual in self.residuals:  # what earlier rounds withheld is dropped with them (a fresh start)
+            if residual is not None:
+                residual.zero_()
         self.model_holds = "theta"
         self.viewing_committed = False
         self.phase_round = 0

@@ -10,6 +10,12 @@ code does it: clone the state, step, read the parameters, restore.
 Contract of ``grad_fn(params, rank, micro_batch_index)``: ``params`` is a list (one per group)
 of flat tensors in the compute dtype (the master weights cast, as the model sees them); it
 returns the flat fp32 gradients of the MEAN loss of that micro-batch, one per group.
+
+Compressed rounds (``reference_run(..., compression=RefCompression(...))``, docs/ALGORITHM.md "Compressed
+rounds"): each simulated rank accumulates its own buffer as the pipeline does (the micro-batch gradients
+divided by GAS, summed one after the other in the communication dtype), quantizes it chunk by chunk of
+the padded ZeRO-1 layout with ``acco_ds.ops.quantize`` and its own error-feedback residual, and each
+chunk's owner sums the dequantized chunks in fp32 (own first, then rank - 1, rank - 2, ...).
 """
 
 from __future__ import annotations
@@ -20,7 +26,9 @@ from typing import Callable, List, Sequence
 
 import torch
 
+from acco_ds.core.buffers import padded_numel
 from acco_ds.ops.adamw_settings import AdamWSettings
+from acco_ds.ops.quantize import dequantize, quantize, quantize_with_residual
 
 GradFn = Callable[[List[torch.Tensor], int, int], List[torch.Tensor]]
 
@@ -38,6 +46,75 @@ class RefState:
     exp_avg: Sequence[torch.Tensor]
     exp_avg_sq: Sequence[torch.Tensor]
     step: int
+
+
+@dataclass(frozen=True)
+class RefCompression:
+    """The compression of the simulated rounds: ``commit`` / ``peek``: whether those rounds' gradients are
+    exchanged in int8; ``block_size``; ``error_feedback``; ``comm_dtype``: the dtype of each rank's gradient
+    buffer; ``gas``: the engine's gradient_accumulation_steps (the buffers hold gradients divided by it)."""
+
+    commit: bool
+    peek: bool
+    block_size: int
+    error_feedback: bool
+    comm_dtype: torch.dtype
+    gas: int
+
+
+class _Exchange:
+    """The gradient exchange of the simulated rounds, with one residual per rank and group (error feedback)."""
+
+    def __init__(self, spec: RefCompression, world: int, theta0: Sequence[torch.Tensor]):
+        self.spec, self.world = spec, world
+        self.numels = [t.numel() for t in theta0]
+        self.residuals = [
+            [torch.zeros(padded_numel(n, world), dtype=spec.comm_dtype) for n in self.numels]
+            for _ in range(world)
+        ]
+
+    def accumulate(self, at, count, compute_dtype, grad_fn, next_mb):
+        """Every rank's buffer after ``count`` micro-batches at ``at`` (comm dtype, one per group)."""
+        view = [t.to(compute_dtype) for t in at]
+        per_rank = []
+        for rank in range(self.world):
+            bufs = [torch.zeros(n, dtype=self.spec.comm_dtype) for n in self.numels]
+            for _ in range(count):
+                for buf, g in zip(bufs, grad_fn(view, rank, next_mb[rank])):
+                    buf += (g.float() / self.spec.gas).to(self.spec.comm_dtype)
+                next_mb[rank] += 1
+            per_rank.append(bufs)
+        return per_rank, count * self.world
+
+    def reduce(self, per_rank, compressed: bool) -> List[torch.Tensor]:
+        """The sum over the ranks (fp64, times GAS: the sum of the micro-batch gradients), one per group."""
+        W, spec = self.world, self.spec
+        out = []
+        for i, n in enumerate(self.numels):
+            if not compressed:
+                out.append(sum(bufs[i].double() for bufs in per_rank) * spec.gas)
+                continue
+            deq = []  # deq[r][c]: rank r's chunk c, dequantized
+            for r, bufs in enumerate(per_rank):
+                full = torch.zeros(padded_numel(n, W), dtype=spec.comm_dtype)
+                full[:n] = bufs[i]
+                chunks, rests = full.view(W, -1), self.residuals[r][i].view(W, -1)
+                row = []
+                for c in range(W):
+                    if spec.error_feedback:
+                        q, scales = quantize_with_residual(chunks[c], rests[c], spec.block_size)
+                    else:
+                        q, scales = quantize(chunks[c], spec.block_size)
+                    row.append(dequantize(q, scales, spec.block_size))
+                deq.append(row)
+            owned = []
+            for c in range(W):
+                total = deq[c][c].clone()
+                for k in range(1, W):
+                    total += deq[(c - k) % W][c]
+                owned.append(total.to(spec.comm_dtype))
+            out.append(torch.cat(owned)[:n].double() * spec.gas)
+        return out
 
 
 class _Adam:
@@ -131,6 +208,7 @@ def reference_run(
     initial_state: RefState | None = None,
     first_micro_batch: int = 0,
     step_sizes: Sequence[int] | None = None,
+    compression: RefCompression | None = None,
 ) -> RefRun:
     """The committed parameters, moments and gradient norms after each of ``steps`` steps (``RefRun``).
 
@@ -148,6 +226,9 @@ def reference_run(
     k (g~ at the estimate, or at theta after a prologue) then a stage-1 round of s - k (g at theta),
     committed together; a step of s <= k is one round whose g~ is committed alone, after which the next
     step starts with a prologue at the new theta (the start state of a resume).
+
+    ``compression``: the rounds' gradients go through the compressed exchange (module docstring); with
+    ``step_sizes`` it is not supported.
     """
     if mode not in ("acco", "dpu", "sync"):
         raise ValueError(f"mode must be acco, dpu or sync; got {mode!r}")
@@ -157,9 +238,17 @@ def reference_run(
     if step_sizes is not None:
         return _reference_sized(mode, adam, k, W, list(step_sizes), hypers, compute_dtype, grad_fn, next_mb)
 
-    def accumulate(at: List[torch.Tensor]):
-        """One round: every worker sums k micro-batch gradients at ``at``; returns (sums, count)."""
-        return _accumulate(at, k, W, compute_dtype, grad_fn, next_mb)
+    if compression is not None and step_sizes is not None:
+        raise ValueError("reference_run: compression with step_sizes is not supported")
+    exchange = None if compression is None else _Exchange(compression, W, theta0)
+
+    def accumulate(at: List[torch.Tensor], kind: str = "commit"):
+        """One round: every worker sums k micro-batch gradients at ``at``; returns (sums, count). With
+        compression the round's exchange (``kind``: "commit" or "peek") runs here, in round order."""
+        if exchange is None:
+            return _accumulate(at, k, W, compute_dtype, grad_fn, next_mb)
+        per_rank, count = exchange.accumulate(at, k, compute_dtype, grad_fn, next_mb)
+        return exchange.reduce(per_rank, compression.peek if kind == "peek" else compression.commit), count
 
     avg = _avg
     out = RefRun()
@@ -176,7 +265,7 @@ def reference_run(
             history.append(adam.theta())
             out.record(adam)
     else:
-        g_tilde, n_tilde = accumulate(adam.theta())  # prologue: g~^0 at theta^0
+        g_tilde, n_tilde = accumulate(adam.theta(), "peek")  # prologue: g~^0 at theta^0
         for t in range(steps):
             g, n = accumulate(adam.theta())  # stage 1 compute: g^t at theta^t
             estimate = adam.peek(avg(g_tilde, n_tilde), hypers(t))  # stage 1 comm: theta~^{t+1}
@@ -184,7 +273,7 @@ def reference_run(
             adam.commit(avg(total, n + n_tilde), hypers(t))  # stage 2 comm: theta^{t+1}
             out.record(adam)
             if t + 1 < steps:  # stage 2 compute: g~^{t+1} at theta~^{t+1} (the last one is unused)
-                g_tilde, n_tilde = accumulate(estimate)
+                g_tilde, n_tilde = accumulate(estimate, "peek")
     return out
 
 

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from acco_ds.core.buffers import GroupBuffers
+from acco_ds.core.compressed_comm import Compression, Traffic, compressed_reduce_scatter_inplace
 from acco_ds.core.schedule import Job
 from acco_ds.ops.adamw import adamw_step
 from acco_ds.ops.adamw_settings import AdamWSettings
@@ -55,6 +56,7 @@ class RoundResult:
     grad_norm: torch.Tensor  # fp32 [1] on the device: global norm of the averaged, unclipped gradient
     summary: torch.Tensor
     summary_ready: Any = None
+    traffic: Traffic | None = None  # bytes this rank sent and received in this job (compressed_comm.Traffic)
 
     def wait_summary(self) -> None:
         if self.summary_ready is not None:
@@ -86,7 +88,7 @@ class RoundResult:
         return [int(c) for c in self.summary[_SUMMARY_FIXED:].tolist()]
 
 
-def reduce_scatter_inplace(full: torch.Tensor, group) -> None:
+def reduce_scatter_inplace(full: torch.Tensor, group, traffic: Traffic | None = None) -> None:
     """Sum ``full`` (this rank's flat gradient buffer) over the ranks into this rank's own slice of it,
     in place; the other slices are left with meaningless values.
 
@@ -95,41 +97,48 @@ def reduce_scatter_inplace(full: torch.Tensor, group) -> None:
     buffer, the minimum), one peer at a time through one shard-sized receive buffer, each added into
     this rank's slice (in its dtype; fp32 arithmetic per addition); gloo's own reduce_scatter_tensor
     moves twice those bytes (measured: 10 MB fp32 between 2 ranks on a 400 Mbit/s link, 409 ms vs
-    205 ms)."""
+    205 ms). ``traffic`` (optional) counts the bytes at each call."""
     world, me = dist.get_world_size(group), dist.get_rank(group)
     chunks = full.view(world, -1)
     if world == 1:
         return
+    traffic = traffic if traffic is not None else Traffic()
     if dist.get_backend(group) != "gloo":
+        moved = (world - 1) * chunks[me].numel() * full.element_size()
+        traffic.collective(moved, moved)
         dist.reduce_scatter_tensor(chunks[me], full, op=dist.ReduceOp.SUM, group=group)
         return
     received = torch.empty_like(chunks[me])
     for k in range(1, world):
         dst, src = (me + k) % world, (me - k) % world
         reqs = [
-            dist.isend(chunks[dst], group=group, group_dst=dst),
-            dist.irecv(received, group=group, group_src=src),
+            traffic.send(chunks[dst], group, dst),
+            traffic.recv(received, group, src),
         ]
         for req in reqs:
             req.wait()
         chunks[me].add_(received)
 
 
-def all_gather_inplace(full: torch.Tensor, group) -> None:
+def all_gather_inplace(full: torch.Tensor, group, traffic: Traffic | None = None) -> None:
     """Every rank's slice of ``full`` to every rank, in place (NCCL's in-place all-gather; on gloo each
-    slice is sent point-to-point straight into the peers' buffers, no staging copy)."""
+    slice is sent point-to-point straight into the peers' buffers, no staging copy). ``traffic``
+    (optional) counts the bytes at each call."""
     world, me = dist.get_world_size(group), dist.get_rank(group)
     chunks = full.view(world, -1)
     if world == 1:
         return
+    traffic = traffic if traffic is not None else Traffic()
     if dist.get_backend(group) != "gloo":
+        moved = (world - 1) * chunks[me].numel() * full.element_size()
+        traffic.collective(moved, moved)
         dist.all_gather_into_tensor(full, chunks[me], group=group)
         return
     reqs = []
     for k in range(1, world):
         dst, src = (me + k) % world, (me - k) % world
-        reqs.append(dist.isend(chunks[me], group=group, group_dst=dst))
-        reqs.append(dist.irecv(chunks[src], group=group, group_src=src))
+        reqs.append(traffic.send(chunks[me], group, dst))
+        reqs.append(traffic.recv(chunks[src], group, src))
     for req in reqs:
         req.wait()
 
@@ -175,6 +184,8 @@ def run_round_job(
     group,
     tilde_count: List[torch.Tensor],
     norm_group=None,
+    compression: Compression | None = None,
+    residuals: Sequence[torch.Tensor | None] | None = None,
 ) -> RoundResult:
     """One round's communication. ``roles[i]`` is group i's ``(grad buffer, param target)`` index pair
     from ``GroupBuffers.start_job``.
@@ -187,10 +198,21 @@ def run_round_job(
     needs to know whether the commits still in flight were applied. ``tilde_count`` is a one-element list holding the global
     count of the g~ kept by the last peek (acco, a device tensor); a PEEK stores into it, a COMMIT
     consumes it. ``fixed_count``: the micro-batches every rank accumulated (fixed accumulation), or None
-    to all-gather each rank's ``local_count`` (adaptive; a number, put on the device by a fill)."""
+    to all-gather each rank's ``local_count`` (adaptive; a number, put on the device by a fill).
+
+    ``compression``: None, or this round's gradients are exchanged in int8 blocks
+    (``compressed_comm.compressed_reduce_scatter_inplace``), with ``residuals[i]`` (the pipeline's
+    error-feedback residual of group i, written in place) when ``compression.error_feedback``."""
     dev = groups[0].master.device
-    for b, (g, _) in zip(groups, roles):
-        reduce_scatter_inplace(b.grad_bufs[g], group)
+    traffic = Traffic()
+    for i, (b, (g, _)) in enumerate(zip(groups, roles)):
+        if compression is None:
+            reduce_scatter_inplace(b.grad_bufs[g], group, traffic)
+        else:
+            residual = residuals[i] if compression.error_feedback else None
+            compressed_reduce_scatter_inplace(
+                b.grad_bufs[g], residual, group, compression.block_size, traffic
+            )
     grads = [b.shard_of(b.grad_bufs[g]) for b, (g, _) in zip(groups, roles)]
 
     world = dist.get_world_size(group)
@@ -257,7 +279,7 @@ def run_round_job(
             noop_flag=noop,
             commit=job is Job.COMMIT,
         )
-        all_gather_inplace(target, group)
+        all_gather_inplace(target, group, traffic)
     if job is Job.COMMIT:
         applied[0].add_((~(skipped | empty)).double())
 
@@ -270,4 +292,4 @@ def run_round_job(
         ready.record(torch.cuda.current_stream(dev))
     else:
         host = summary.clone()
-    return RoundResult(job, commit_index, grad_norm, host, ready)
+    return RoundResult(job, commit_index, grad_norm, host, ready, traffic)

@@ -25,12 +25,19 @@ Contract of :func:`capture` (per rank, collective over the data-parallel group):
    accumulation it is empty.
 5. The g~ kept by the last peek (``tilde``, acco) and its global count, the LR/AdamW settings
    recorded per engine step (``_hyper_history``), every counter and ``PipelineStats``.
+6. Compressed rounds with error feedback: this rank's residual per group (``pipeline.residuals``, full
+   size, rank-local, what quantization withheld from the rounds sent so far), under ``"residual"``
+   (None without one). :func:`restore` puts it back; a snapshot without one (saved with error feedback
+   off) restores zeros; a snapshot's residual that this pipeline has no use for (error feedback off now)
+   is dropped with a logged warning. :func:`resume_from_committed` (another world size, mode, ...) drops
+   every residual (the rounds they belong to are gone) and logs a warning when one was not zero.
 
 RNG state, the data order and the engine's own counters are the caller's business.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import asdict, fields
 from typing import Any, Dict, List, Sequence
 
@@ -38,9 +45,12 @@ import torch
 import torch.distributed as dist
 
 from acco_ds.core.comm import Ticket
+from acco_ds.core.compressed_comm import Traffic
 from acco_ds.core.round_job import RoundResult, all_gather_inplace
 from acco_ds.core.schedule import Job, RoundEnd
 from acco_ds.ops.adamw_settings import AdamWSettings
+
+logger = logging.getLogger("acco_ds")
 
 FORMAT_VERSION = 2  # 2: role-based buffers (acco_ds 0.2); 1 held two slots per buffer kind
 
@@ -139,7 +149,7 @@ def capture(pipeline) -> Dict[str, Any]:
             "result": _result_to_plain(res),
         }
     groups = []
-    for b in pipeline.groups:
+    for b, residual in zip(pipeline.groups, pipeline.residuals):
         job_flat = b.job_param_flat()
         groups.append(
             {
@@ -150,6 +160,7 @@ def capture(pipeline) -> Dict[str, Any]:
                 "job_shard": None if job_flat is None else _cpu(b.shard_of(job_flat)),
                 "tilde": None if b.tilde is None else _cpu(b.tilde),
                 "acc_grads": _cpu(b.acc_flat) if pipeline.counter.count > 0 else None,
+                "residual": None if residual is None else _cpu(residual),
             }
         )
     snap["groups"] = groups
@@ -222,6 +233,7 @@ def restore(pipeline, snap: Dict[str, Any]) -> None:
             b.tilde.copy_(g["tilde"])
         if g["acc_grads"] is not None:
             b.acc_flat.copy_(g["acc_grads"])
+    _restore_residuals(pipeline, [g.get("residual") for g in snap["groups"]])
     for name in _SCALARS:
         setattr(pipeline, name, snap[name])
     pipeline.counter.count = int(snap["counter_count"])
@@ -242,6 +254,39 @@ def restore(pipeline, snap: Dict[str, Any]) -> None:
         b.point_params()
         b.point_grads()
     pipeline.viewing_committed = False
+
+
+def _restore_residuals(pipeline, saved: Sequence[torch.Tensor | None]) -> None:
+    """Put the saved error-feedback residuals back (item 6 of the module docstring)."""
+    dropped = False
+    for residual, r in zip(pipeline.residuals, saved):
+        if residual is not None:
+            if r is None:
+                residual.zero_()
+            else:
+                residual.copy_(r)
+        elif r is not None and bool(r.ne(0).any()):
+            dropped = True
+    if dropped:
+        logger.warning(
+            "acco_ds: the checkpoint holds error-feedback residuals of compressed rounds, and this run has "
+            "optimizer.params.compression.error_feedback off (or compression off): they are dropped (what "
+            "quantization withheld from the last rounds before the save is not sent)."
+        )
+
+
+def _warn_if_residuals_dropped(saved: Sequence[Dict[str, Any]] | None) -> None:
+    nonzero = any(
+        g.get("residual") is not None and bool(g["residual"].ne(0).any())
+        for snap in saved or []
+        for g in snap.get("groups", [])
+    )
+    if nonzero:
+        logger.warning(
+            "acco_ds: resuming from the committed state (another world size, mode or schedule): the "
+            "error-feedback residuals of the compressed rounds are per rank and are dropped (what quantization "
+            "withheld from the rounds before the save, at most half a quantization step per element and rank)."
+        )
 
 
 @torch.no_grad()
@@ -280,6 +325,7 @@ def resume_from_committed(
                     f"{key} shard of {g[key].numel()} elements, the layout has {b.layout.shard_numel}"
                 )
     drain(pipeline)
+    _warn_if_residuals_dropped(saved)
     discarded = 0
     if saved is not None:
         s0 = saved[0]
@@ -354,18 +400,24 @@ def _result_to_plain(res: RoundResult) -> Dict[str, Any]:
         "commit_index": res.commit_index,
         "grad_norm": _cpu(res.grad_norm),
         "summary": _cpu(res.summary),
+        "traffic": None if res.traffic is None else [res.traffic.sent, res.traffic.received],
     }
 
 
 def _result_from_plain(saved: Dict[str, Any], dev: torch.device) -> RoundResult:
     expected = {"job", "commit_index", "grad_norm", "summary"}
-    if set(saved) != expected:
+    if set(saved) - {"traffic"} != expected:  # "traffic": optional (checkpoints before the byte counts)
         raise SnapshotMismatchError(
             f"the checkpoint's job in flight has fields {sorted(saved)}, this acco_ds expects {sorted(expected)}: "
             "the checkpoint was saved by another acco_ds version."
         )
+    traffic = saved.get("traffic")
     return RoundResult(
-        Job(saved["job"]), int(saved["commit_index"]), saved["grad_norm"].to(dev), saved["summary"]
+        Job(saved["job"]),
+        int(saved["commit_index"]),
+        saved["grad_norm"].to(dev),
+        saved["summary"],
+        traffic=None if traffic is None else Traffic(int(traffic[0]), int(traffic[1])),
     )
 
 

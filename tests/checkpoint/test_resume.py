@@ -30,12 +30,15 @@ TOL = {"fp32": 0.0, "bf16": 2e-3}
 ADAPTIVE_STEPS, ADAPTIVE_SAVE = 6, 3
 
 
-def acco_config(mode: str, dtype: str) -> dict:
+def acco_config(mode: str, dtype: str, compression: dict | None = None) -> dict:
     """A warm-up LR schedule that changes across the save, clipping and weight decay."""
+    params = {"lr": 0.02, "weight_decay": 0.1, "mode": mode}
+    if compression is not None:
+        params["compression"] = compression
     return {
         "train_micro_batch_size_per_gpu": toy.MICRO_BATCH,
         "gradient_accumulation_steps": GAS,
-        "optimizer": {"type": "ACCO", "params": {"lr": 0.02, "weight_decay": 0.1, "mode": mode}},
+        "optimizer": {"type": "ACCO", "params": params},
         "scheduler": {
             "type": "WarmupLR",
             "params": {"warmup_min_lr": 0.005, "warmup_max_lr": 0.02, "warmup_num_steps": 5},
@@ -71,6 +74,25 @@ def scenarios() -> list:
                 "steps": STEPS,
                 "save_micro": SAVE_STEP * GAS + extra,
                 "config": acco_config(mode, "fp32"),
+            }
+        )
+    # compressed rounds with error feedback: the residuals are in-flight state (at a boundary, inside a step
+    # with the peek in flight; bf16 sync), and a resume on another world size drops them
+    int8 = {"commit": "int8", "peek": "int8", "block_size": 16}
+    for name, mode, dtype, extra in (
+        ("acco_fp32_int8", "acco", "fp32", 0),
+        ("acco_fp32_int8_inside_step", "acco", "fp32", GAS // 2 + 1),
+        ("sync_bf16_int8", "sync", "bf16", 0),
+    ):
+        comp = int8 if mode == "acco" else {**int8, "peek": "none"}
+        out.append(
+            {
+                "name": name,
+                "dtype": dtype,
+                "steps": STEPS,
+                "save_micro": SAVE_STEP * GAS + extra,
+                "config": acco_config(mode, dtype, comp),
+                "other_world": name == "acco_fp32_int8",
             }
         )
     for mode in ("acco", "dpu"):
@@ -171,6 +193,8 @@ def test_counts_survive_the_resume(runs, sc):
         "skipped_steps",
         "committed_steps",
         "applied_steps",
+        "bytes_sent",
+        "bytes_received",
     ):
         assert c[key] == a[key], f"{key}: resumed {c[key]} vs uninterrupted {a[key]}"
     assert a["committed_steps"] == STEPS
@@ -226,13 +250,14 @@ def test_zero_to_fp32_inside_a_step_gives_the_committed_weights(runs, name):
     assert torch.equal(toy.flat(sd[n] for n in names), res["first"][0][name]["at_save"])
 
 
-def test_other_world_size_resumes_from_the_committed_state(runs):
+@pytest.mark.parametrize("name", ["acco_fp32", "acco_fp32_int8"])
+def test_other_world_size_resumes_from_the_committed_state(runs, name):
     """A 2-rank ACCO checkpoint loads on 1 rank with the committed weights of the save (the re-sharding
-    itself: tests/checkpoint/test_reshard.py)."""
+    itself: tests/checkpoint/test_reshard.py); with compressed rounds the residuals are dropped."""
     _, res = runs
-    r = res["other_world"][0]["acco_fp32"]
+    r = res["other_world"][0][name]
     assert r["error"] is None, r["error"]
-    assert torch.equal(r["loaded"], res["first"][0]["acco_fp32"]["at_save"])
+    assert torch.equal(r["loaded"], res["first"][0][name]["at_save"])
 
 
 def test_weights_only_load_on_other_world_size(runs):

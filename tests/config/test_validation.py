@@ -69,6 +69,43 @@ BAD_PARAMS = [
     ),
     ({"max_micro_batches_per_round": 4}, "max_micro_batches_per_round", "4", "accumulation='adaptive'"),
     ({"mode": "sync", "accumulation": "adaptive"}, "accumulation", "'adaptive'", "'fixed' with mode='sync'"),
+    ({"compression": {"commit": "fp8"}}, "compression.commit", "'fp8'", ALLOWED["compression.commit"]),
+    ({"compression": {"commit": True}}, "compression.commit", "True", ALLOWED["compression.commit"]),
+    ({"compression": {"peek": "int4"}}, "compression.peek", "'int4'", ALLOWED["compression.peek"]),
+    ({"compression": {"block_size": 0}}, "compression.block_size", "0", ALLOWED["compression.block_size"]),
+    (
+        {"compression": {"block_size": 2.5}},
+        "compression.block_size",
+        "2.5",
+        ALLOWED["compression.block_size"],
+    ),
+    (
+        {"compression": {"block_size": True}},
+        "compression.block_size",
+        "True",
+        ALLOWED["compression.block_size"],
+    ),
+    (
+        {"compression": {"error_feedback": "yes"}},
+        "compression.error_feedback",
+        "'yes'",
+        ALLOWED["compression.error_feedback"],
+    ),
+    ({"compression": {"all_gather": "int8"}}, "compression.all_gather", "'int8'", "is not built yet"),
+    ({"compression": {"foo": 1}}, "compression.foo", "1", "Allowed keys: all_gather, block_size, commit"),
+    ({"compression": "int8"}, "compression", "'int8'", ALLOWED["compression"]),
+    (
+        {"mode": "sync", "compression": {"peek": "int8"}},
+        "compression.peek",
+        "'int8'",
+        "'int8' with mode='acco'",
+    ),
+    (
+        {"mode": "dpu", "compression": {"peek": "int8"}},
+        "compression.peek",
+        "'int8'",
+        "'int8' with mode='acco'",
+    ),
     ({"momentum": 0.9}, "momentum", "0.9", "Allowed keys: accumulation, betas"),
     ({"adam_w_mode": True}, "adam_w_mode", "True", "Allowed keys: accumulation, betas"),
 ]
@@ -109,6 +146,23 @@ def test_valid_options_pass():
         }
     )
     assert cfg.lr == 3e-4 and cfg.betas == (0.0, 0.95) and cfg.max_micro_batches_per_round == 8
+
+
+def test_compression_defaults_off_and_valid_values_pass():
+    off = ACCOConfig.from_params({}).compression
+    assert (off.commit, off.peek, off.block_size, off.error_feedback, off.all_gather) == (
+        "none",
+        "none",
+        256,
+        True,
+        "none",
+    )
+    assert not off.enabled
+    on = ACCOConfig.from_params(
+        {"compression": {"commit": "int8", "peek": "int8", "block_size": 64.0, "error_feedback": False}}
+    ).compression
+    assert on.enabled and on.block_size == 64 and on.error_feedback is False
+    assert ACCOConfig.from_params({"mode": "sync", "compression": {"commit": "int8"}}).compression.enabled
 
 
 # -- DeepSpeed version range -------------------------------------------------------------------------

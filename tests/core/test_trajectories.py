@@ -3,6 +3,9 @@ sync/dpu/acco trajectories equal the single-process reference (W = 1, 2, 3; fp32
 weights, a frozen parameter, a parameter count divisible by neither 2 nor 3; an LR warm-up), with
 gradient clipping off and with clipping that acts at every step; sync equals DeepSpeed's own ZeRO-1;
 acco step 1 equals sync step 1; the optimizer state per rank is 1/W of the full state plus padding.
+Compressed rounds (optimizer.params.compression: int8 blocks with error feedback, docs/ALGORITHM.md
+"Compressed rounds") ride in the same launches: every mode, fp32 and bf16, against the reference with the
+same quantizer and per-rank residuals; the replicas stay bitwise identical; stats() counts the bytes.
 
 Every step compares the parameters, BOTH Adam moments and the reported global gradient norm. The
 parameters alone cannot see a wrong gradient scale: AdamW is nearly invariant to a constant factor
@@ -15,8 +18,18 @@ from functools import cache
 import pytest
 import torch
 
-from acco_ds.core.buffers import GroupLayout
-from acco_ds.core.reference import RefHyper, RefRun, reference_run
+from acco_ds.core.buffers import GroupLayout, padded_numel
+from acco_ds.core.reference import (
+    RefCompression,
+    RefHyper,
+    RefRun,
+    RefState,
+    _Adam,
+    _avg,
+    _Exchange,
+    reference_run,
+)
+from acco_ds.ops.quantize import num_blocks
 from tests.ranks import toy
 from tests.ranks.launch import run_scenarios
 
@@ -75,6 +88,34 @@ def acco_opt(mode: str, comm_dtype: str = "auto") -> dict:
     return {"type": "ACCO", "params": {"lr": LR, "weight_decay": WD, "mode": mode, "comm_dtype": comm_dtype}}
 
 
+# Compressed rounds: name -> (mode, precision, optimizer.params.compression); gradient clipping off, so
+# that what the exchange loses reaches the moments. Blocks much smaller than a shard (the toy's shards are
+# 80 to 240 elements), block sizes that divide it and that do not (short blocks).
+COMPRESSED = {
+    f"{m}_{d}_int8": (m, d, {"commit": "int8", "peek": "int8" if m == "acco" else "none", "block_size": b})
+    for m, b in (("acco", 16), ("dpu", 7), ("sync", 16))
+    for d in DTYPES
+}
+COMPRESSED["acco_fp32_int8_commit_only_no_ef"] = (
+    "acco",
+    "fp32",
+    {"commit": "int8", "peek": "none", "block_size": 32, "error_feedback": False},
+)
+LONG_STEPS = 40  # the replicas after many compressed steps
+LONG = ("acco_bf16_int8_long", "acco", "bf16", {"commit": "int8", "peek": "int8", "block_size": 16})
+
+
+def ref_compression(spec: dict, precision: str) -> RefCompression:
+    return RefCompression(
+        commit=spec["commit"] == "int8",
+        peek=spec["peek"] == "int8",
+        block_size=spec["block_size"],
+        error_feedback=spec.get("error_feedback", True),
+        comm_dtype=DTYPES[precision],
+        gas=GAS,
+    )
+
+
 def scenarios(world: int) -> list:
     out = [
         {"name": name_of(m, d, c), "steps": STEPS, "config": ds_config(acco_opt(m), d, c)}
@@ -91,6 +132,14 @@ def scenarios(world: int) -> list:
         for m in MODES
         for p in MIXED
     ]
+    for name, (m, d, comp) in COMPRESSED.items():
+        opt = acco_opt(m)
+        opt["params"]["compression"] = comp
+        out.append({"name": name, "steps": STEPS, "config": ds_config(opt, d, "noclip")})
+    name, m, d, comp = LONG
+    opt = acco_opt(m)
+    opt["params"]["compression"] = comp
+    out.append({"name": name, "steps": LONG_STEPS, "config": ds_config(opt, d, "noclip")})
     if world == 2:
         zero1 = {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD}}
         out += [
@@ -108,7 +157,9 @@ def run(request, tmp_path_factory):
 
 
 @cache
-def reference(mode: str, dtype: str, world: int, clip: str, lrs: tuple) -> RefRun:
+def reference(
+    mode: str, dtype: str, world: int, clip: str, lrs: tuple, compression: RefCompression | None = None
+) -> RefRun:
     compute = DTYPES[model_dtype(dtype)]
     theta0 = toy.flat(toy.trainable(toy.build().to(compute)))
     return reference_run(
@@ -121,6 +172,7 @@ def reference(mode: str, dtype: str, world: int, clip: str, lrs: tuple) -> RefRu
         hypers=lambda t: [RefHyper(lrs[t], (0.9, 0.999), 1e-8, WD)],
         clip=CLIPS[clip],
         compute_dtype=compute,
+        compression=compression,
     )
 
 
@@ -168,13 +220,21 @@ def reported_norms(res: dict, mode: str) -> list:
 
 
 def assert_matches_reference(
-    res: dict, mode: str, dtype: str, world: int, clip: str, tol: float, moment_tol: float, norm_tol: float
+    res: dict,
+    mode: str,
+    dtype: str,
+    world: int,
+    clip: str,
+    tol: float,
+    moment_tol: float,
+    norm_tol: float,
+    compression: RefCompression | None = None,
 ) -> None:
     """Every step of the run is within tolerance of the reference: parameters (max abs ``tol``), both
     Adam moments (max abs relative to the moment's scale, ``moment_tol``) and the reported global
     gradient norm (relative, ``norm_tol``)."""
-    ref = reference(mode, dtype, world, clip, tuple(res["lrs"]))
-    where = f"{mode}/{dtype}/{clip} W={world}"
+    ref = reference(mode, dtype, world, clip, tuple(res["lrs"]), compression)
+    where = f"{mode}/{dtype}/{clip} W={world}" + ("" if compression is None else f" {compression}")
     assert len(res["traj"]) == STEPS
     for t, (got, (want,)) in enumerate(zip(res["traj"], ref.params)):
         diff = (got - want).abs().max().item()
@@ -258,3 +318,168 @@ def test_finish_loads_committed_parameters(run):
         for clip in CLIPS:
             res = results[name_of(mode, "fp32", clip)]
             assert torch.equal(res["final_model"], res["traj"][-1]), (mode, clip)
+
+
+# -- compressed rounds (docs/ALGORITHM.md, "Compressed rounds") --------------------------------------------
+@cache
+def toy_grad_fn(dtype: str):
+    return toy.make_grad_fn(DTYPES[dtype])
+
+
+def replay_step(mode: str, dtype: str, world: int, spec: RefCompression, t: int, before: dict) -> dict:
+    """Commit t of a compressed run recomputed by the reference's pieces (``reference._Exchange``, AdamW on
+    unsharded fp32 master weights) from the run's own state before it: ``before`` holds theta^t, both
+    moments, the residual of every rank, and where the rounds of commit t computed (theta~^t in acco, theta^{t-1}
+    in dpu). Returns the parameters, moments, norm, every rank's residual after commit t, and the estimate
+    theta~^{t+1} of the next step (acco)."""
+    hyper = [RefHyper(before["lr"], (0.9, 0.999), 1e-8, WD)]
+    theta = before["theta"]
+    adam = _Adam([theta], 0.0, RefState([before["exp_avg"]], [before["exp_avg_sq"]], t))
+    ex = _Exchange(spec, world, [theta])
+    if spec.error_feedback:
+        ex.residuals = [[r.clone()] for r in before["residuals"]]
+    grad_fn, compute = toy_grad_fn(model_dtype(dtype)), DTYPES[model_dtype(dtype)]
+    next_mb = [t * GAS] * world
+    out = {}
+    if mode == "acco":
+        per_rank, n_tilde = ex.accumulate([before["at"]], GAS // 2, compute, grad_fn, next_mb)
+        g_tilde = ex.reduce(per_rank, spec.peek)
+        out["estimate"] = adam.peek(_avg(g_tilde, n_tilde), hyper)[0]
+        per_rank, n = ex.accumulate([theta], GAS // 2, compute, grad_fn, next_mb)
+        g = ex.reduce(per_rank, spec.commit)
+        adam.commit(_avg([g[0] + g_tilde[0]], n + n_tilde), hyper)
+    else:
+        per_rank, n = ex.accumulate([before["at"]], GAS, compute, grad_fn, next_mb)
+        adam.commit(_avg(ex.reduce(per_rank, spec.commit), n), hyper)
+    out.update(
+        theta=adam.theta()[0],
+        exp_avg=adam.moment("exp_avg")[0],
+        exp_avg_sq=adam.moment("exp_avg_sq")[0],
+        norm=adam.last_norm,
+        residuals=[r[0] for r in ex.residuals] if spec.error_feedback else None,
+    )
+    return out
+
+
+@pytest.mark.parametrize("name", COMPRESSED)
+def test_compressed_steps_match_reference(run, name):
+    """Each commit of a compressed run equals the reference's (the same quantizer, one error-feedback residual
+    per simulated rank) recomputed from the run's own state before it: parameters, both moments, the norm,
+    every rank's residual (bit for bit: each rank's buffer is the reference's, bit for bit) and, in acco, the
+    estimate of the next step.
+
+    Why step by step and not one free-running reference: quantization is discontinuous. The run and the
+    reference differ by a few fp32 ulps after a step (summation order), and such a difference flips a rounding
+    decision now and then (a value at k + 1/2 of a quantization step), which moves one gradient element by a
+    whole step: the free-running trajectories then part by as much as what the test must detect."""
+    world, results = run
+    mode, dtype, comp = COMPRESSED[name]
+    spec = ref_compression(comp, dtype)
+    res = results[name]
+    theta0 = toy.flat(toy.trainable(toy.build().to(DTYPES[model_dtype(dtype)])))
+    zeros = torch.zeros_like(theta0)
+    thetas = [theta0] + res["traj"]
+    moments = {k: [zeros] + res["moments"][k] for k in ("exp_avg", "exp_avg_sq")}
+    padded = padded_numel(theta0.numel(), world)
+    per_rank = res["residuals_per_rank"]
+    norms = reported_norms(res, mode)
+    for t in range(STEPS):
+        at = {"sync": thetas[t], "dpu": thetas[max(t - 1, 0)]}.get(mode)
+        if mode == "acco":
+            at = theta0 if t == 0 else res["model_at_boundary"][t - 1]
+        before = {
+            "lr": res["lrs"][t],
+            "theta": thetas[t],
+            "exp_avg": moments["exp_avg"][t],
+            "exp_avg_sq": moments["exp_avg_sq"][t],
+            "at": at,
+            "residuals": [
+                torch.zeros(padded, dtype=DTYPES[dtype]) if t == 0 else per_rank[r][t - 1]
+                for r in range(world)
+            ],
+        }
+        want = replay_step(mode, dtype, world, spec, t, before)
+        where = f"{name} W={world} commit {t + 1}"
+        diff = (res["traj"][t] - want["theta"]).abs().max().item()
+        assert diff <= TOL[dtype], f"{where}: parameters max |diff| {diff:.3e} > {TOL[dtype]}"
+        for key in ("exp_avg", "exp_avg_sq"):
+            rel = max_rel(res["moments"][key][t], want[key])
+            assert rel <= MOMENT_TOL[dtype], f"{where}: {key} max rel diff {rel:.3e}"
+        assert norms[t] == pytest.approx(want["norm"], rel=NORM_TOL[dtype]), f"{where}: grad norm"
+        if spec.error_feedback:
+            for r in range(world):
+                got = per_rank[r][t]
+                assert torch.equal(got, want["residuals"][r]), (
+                    f"{where}: rank {r}'s residual differs, max |diff| "
+                    f"{(got.double() - want['residuals'][r].double()).abs().max().item():.3e}"
+                )
+            assert any(bool(per_rank[r][t].ne(0).any()) for r in range(world)), f"{where}: all residuals zero"
+        if mode == "acco" and t + 1 < STEPS:  # the model holds the estimate theta~^{t+1} at boundary t
+            d = (res["model_at_boundary"][t] - want["estimate"].to(DTYPES[dtype]).float()).abs().max().item()
+            assert d <= TOL[dtype], f"{where}: estimate max |diff| {d:.3e}"
+    assert (res["traj"][-1] - res["traj"][0]).abs().max() > 10 * TOL[dtype]
+
+
+@pytest.mark.parametrize("name", ["acco_fp32_int8", "dpu_fp32_int8", "sync_fp32_int8"])
+def test_compression_and_error_feedback_are_visible(name):
+    """The compressed reference differs from the uncompressed one, and from the same compression without
+    error feedback, by far more than the tolerance: a run that skipped the quantization or dropped the
+    residuals could not pass test_compressed_matches_reference."""
+    mode, dtype, comp = COMPRESSED[name]
+    lrs = (LR,) * STEPS
+    spec = ref_compression(comp, dtype)
+    with_ef = reference(mode, dtype, 2, "noclip", lrs, spec).params[-1][0]
+    plain = reference(mode, dtype, 2, "noclip", lrs).params[-1][0]
+    no_ef = reference(
+        mode, dtype, 2, "noclip", lrs, ref_compression({**comp, "error_feedback": False}, dtype)
+    )
+    assert (with_ef - plain).abs().max() > 10 * TOL[dtype], name
+    assert (with_ef - no_ef.params[-1][0]).abs().max() > 10 * TOL[dtype], name
+
+
+def test_compressed_replicas_are_bitwise_identical(run):
+    """After many compressed steps every rank holds the same parameters, bit for bit."""
+    world, results = run
+    for name in list(COMPRESSED) + [LONG[0]]:
+        models = results[name]["final_model_per_rank"]
+        assert len(models) == world
+        for r, m in enumerate(models):
+            assert torch.equal(m, models[0]), f"{name}: rank {r}'s parameters differ from rank 0's"
+    long = results[LONG[0]]
+    assert long["stats"]["committed_steps"] == LONG_STEPS
+    assert (long["traj"][-1] - long["traj"][0]).abs().max() > 0.1  # it trained
+
+
+def wire_bytes(world: int, precision: str, block_size: int | None) -> int:
+    """Bytes one rank sends (and receives) in a round of the toy model: the gradient exchange ((W-1)
+    chunks: comm dtype, or int8 plus one fp32 scale per block) and the parameter all-gather."""
+    shard = padded_numel(toy.flat(toy.trainable(toy.build())).numel(), world) // world
+    size = DTYPES[precision].itemsize
+    grads = shard * size if block_size is None else shard + 4 * num_blocks(shard, block_size)
+    return (world - 1) * (grads + shard * size)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_stats_count_bytes_per_round(run, mode):
+    """stats() counts what each rank sent and received, at the send/receive calls, per round and in total;
+    compressed rounds send int8 plus a scale per block, and the parameter all-gather as before."""
+    world, results = run
+    for dtype in DTYPES:
+        plain = results[name_of(mode, dtype, "noclip")]
+        comp = COMPRESSED[f"{mode}_{dtype}_int8"][2]
+        packed = results[f"{mode}_{dtype}_int8"]
+        for res, block in ((plain, None), (packed, comp["block_size"])):
+            want = wire_bytes(world, dtype, block)
+            for r, st in enumerate(res["stats_per_rank"]):
+                assert st["last_round_bytes_sent"] == want, (
+                    mode,
+                    dtype,
+                    block,
+                    r,
+                    st["last_round_bytes_sent"],
+                )
+                assert st["last_round_bytes_received"] == want
+                assert st["bytes_sent"] == st["rounds"] * want
+                assert st["bytes_received"] == st["rounds"] * want
+        if world > 1:
+            assert packed["stats"]["last_round_bytes_sent"] < plain["stats"]["last_round_bytes_sent"]

@@ -25,7 +25,7 @@ def run_scenario(sc: dict, rank: int) -> dict:
     model = toy.build()
     engine, _, _, _ = deepspeed.initialize(model=model, config=cfg, model_parameters=model.parameters())
     params = toy.trainable(engine.module)
-    lrs, traj, norms = [], [], []
+    lrs, traj, norms, at_boundary, residuals = [], [], [], [], []
     moments = {"exp_avg": [], "exp_avg_sq": []}
     for step in range(sc["steps"]):
         lrs.append(float(engine.get_lr()[0]))
@@ -39,7 +39,16 @@ def run_scenario(sc: dict, rank: int) -> dict:
             per_step.append(toy.flat(safe_get_full_optimizer_state(p, key) for p in params).cpu())
         norm = engine.get_global_grad_norm()
         norms.append(None if norm is None else float(norm))
+        # compressed rounds: what the model holds (acco: the estimate) and this rank's error-feedback residual,
+        # after the reads above waited for the job in flight (tests/core/test_trajectories.py replays each step)
+        pipe = getattr(engine.optimizer, "pipeline", None)
+        if pipe is not None and pipe.cfg.compression.enabled:
+            at_boundary.append(toy.flat(params).cpu())
+            residual = pipe.residuals[0]
+            residuals.append(None if residual is None else residual.detach().cpu().clone())
     out = {"lrs": lrs, "traj": traj, "norms": norms, "moments": moments}
+    if at_boundary:
+        out["model_at_boundary"], out["residuals"] = at_boundary, residuals
     for key, per_step in moments.items():
         out[key] = per_step[-1]
     opt = engine.optimizer
@@ -68,6 +77,8 @@ def main() -> None:
         results[sc["name"]] = run_scenario(sc, rank)
         results[sc["name"]]["world_size"] = torch.distributed.get_world_size()
     rank_start.attach_per_rank(results, "stats_per_rank", lambda r: r.get("stats"))
+    rank_start.attach_per_rank(results, "final_model_per_rank", lambda r: r.get("final_model"))
+    rank_start.attach_per_rank(results, "residuals_per_rank", lambda r: r.get("residuals"))
     if rank == 0:
         torch.save(results, os.path.join(args.out, "results.pt"))
 

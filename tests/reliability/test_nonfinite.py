@@ -39,7 +39,9 @@ LR, WD, CLIP = 0.02, 0.1, 0.5
 TOL = 2e-6  # fp32, summation order only
 
 
-def config(mode: str, scheduler: bool = True, accumulation: str = "fixed") -> dict:
+def config(
+    mode: str, scheduler: bool = True, accumulation: str = "fixed", compression: dict | None = None
+) -> dict:
     cfg = {
         "train_micro_batch_size_per_gpu": toy.MICRO_BATCH,
         "gradient_accumulation_steps": GAS,
@@ -51,6 +53,8 @@ def config(mode: str, scheduler: bool = True, accumulation: str = "fixed") -> di
         "gradient_clipping": CLIP,
         "steps_per_print": 10**9,
     }
+    if compression is not None:
+        cfg["optimizer"]["params"]["compression"] = compression
     if scheduler:  # the LR changes at every step: a schedule that ignored a skip would show
         cfg["scheduler"] = {
             "type": "WarmupLR",
@@ -65,6 +69,14 @@ FAULTS = {
     "dpu": ("dpu", {"rank": 0, "step": E, "micro": 0, "kind": "inf"}, True),
     "acco_tilde": ("acco", {"rank": 1, "step": E, "micro": 1, "kind": "nan"}, True),  # first half: g~
     "acco_g": ("acco", {"rank": 0, "step": E, "micro": 3, "kind": "inf"}, False),  # second half: g
+}
+# compressed rounds (int8 blocks with error feedback): the non-finite value makes its block's scale non-finite,
+# and the skip path is the same (claim 3)
+INT8 = {"commit": "int8", "peek": "int8", "block_size": 16}
+FAULTS_INT8 = {
+    "sync_int8": ("sync", FAULTS["sync"][1], {**INT8, "peek": "none"}),
+    "acco_tilde_int8": ("acco", FAULTS["acco_tilde"][1], INT8),
+    "acco_g_int8": ("acco", FAULTS["acco_g"][1], INT8),
 }
 NEVER_SAW = ("sync", "dpu", "acco_tilde")  # claim 1 holds for these
 DEFERRED = ("dpu", "acco_tilde", "acco_g")  # claim 5: the same fault with late host reads
@@ -94,6 +106,15 @@ def scenarios() -> list:
                     "restart_after": E - 1,
                 }
             )
+    for name, (mode, fault, comp) in FAULTS_INT8.items():
+        out.append(
+            {
+                "name": f"{name}_fault",
+                "steps": STEPS,
+                "config": config(mode, True, compression=comp),
+                "fault": fault,
+            }
+        )
     out.append(
         {
             "name": "adaptive_fault",
@@ -179,9 +200,9 @@ def test_matches_reference_with_skipped_update(results, name):
     assert torch.equal(ref[E][0], ref[E - 1][0])  # the oracle skipped that step too
 
 
-@pytest.mark.parametrize("name", list(FAULTS))
+@pytest.mark.parametrize("name", list(FAULTS) + list(FAULTS_INT8))
 def test_skip_reported_counted_and_alike_on_every_rank(results, name):
-    mode = FAULTS[name][0]
+    mode = FAULTS[name][0] if name in FAULTS else FAULTS_INT8[name][0]
     bad = results[f"{name}_fault"]
     when = E if mode == "sync" else E + 1  # acco/dpu: the commit launched at E finishes in the next round
     assert bad["overflow"] == [t == when for t in range(STEPS)], bad["overflow"]
@@ -191,7 +212,7 @@ def test_skip_reported_counted_and_alike_on_every_rank(results, name):
         assert torch.equal(f, finals[0]), f"rank {r} holds other parameters than rank 0"
         stats = bad["per_rank"][r]["stats"]
         assert stats["skipped_steps"] == 1, stats
-        assert stats["skipped_peeks"] == (1 if name == "acco_tilde" else 0), stats
+        assert stats["skipped_peeks"] == (1 if name.startswith("acco_tilde") else 0), stats
         assert stats["applied_steps"] == STEPS - 1
     # the skipped commit's micro-batches are discarded, not committed
     stats = bad["stats"]

@@ -1,0 +1,102 @@
+"""The compressed gradient exchange of a round (docs/ALGORITHM.md, "Compressed rounds"), and the byte
+counts of a round's collectives.
+
+:func:`compressed_reduce_scatter_inplace` replaces the reduce-scatter of ``round_job`` when the round
+is compressed: each rank quantizes its WHOLE flat gradient buffer (``acco_ds.ops.quantize``, blockwise
+int8 with one fp32 scale per block; the blocks are cut inside each rank's shard-sized chunk, the last
+block of a chunk short), adding its error-feedback residual first and keeping what quantization lost
+in it; it sends chunk r's int8 values and scales to rank r (point-to-point, one peer at a time, as the
+uncompressed gloo path; gloo has no int8 reduction); the owner dequantizes every rank's chunk of its
+shard (its own included) and sums them in fp32, in the order own, me-1, me-2, ... (mod W), and writes
+the sum into its own slice of the buffer, in the buffer's dtype. From there the round goes on exactly
+as an uncompressed one (average, norm, clipping, AdamW, all-gather).
+
+Threads and ownership: called on the communication side (the executor's worker thread) with the job's
+gradient buffer and the pipeline's residual of that group (full size, the buffer's dtype), which only
+jobs touch while training runs (the compute side reads and writes it only when drained: snapshot,
+restart). CPU tensors (gloo); the quantizer is pure torch (fused kernels are not built yet).
+
+:class:`Traffic` counts the bytes a rank hands to (``sent``) and takes from (``received``) the network
+in one job, counted at each send/receive call (point-to-point: the tensor's bytes; NCCL's collectives:
+what the call moves per rank, (W-1)/W of the buffer each way). The scalar all-reduce of the norm and the
+adaptive counts' all-gather (8 bytes per rank) are not counted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from acco_ds.ops.quantize import dequantize, num_blocks, quantize, quantize_with_residual
+
+
+@dataclass
+class Traffic:
+    """Bytes this rank sent and received in one job (see the module docstring)."""
+
+    sent: int = 0
+    received: int = 0
+
+    def send(self, t: torch.Tensor, group, dst: int):
+        self.sent += t.numel() * t.element_size()
+        return dist.isend(t, group=group, group_dst=dst)
+
+    def recv(self, t: torch.Tensor, group, src: int):
+        self.received += t.numel() * t.element_size()
+        return dist.irecv(t, group=group, group_src=src)
+
+    def collective(self, sent: int, received: int) -> None:
+        self.sent += sent
+        self.received += received
+
+
+@dataclass(frozen=True)
+class Compression:
+    """How a round's gradients are exchanged when compressed: int8 blocks of ``block_size`` elements, with
+    the pipeline's residuals (error feedback) when ``error_feedback``."""
+
+    block_size: int
+    error_feedback: bool
+
+
+def compressed_reduce_scatter_inplace(
+    full: torch.Tensor,
+    residual: torch.Tensor | None,
+    group,
+    block_size: int,
+    traffic: Traffic,
+) -> None:
+    """Sum ``full`` (this rank's flat gradient buffer, fp32 or bf16, length W x shard) over the ranks into
+    this rank's own slice of it, through int8 quantization (see the module docstring); the other slices
+    are left as they were. ``residual`` (same length and dtype as ``full``, or None: no error feedback)
+    is added before quantizing and overwritten with what quantization lost. Collective over ``group``."""
+    world, me = dist.get_world_size(group), dist.get_rank(group)
+    chunks = full.view(world, -1)
+    shard = chunks.shape[1]
+    nb = num_blocks(shard, block_size)
+    q = torch.empty((world, shard), dtype=torch.int8, device=full.device)
+    scales = torch.empty((world, nb), dtype=torch.float32, device=full.device)
+    rests = None if residual is None else residual.view(world, -1)
+    for r in range(world):
+        if rests is None:
+            q[r], scales[r] = quantize(chunks[r], block_size)
+        else:
+            q[r], scales[r] = quantize_with_residual(chunks[r], rests[r], block_size)
+    total = dequantize(q[me], scales[me], block_size)
+    if world > 1:
+        got_q = torch.empty(shard, dtype=torch.int8, device=full.device)
+        got_s = torch.empty(nb, dtype=torch.float32, device=full.device)
+        for k in range(1, world):
+            dst, src = (me + k) % world, (me - k) % world
+            reqs = [
+                traffic.send(q[dst], group, dst),
+                traffic.send(scales[dst], group, dst),
+                traffic.recv(got_q, group, src),
+                traffic.recv(got_s, group, src),
+            ]
+            for req in reqs:
+                req.wait()
+            total += dequantize(got_q, got_s, block_size)
+    chunks[me].copy_(total)
