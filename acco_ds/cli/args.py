@@ -12,6 +12,7 @@ import os
 import time
 
 from acco_ds.cli.dsconfig import ALL_MODES
+from acco_ds.cli.in_launcher import started_by_torchrun
 from acco_ds.models.hf import ALL_ARCHS
 
 DEFAULT_MODES = ["acco", "zero1"]
@@ -33,10 +34,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--mode",
         nargs="+",
         choices=ALL_MODES,
-        default=DEFAULT_MODES,
+        default=None,
         help="one run per mode, in this order: acco | dpu | sync (the ACCO optimizer), zero1 (DeepSpeed "
         "ZeRO-1 AdamW), zero1-overlap (ZeRO-1 with overlap_comm, reduce buckets of a quarter of the model), "
-        "zero2 (DeepSpeed ZeRO-2 with overlap_comm)",
+        "zero2 (DeepSpeed ZeRO-2 with overlap_comm). Default: acco zero1; under torchrun (one run): acco",
     )
     run.add_argument(
         "--accumulation",
@@ -110,6 +111,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     out.add_argument("--out", default=None, help="output folder (default: ./acco_out/<timestamp>)")
     out.add_argument("--no-progress", action="store_true", help="no progress bar")
+    ckpt = ap.add_argument_group("checkpoints (a restarted job resumes by itself; see docs/MULTINODE.md)")
+    ckpt.add_argument(
+        "--save-every",
+        type=int,
+        default=0,
+        help="save a checkpoint every N optimizer steps and at the end (0: no saves)",
+    )
+    ckpt.add_argument(
+        "--checkpoint-dir",
+        default=None,
+        help="where the saves go (default with --save-every: OUT/runs/<mode>/checkpoints); a run whose "
+        "folder holds a complete save resumes from it, at whatever world size it has",
+    )
+    ckpt.add_argument("--keep-checkpoints", type=int, default=2, help="the newest saves kept")
     het = ap.add_argument_group("heterogeneous workers (demo)")
     het.add_argument("--slow-rank", type=int, default=-1, help="this rank gets extra compute per micro-batch")
     het.add_argument(
@@ -166,6 +181,23 @@ def _check_tp(ap: argparse.ArgumentParser, a: argparse.Namespace) -> None:
             ap.error(f"--tp {a.tp} must divide {flag} ({n}): AutoTP splits the attention heads")
 
 
+def _in_launcher_defaults(ap: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    """Under torchrun every process is one rank of one run: the world size is the launcher's, and every
+    rank (and every restart) must write into the same folder."""
+    world = int(os.environ["WORLD_SIZE"])
+    if a.world_size not in (None, world):
+        ap.error(f"--world-size {a.world_size}: under torchrun the world size is the launcher's ({world})")
+    a.world_size = world
+    if not a.out:
+        ap.error("--out is required under torchrun: every rank and every restart writes into that folder")
+    a.mode = a.mode or ["acco"]
+    if len(a.mode) != 1 and not a.config:
+        ap.error(f"under torchrun acco-train trains one run: pass one --mode, got {' '.join(a.mode)}")
+    if a.threads is None:
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        a.threads = 1 if _cuda() else max(1, (os.cpu_count() or 1) // local)
+
+
 def parse(argv=None) -> argparse.Namespace:
     from acco_ds.cli.launch import default_world_size
 
@@ -183,7 +215,19 @@ def parse(argv=None) -> argparse.Namespace:
     ):
         if getattr(a, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
+    a.in_launcher = started_by_torchrun()
+    if a.in_launcher:
+        _in_launcher_defaults(ap, a)
+    a.mode = a.mode or DEFAULT_MODES
     a.world_size = a.world_size or default_world_size()
+    if a.save_every < 0:
+        ap.error(f"--save-every must be >= 0 (0: no saves), got {a.save_every}")
+    if a.keep_checkpoints < 1:
+        ap.error(f"--keep-checkpoints must be >= 1, got {a.keep_checkpoints}")
+    if a.checkpoint_dir and len(a.mode) > 1 and not a.config:
+        ap.error(
+            f"--checkpoint-dir holds the saves of one run, but --mode lists {len(a.mode)}: {' '.join(a.mode)}"
+        )
     if a.world_size < 1:
         ap.error(f"--world-size must be >= 1, got {a.world_size}")
     if a.threads is None:

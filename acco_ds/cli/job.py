@@ -95,6 +95,33 @@ def plan_runs(a, model_cfg: dict, n_params: int) -> list:
     return runs
 
 
+def make_spec(a, label: str, mode: str, acc: str, cfg: dict, model_cfg: dict, run_dir: Path) -> RunSpec:
+    """The RunSpec of one run of the job (the ranks read it; see ``acco_ds.cli.spec``)."""
+    checkpoint_dir = a.checkpoint_dir or (str(run_dir / "checkpoints") if a.save_every else None)
+    return RunSpec(
+        name=label,
+        mode=mode,
+        accumulation=acc,
+        run_dir=str(run_dir),
+        model=model_cfg,
+        ds_config=cfg,
+        steps=a.steps,
+        micro_batch=cfg.get("train_micro_batch_size_per_gpu", a.micro_batch),
+        grad_accum=cfg.get("gradient_accumulation_steps", a.grad_accum),
+        seed=a.seed,
+        threads=a.threads,
+        corpus=a.corpus,
+        eval_windows=a.eval_windows,
+        progress=not a.no_progress,
+        slow_rank=a.slow_rank,
+        slow_factor=a.slow_factor,
+        tp=a.tp,
+        save_every=a.save_every,
+        checkpoint_dir=checkpoint_dir,
+        keep_checkpoints=a.keep_checkpoints,
+    )
+
+
 def _print_table(summary: dict) -> None:
     rows = [("mode", "steps", "samples", "time s", "samples/s", "train loss", "val loss", "peak MiB/rank")]
     for label, s in summary["runs"].items():
@@ -146,25 +173,7 @@ def run_job(a) -> dict:
     metrics_lines = []
     for label, mode, acc, cfg in runs:
         run_dir = out / "runs" / label
-        spec = RunSpec(
-            name=label,
-            mode=mode,
-            accumulation=acc,
-            run_dir=str(run_dir),
-            model=model_cfg,
-            ds_config=cfg,
-            steps=a.steps,
-            micro_batch=cfg.get("train_micro_batch_size_per_gpu", a.micro_batch),
-            grad_accum=cfg.get("gradient_accumulation_steps", a.grad_accum),
-            seed=a.seed,
-            threads=a.threads,
-            corpus=a.corpus,
-            eval_windows=a.eval_windows,
-            progress=not a.no_progress,
-            slow_rank=a.slow_rank,
-            slow_factor=a.slow_factor,
-            tp=a.tp,
-        )
+        spec = make_spec(a, label, mode, acc, cfg, model_cfg, run_dir)
         path = spec.save()
         (run_dir / "ds_config.json").write_text(json.dumps(cfg, indent=2))
         started = time.perf_counter()

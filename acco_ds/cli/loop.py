@@ -8,8 +8,10 @@ Contracts:
   per-rank iterator while ``engine.optimizer.committed_steps < steps``, so a fast rank computes
   more micro-batches than a slow one (and every rank computes while the link is busy).
 Every loop calls ``spinner.spin()`` after each micro-batch (the controlled slowdown), feeds the
-``StepLog`` and the progress bar, and returns the seconds since ``start`` (a perf_counter value
-taken by the caller right after the ranks' barrier).
+``StepLog`` and the progress bar, calls ``on_step(step)`` (when given) each time an optimizer step
+completes, and returns the seconds since ``start`` (a perf_counter value taken by the caller right after
+the ranks' barrier). A resumed run passes ``done``, the steps its checkpoint holds: the loops run the
+``steps - done`` steps left.
 """
 
 from __future__ import annotations
@@ -57,9 +59,11 @@ def train_fixed(
     bar: Progress,
     spinner: Spinner,
     start: float,
+    done: int = 0,
+    on_step: Callable[[int], None] | None = None,
 ) -> float:
     count = step_counter(engine)
-    for _ in range(steps * grad_accum):
+    for _ in range((steps - done) * grad_accum):
         log.micro(_micro(engine, next(batches), engine.device))
         spinner.spin()
         step = count()
@@ -69,6 +73,8 @@ def train_fixed(
             bar.update(
                 step, log.recent_loss(), committed_samples(engine, micro_batch, world, grad_accum, step), now
             )
+            if on_step is not None:
+                on_step(step)
     return time.perf_counter() - start
 
 
@@ -83,9 +89,11 @@ def train_adaptive(
     bar: Progress,
     spinner: Spinner,
     start: float,
+    done: int = 0,
+    on_step: Callable[[int], None] | None = None,
 ) -> float:
     count = step_counter(engine)
-    step = 0
+    step = done
     while step < steps:
         log.micro(_micro(engine, next(batches), engine.device))
         spinner.spin()
@@ -96,4 +104,6 @@ def train_adaptive(
             samples = committed_samples(engine, micro_batch, world, grad_accum, step)
             log.step(step, now)
             bar.update(step, log.recent_loss(), samples, now)
+            if on_step is not None:
+                on_step(step)
     return time.perf_counter() - start

@@ -37,6 +37,9 @@ class RunSpec:
     tp: int = 1  # tensor-parallel size: ranks r with the same r // tp form one replica (same data)
     start_gate: str | None = None  # a folder shared by runs launched together: training starts ...
     gate_count: int = 0  # ... once this many ranks (of all of them) are ready (see acco_ds.cli.worker)
+    save_every: int = 0  # save a checkpoint every this many optimizer steps into checkpoint_dir (0: never)
+    checkpoint_dir: str | None = None  # where the saves go; a run whose folder holds one resumes from it
+    keep_checkpoints: int = 2  # the newest saves kept (older ones removed after each complete save)
 
     def save(self) -> Path:
         path = Path(self.run_dir) / "spec.json"

@@ -15,18 +15,19 @@ from pathlib import Path
 
 
 class StepLog:
-    def __init__(self) -> None:
+    def __init__(self, start: int = 0) -> None:
+        """``start``: the optimizer steps already done before this log (a resumed run): records begin after it."""
         self.records: list = []
         self.mb = 0
         self.loss_sum = 0.0
-        self._last_step = 0
+        self._last_step = start
         self._window_loss = 0.0
         self._window_mb = 0
         self._recent = float("nan")
 
     @property
     def last_step(self) -> int:
-        """The last optimizer step recorded (0 before any)."""
+        """The last optimizer step recorded (``start`` before any)."""
         return self._last_step
 
     def micro(self, loss: float) -> None:

@@ -1,11 +1,13 @@
 """The rank process: ``python -m acco_ds.cli.worker --spec RUN_DIR/spec.json`` (started by the
-DeepSpeed launcher, one per rank; see ``acco_ds.cli.launch``).
+DeepSpeed launcher, one per rank; see ``acco_ds.cli.launch``), or ``acco-train`` itself under torchrun
+(``acco_ds.cli.in_launcher``).
 
 Contract: reads the RunSpec, builds the same model on every rank (seeded), trains it with the
 DeepSpeed engine of ``spec.ds_config``, then - for ACCO - calls ``engine.optimizer.finish()`` on
 every rank so the model holds the committed parameters, evaluates the validation loss on them, and
 writes ``rank<r>.jsonl`` and ``rank<r>.json`` into the run folder. Rank r reads the micro-batches
-of rank ``r + spec.data_offset``. All timing starts after a barrier and, when ``spec.start_gate``
+of rank ``r + spec.data_offset``. With ``spec.checkpoint_dir`` the run first resumes from its last
+complete save and saves every ``spec.save_every`` steps (``acco_ds.cli.checkpoints``). All timing starts after a barrier and, when ``spec.start_gate``
 is set, after ``spec.gate_count`` ranks (of every run sharing that folder) have reached it: runs
 launched together then start training within a millisecond of each other.
 """
@@ -83,7 +85,7 @@ def run(spec) -> dict:
     from deepspeed.accelerator import get_accelerator
 
     import acco_ds  # noqa: F401  (registers the ACCO optimizer type)
-    from acco_ds.cli import loop
+    from acco_ds.cli import checkpoints, loop
     from acco_ds.cli.progress import Progress
     from acco_ds.cli.slowdown import Spinner, calibrate
     from acco_ds.cli.steplog import StepLog
@@ -118,13 +120,17 @@ def run(spec) -> dict:
             extra = (spec.slow_factor - 1.0) * t_mb
     spinner = Spinner(extra)
 
-    batches = stream(corpus.train, ctx, spec.micro_batch, spec.seed, dp_rank + spec.data_offset)
-    log = StepLog()
     stats = {}
     engine, _, _, _ = deepspeed.initialize(
         model=model, model_parameters=model.parameters(), config=spec.ds_config
     )
     marks["engine"] = time.perf_counter()
+    resumed_at = checkpoints.resume(engine, spec)
+    marks["resume"] = time.perf_counter()
+    log = StepLog(start=resumed_at)
+    seed = checkpoints.data_seed(spec.seed, resumed_at)
+    batches = stream(corpus.train, ctx, spec.micro_batch, seed, dp_rank + spec.data_offset)
+    saver = checkpoints.Saver(engine, spec, start=resumed_at)
     dist.barrier()
     _wait_at_gate(spec, rank)
     marks["barrier"] = time.perf_counter()
@@ -138,6 +144,8 @@ def run(spec) -> dict:
         bar=bar,
         spinner=spinner,
         start=time.perf_counter(),
+        done=resumed_at,
+        on_step=saver,
     )
     if spec.accumulation == "adaptive" and hasattr(engine.optimizer, "committed_steps"):
         train_s = loop.train_adaptive(engine, batches, **common)
@@ -149,6 +157,7 @@ def run(spec) -> dict:
     finish_s = time.perf_counter() - t
     train_s = t + finish_s - common["start"]
     log.step(loop.step_counter(engine)(), train_s)  # the commits the drain completed
+    saver(loop.step_counter(engine)(), final=True)
     bar.update(log.last_step, log.recent_loss(), log.mb * spec.micro_batch * dp_world, train_s)
     if hasattr(engine.optimizer, "stats"):
         stats = engine.optimizer.stats()
@@ -163,7 +172,7 @@ def run(spec) -> dict:
         "tp": spec.tp,
         "train_s": train_s,
         "finish_s": finish_s,
-        "steps": log.records[-1]["step"] if log.records else 0,
+        "steps": log.last_step,
         "micro_batches_local": log.mb,
         "val_loss": val_loss,
         "peak_mem_mib": _peak_mem_mib(device),
@@ -173,6 +182,10 @@ def run(spec) -> dict:
         "device": str(device),
         "phases_s": phases,
         "stats": {k: v for k, v in stats.items() if isinstance(v, (int, float, str, list, bool))},
+        "resumed_at_step": resumed_at,
+        "saves": saver.saves,
+        "save_s": [round(x, 3) for x in saver.seconds],
+        "checkpoint_bytes": saver.bytes_on_disk() if rank == 0 else None,
     }
     log.write(spec.rank_log(rank))
     spec.rank_summary(rank).write_text(json.dumps(summary, indent=2))

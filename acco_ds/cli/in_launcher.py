@@ -1,0 +1,59 @@
+"""``acco-train`` started by torchrun (its elastic agent included): every process is one rank of one run.
+
+    torchrun --nnodes 1:2 --nproc-per-node 8 --max-restarts 3 --rdzv-backend c10d \
+        --rdzv-endpoint nodeA:29400 --rdzv-id job1 -m acco_ds.train --mode acco --save-every 50 --out /shared/run
+
+Contract: ``started_by_torchrun()`` is True inside a process torchrun started (``TORCHELASTIC_RUN_ID`` set).
+``run_rank(args)`` builds the run's spec from the options (the same on every rank, the world size the
+launcher's), trains this rank (``acco_ds.cli.worker.run``): resuming from the last complete save in the
+checkpoint folder when there is one, at the world size of this start, and saving every ``--save-every``
+steps. When a node is lost, the ranks that are left fail their round (a lost peer), exit, and the agents
+restart them at the new world size: the restarted ranks resume from the last save. Rank 0 writes the run's
+``summary.json`` (the ranks' summaries, each start's resume step) into the run folder. Returns 0.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+
+def started_by_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ
+
+
+def run_rank(a) -> int:
+    from acco_ds.cli.job import _model_cfg, _num_params, make_spec, plan_runs
+    from acco_ds.cli.worker import run
+
+    model_cfg = _model_cfg(a)
+    runs = plan_runs(a, model_cfg, _num_params(model_cfg))
+    label, mode, acc, cfg = runs[0]
+    run_dir = Path(a.out) / "runs" / label
+    spec = make_spec(a, label, mode, acc, cfg, model_cfg, run_dir)
+    if a.save_every and not a.checkpoint_dir:
+        spec.checkpoint_dir = str(Path(a.out) / "checkpoints")
+    rank = int(os.environ.get("RANK", "0"))
+    if rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        spec.save()
+    summary = run(spec)
+    if rank == 0:
+        starts = run_dir / "starts.jsonl"
+        with open(starts, "a") as f:  # one line per start of the ranks (restarts included)
+            f.write(
+                json.dumps(
+                    {
+                        "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+                        "world": summary["world"],
+                        "resumed_at_step": summary["resumed_at_step"],
+                        "steps": summary["steps"],
+                        "val_loss": summary["val_loss"],
+                        "save_s": summary["save_s"],
+                        "checkpoint_bytes": summary["checkpoint_bytes"],
+                    }
+                )
+                + "\n"
+            )
+    return 0
