@@ -284,7 +284,7 @@ MUTANTS = [
 
 def copy_tree(dst: Path) -> None:
     ignore = shutil.ignore_patterns(
-        ".git", "__pycache__", "*.egg-info", ".ruff_cache", ".pytest_cache", "build", "gpu_bundle"
+        ".git", ".venv", "__pycache__", "*.egg-info", ".ruff_cache", ".pytest_cache", "build", "gpu_bundle"
     )
     shutil.copytree(ROOT, dst, ignore=ignore, symlinks=True)
 
