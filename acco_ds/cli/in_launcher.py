@@ -52,6 +52,7 @@ def run_rank(a) -> int:
                         "val_loss": summary["val_loss"],
                         "save_s": summary["save_s"],
                         "checkpoint_bytes": summary["checkpoint_bytes"],
+                        "first_step_unix": summary["first_step_unix"],
                     }
                 )
                 + "\n"

@@ -7,14 +7,17 @@ DeepSpeed engine of ``spec.ds_config``, then - for ACCO - calls ``engine.optimiz
 every rank so the model holds the committed parameters, evaluates the validation loss on them, and
 writes ``rank<r>.jsonl`` and ``rank<r>.json`` into the run folder. Rank r reads the micro-batches
 of rank ``r + spec.data_offset``. With ``spec.checkpoint_dir`` the run first resumes from its last
-complete save and saves every ``spec.save_every`` steps (``acco_ds.cli.checkpoints``). All timing starts after a barrier and, when ``spec.start_gate``
-is set, after ``spec.gate_count`` ranks (of every run sharing that folder) have reached it: runs
-launched together then start training within a millisecond of each other.
+complete save and saves every ``spec.save_every`` steps (``acco_ds.cli.checkpoints``); a start that
+fails while training (a lost peer) writes ``failure_rank<r>_start<k>.json`` (how far it got, why) and
+re-raises. All timing starts after a barrier and, when ``spec.start_gate`` is set, after
+``spec.gate_count`` ranks (of every run sharing that folder) have reached it: runs launched together
+then start training within a millisecond of each other.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -135,6 +138,13 @@ def run(spec) -> dict:
     _wait_at_gate(spec, rank)
     marks["barrier"] = time.perf_counter()
     bar = Progress(spec.steps, enabled=spec.progress and rank == 0, desc=spec.name)
+    first_step_unix: list = []  # wall clock of this start's first optimizer step (a restart's recovery)
+
+    def on_step(step: int) -> None:
+        if not first_step_unix:
+            first_step_unix.append(time.time())
+        saver(step)
+
     common = dict(
         steps=spec.steps,
         grad_accum=spec.grad_accum,
@@ -145,12 +155,16 @@ def run(spec) -> dict:
         spinner=spinner,
         start=time.perf_counter(),
         done=resumed_at,
-        on_step=saver,
+        on_step=on_step,
     )
-    if spec.accumulation == "adaptive" and hasattr(engine.optimizer, "committed_steps"):
-        train_s = loop.train_adaptive(engine, batches, **common)
-    else:
-        train_s = loop.train_fixed(engine, batches, **common)
+    try:
+        if spec.accumulation == "adaptive" and hasattr(engine.optimizer, "committed_steps"):
+            train_s = loop.train_adaptive(engine, batches, **common)
+        else:
+            train_s = loop.train_fixed(engine, batches, **common)
+    except Exception as err:  # a lost peer, say: record how far this start got, then fail as before
+        _write_failure(spec, rank, log.last_step, resumed_at, err)
+        raise
     t = time.perf_counter()
     if hasattr(engine.optimizer, "finish"):
         engine.optimizer.finish()  # collective: drains the round in flight, model <- theta
@@ -186,11 +200,29 @@ def run(spec) -> dict:
         "saves": saver.saves,
         "save_s": [round(x, 3) for x in saver.seconds],
         "checkpoint_bytes": saver.bytes_on_disk() if rank == 0 else None,
+        "first_step_unix": first_step_unix[0] if first_step_unix else None,
     }
     log.write(spec.rank_log(rank))
     spec.rank_summary(rank).write_text(json.dumps(summary, indent=2))
     dist.barrier()
     return summary
+
+
+def _write_failure(spec, rank: int, step: int, resumed_at: int, err: BaseException) -> None:
+    """``failure_rank<r>_start<k>.json`` in the run folder (k: torchrun's restart count, 0 otherwise): the last
+    optimizer step this start completed, the step it had resumed at, when and why it failed."""
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    record = {
+        "rank": rank,
+        "restart": restart,
+        "step": step,
+        "resumed_at_step": resumed_at,
+        "unix": time.time(),
+        "error": f"{type(err).__name__}: {err}"[:4000],
+    }
+    with contextlib.suppress(OSError):
+        path = Path(spec.run_dir) / f"failure_rank{rank}_start{restart}.json"
+        path.write_text(json.dumps(record, indent=2))
 
 
 def main(argv=None) -> int:
