@@ -1,22 +1,33 @@
 """``acco-train`` started by torchrun (its elastic agent included): every process is one rank of one run.
 
-    torchrun --nnodes 1:2 --nproc-per-node 8 --max-restarts 3 --rdzv-backend c10d \
-        --rdzv-endpoint nodeA:29400 --rdzv-id job1 -m acco_ds.train --mode acco --save-every 50 --out /shared/run
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nnodes 1:2 --nproc-per-node 8 --max-restarts 3 \
+        --rdzv-backend c10d --rdzv-endpoint nodeA:29400 --rdzv-id job1 \
+        -m acco_ds.train --mode acco --save-every 50 --out /shared/run
 
 Contract: ``started_by_torchrun()`` is True inside a process torchrun started (``TORCHELASTIC_RUN_ID`` set).
 ``run_rank(args)`` builds the run's spec from the options (the same on every rank, the world size the
 launcher's), trains this rank (``acco_ds.cli.worker.run``): resuming from the last complete save in the
 checkpoint folder when there is one, at the world size of this start, and saving every ``--save-every``
 steps. When a node is lost, the ranks that are left fail their round (a lost peer), exit, and the agents
-restart them at the new world size: the restarted ranks resume from the last save. Rank 0 writes the run's
-``summary.json`` (the ranks' summaries, each start's resume step) into the run folder. Returns 0.
+restart them at the new world size: the restarted ranks resume from the last save. Rank 0 appends one line
+per completed start to the run folder's ``starts.jsonl`` (world size, resume step, first step's time, val
+loss, save times, checkpoint bytes) and warns when torchrun shares its rendezvous store with the workers
+(``SHARED_STORE_WARNING``). Returns 0.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
+
+SHARED_STORE_WARNING = (
+    "acco-train: torchrun hands the workers its rendezvous store, the same one after every restart: a restart "
+    "that keeps two or more nodes then reads the dead round's gloo addresses from it and fails to connect "
+    "(connectFullMesh: connection refused). Start torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its "
+    "environment on every node (docs/MULTINODE.md, 'When a node dies')."
+)
 
 
 def started_by_torchrun() -> bool:
@@ -38,6 +49,8 @@ def run_rank(a) -> int:
     if rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         spec.save()
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            print(SHARED_STORE_WARNING, file=sys.stderr, flush=True)
     summary = run(spec)
     if rank == 0:
         starts = run_dir / "starts.jsonl"

@@ -8,7 +8,7 @@ every rank so the model holds the committed parameters, evaluates the validation
 writes ``rank<r>.jsonl`` and ``rank<r>.json`` into the run folder. Rank r reads the micro-batches
 of rank ``r + spec.data_offset``. With ``spec.checkpoint_dir`` the run first resumes from its last
 complete save and saves every ``spec.save_every`` steps (``acco_ds.cli.checkpoints``); a start that
-fails while training (a lost peer) writes ``failure_rank<r>_start<k>.json`` (how far it got, why) and
+fails while training (a lost peer) appends a line to ``failures.jsonl`` (how far it got, why) and
 re-raises. All timing starts after a barrier and, when ``spec.start_gate`` is set, after
 ``spec.gate_count`` ranks (of every run sharing that folder) have reached it: runs launched together
 then start training within a millisecond of each other.
@@ -163,7 +163,7 @@ def run(spec) -> dict:
         else:
             train_s = loop.train_fixed(engine, batches, **common)
     except Exception as err:  # a lost peer, say: record how far this start got, then fail as before
-        _write_failure(spec, rank, log.last_step, resumed_at, err)
+        _write_failure(spec, rank, log.last_step, resumed_at, first_step_unix, err)
         raise
     t = time.perf_counter()
     if hasattr(engine.optimizer, "finish"):
@@ -208,21 +208,21 @@ def run(spec) -> dict:
     return summary
 
 
-def _write_failure(spec, rank: int, step: int, resumed_at: int, err: BaseException) -> None:
-    """``failure_rank<r>_start<k>.json`` in the run folder (k: torchrun's restart count, 0 otherwise): the last
-    optimizer step this start completed, the step it had resumed at, when and why it failed."""
-    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+def _write_failure(spec, rank: int, step: int, resumed_at: int, first_step: list, err: BaseException) -> None:
+    """One line appended to ``failures.jsonl`` in the run folder: this rank, torchrun's restart count (0
+    otherwise), the last optimizer step this start completed, the step it had resumed at, when its first step
+    completed, when and why it failed."""
     record = {
         "rank": rank,
-        "restart": restart,
+        "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
         "step": step,
         "resumed_at_step": resumed_at,
+        "first_step_unix": first_step[0] if first_step else None,
         "unix": time.time(),
         "error": f"{type(err).__name__}: {err}"[:4000],
     }
-    with contextlib.suppress(OSError):
-        path = Path(spec.run_dir) / f"failure_rank{rank}_start{restart}.json"
-        path.write_text(json.dumps(record, indent=2))
+    with contextlib.suppress(OSError), open(Path(spec.run_dir) / "failures.jsonl", "a") as f:
+        f.write(json.dumps(record) + "\n")
 
 
 def main(argv=None) -> int:

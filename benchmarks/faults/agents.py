@@ -1,8 +1,8 @@
-"""One elastic job on the two "nodes": a torchrun agent per node, and what happens to it when a node dies.
+"""One elastic job on the "nodes" of a namespace network: a torchrun agent per node, and what happens to it when a node dies.
 
 Contract:
 - ``Job(net, setup, out, mode, seed)`` describes one ``acco-train`` job under torchrun's elastic agent:
-  ``--nnodes 1:2 --nproc-per-node setup.per_node --max-restarts setup.max_restarts --rdzv-backend c10d``,
+  ``--nnodes 1:N --nproc-per-node setup.per_node --max-restarts setup.max_restarts --rdzv-backend c10d``,
   the rendezvous on node 0's address on the link (node 0's agent hosts the store), ``--local-addr`` each
   node's own address (so the workers' master address is on the link), ``is_host`` true on node 0 only,
   ``last_call_timeout`` and
@@ -31,7 +31,6 @@ from pathlib import Path
 from typing import Dict, List
 
 from acco_ds.cli.launch import free_port, rank_env
-from benchmarks.harness import nodes
 
 
 @dataclass
@@ -48,16 +47,18 @@ class Setup:
     threads: int = 1
 
 
-def agent_command(setup: Setup, node: int, port: int, run_id: str, out: Path, mode: str, seed: int) -> list:
-    """The torchrun argv of node ``node`` (run inside its namespace)."""
+def agent_command(
+    setup: Setup, addrs, node: int, port: int, run_id: str, out: Path, mode: str, seed: int
+) -> list:
+    """The torchrun argv of node ``node`` of the nodes at ``addrs`` (run inside its namespace)."""
     # node 0 hosts the c10d store (is_host: torch looks for the endpoint among the host's names, and the
     # namespace's address on the link is not one of them)
     rdzv_conf = f"join_timeout={setup.join_timeout_s},last_call_timeout={setup.last_call_timeout_s}"
     rdzv_conf += f",is_host={'true' if node == 0 else 'false'}"
-    cmd = [sys.executable, "-u", "-m", "torch.distributed.run", "--nnodes", f"1:{nodes.NODES}"]
+    cmd = [sys.executable, "-u", "-m", "torch.distributed.run", "--nnodes", f"1:{len(addrs)}"]
     cmd += ["--nproc-per-node", str(setup.per_node), "--max-restarts", str(setup.max_restarts)]
-    cmd += ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"{nodes.ADDRS[0]}:{port}", "--rdzv-id", run_id]
-    cmd += ["--rdzv-conf", rdzv_conf, "--local-addr", nodes.ADDRS[node], "--monitor-interval", "0.5"]
+    cmd += ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"{addrs[0]}:{port}", "--rdzv-id", run_id]
+    cmd += ["--rdzv-conf", rdzv_conf, "--local-addr", addrs[node], "--monitor-interval", "0.5"]
     cmd += ["-m", "acco_ds.train", "--mode", mode, "--steps", str(setup.steps), "--seed", str(seed)]
     cmd += ["--save-every", str(setup.save_every), "--threads", str(setup.threads), "--out", str(out)]
     return cmd + ["--no-progress", *setup.model_args]
@@ -85,11 +86,18 @@ class Job:
         """Start every node's agent; returns the wall-clock time of the start."""
         self.out.mkdir(parents=True, exist_ok=True)
         t0 = time.time()
-        for node in range(nodes.NODES):
-            argv = agent_command(self.setup, node, self.port, self.run_id, self.out, self.mode, self.seed)
+        count = len(self.net.names)
+        for node in range(count):
+            argv = agent_command(
+                self.setup, self.net.addrs, node, self.port, self.run_id, self.out, self.mode, self.seed
+            )
             cmd = self.net.wrap(node)(shlex.join(argv))
-            env = rank_env(self.setup.threads, nodes.NODES * self.setup.per_node)
+            env = rank_env(self.setup.threads, count * self.setup.per_node)
             env.update(self.net.env(node))
+            # a new c10d store for the workers of every rendezvous round: torch's agents otherwise hand the
+            # workers the same store server round after round, and a restarted group with two or more nodes
+            # reads the dead round's gloo addresses from it (connectFullMesh: connection refused)
+            env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
             with open(self.out / f"node{node}.log", "w") as log:
                 self.procs[node] = subprocess.Popen(
                     cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True

@@ -14,7 +14,7 @@ from the last complete save at the world size it has. Per seed:
   spread of the validation loss is the tolerance);
 - ``node-lost``: every process of node 1 is SIGKILLed at a step drawn at random (seeded): after the save at a
   drawn step and a drawn fraction of a save interval. Recorded: the kill time; when the survivor's rank saw
-  the loss (its ``failure_rank*_start0.json``); when the restarted survivor completed its first optimizer
+  the loss (its ``failures.jsonl``); when the restarted survivor completed its first optimizer
   step (``starts.jsonl``): the recovery time; the steps lost (the survivor's last completed step minus the
   step the restart resumed at); the checkpoint folder complete (``latest`` names a save with every rank's
   files, the restart loaded it); the final validation loss against the reference's.
@@ -23,7 +23,9 @@ Once (seed 0): ``killed-during-save`` (a larger model; node 1 killed as soon as 
 before ``latest`` names it: the restart resumes from the last complete save, and the partial folder is written
 over later; no reference run: its loss is not compared) and
 ``rendezvous-host-lost`` (node 0, which hosts the c10d store and rank 0, is killed: node 1's agent cannot
-re-rendezvous; recorded: how long until it stops and its last error line). Writes ``<prefix>.md`` and
+re-rendezvous; recorded: how long until it stops and its last error line), and ``two-nodes-lost``: three nodes
+on a bridge (``BridgedNodes(3)``, ``--nnodes 1:3``), node 2 killed, then node 1 once the job healed and saved
+five more times, down to the minimum of one node; per kill the recovery time and the steps lost. Writes ``<prefix>.md`` and
 ``<prefix>.json`` into ``--out`` (default ``benchmarks/results/faults/``).
 
 Exit status: 0 when every case ran and healed (or, for the rendezvous host, stopped) as described; 1 when one
@@ -95,8 +97,7 @@ def _starts(out: Path, mode: str) -> list:
 
 
 def _failures(out: Path, mode: str) -> list:
-    folder = out / "runs" / mode
-    return [json.loads(p.read_text()) for p in sorted(folder.glob("failure_rank*_start*.json"))]
+    return _read_jsonl(out / "runs" / mode / "failures.jsonl")
 
 
 def checkpoint_complete(out: Path) -> dict:
@@ -187,6 +188,71 @@ def kill_rendezvous_host(setup, timeout: float):
     return fault
 
 
+def kill_two_in_turn(setup, timeout: float):
+    """Three nodes: node 2 killed after the save at 2 x save_every; once the restarted job (two nodes) has saved
+    five more times, node 1 too. Node 0 finishes alone."""
+
+    def fault(job) -> dict:
+        alive = lambda: all(p.poll() is None for n, p in job.procs.items() if n == 0)  # noqa: E731
+        first = agents.wait_for_save(job.out, 2 * setup.save_every, timeout, alive)
+        t1 = job.kill_node(2)
+        second = agents.wait_for_save(job.out, first + 5 * setup.save_every, timeout, alive)
+        t2 = job.kill_node(1)
+        return {
+            "kills": [
+                {"node": 2, "after_save": first, "unix": t1},
+                {"node": 1, "after_save": second, "unix": t2},
+            ]
+        }
+
+    return fault
+
+
+def _after(kill_unix: float, records: list) -> dict | None:
+    """The first start (a record of ``starts.jsonl`` or of rank 0's ``failures.jsonl``) whose first optimizer
+    step came after ``kill_unix``."""
+    later = [r for r in records if (r.get("first_step_unix") or 0) > kill_unix]
+    return min(later, key=lambda r: r["first_step_unix"]) if later else None
+
+
+def healed_twice(rec: dict, steps: int) -> dict:
+    """The figures of the two-nodes-lost job, per kill: the start that followed it (the step it resumed at,
+    when its first step completed) and what the ranks that the kill stopped had reached (their failure
+    records between the kill and that first step; a rank its agent stopped to restart it leaves none)."""
+    starts = [*(f for f in rec["failures"] if f["rank"] == 0), *rec["starts"]]
+    out = {"per_kill": [], "healed": False}
+    for kill in rec.get("kills", []):
+        item = {"node": kill["node"], "after_save": kill["after_save"]}
+        after = _after(kill["unix"], starts)
+        until = after["first_step_unix"] if after else float("inf")
+        ended = [f for f in rec["failures"] if kill["unix"] < f["unix"] < until]
+        if ended:
+            item["last_step_before"] = max(f["step"] for f in ended)
+            item["detected_s"] = min(f["unix"] for f in ended) - kill["unix"]
+        if after is not None:
+            item["resumed_at_step"] = after["resumed_at_step"]
+            item["recovery_s"] = after["first_step_unix"] - kill["unix"]
+            if ended:
+                item["steps_lost"] = item["last_step_before"] - after["resumed_at_step"]
+        out["per_kill"].append(item)
+    final = rec["starts"][-1] if rec["starts"] else None
+    if final is not None:
+        out["final_steps"], out["val_loss"], out["world_after"] = (
+            final["steps"],
+            final["val_loss"],
+            final["world"],
+        )
+        out["healed"] = (
+            final["steps"] == steps
+            and final["world"] == 1
+            and rec["exit_status"].get("0") == 0
+            and rec["checkpoint"]["complete"]
+            and len(out["per_kill"]) == 2
+            and all("recovery_s" in k and "steps_lost" in k for k in out["per_kill"])
+        )
+    return out
+
+
 def healed(rec: dict, steps: int) -> dict:
     """The figures of a job that lost node 1: recovery time, steps lost, final state."""
     restarts = [s for s in rec["starts"] if s.get("restart", 0) > 0]
@@ -260,6 +326,16 @@ def run(a) -> dict:
             rec["case"] = "rendezvous-host-lost"
             res["cases"].append(rec)
             print(f"rendezvous-host-lost: {report.summary_line(rec)}", flush=True)
+    if not a.quick:
+        with nodes.BridgedNodes(3) as net3:
+            net3.set_rate(a.rate)
+            rec = run_job(
+                net3, setup, work / "two_lost", "acco", 0, a.timeout, kill_two_in_turn(setup, a.timeout)
+            )
+            rec["case"] = "two-nodes-lost"
+            rec.update(healed_twice(rec, a.steps))
+            res["cases"].append(rec)
+            print(f"two-nodes-lost: {report.summary_line(rec)}", flush=True)
     res["date"] = time.strftime("%Y-%m-%dT%H:%M:%S")
     res["command"] = " ".join(["python -m benchmarks.faults", *sys.argv[1:]])
     return res

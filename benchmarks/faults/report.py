@@ -16,6 +16,12 @@ def _f(x, nd=2, unit="") -> str:
 
 
 def summary_line(rec: dict) -> str:
+    if rec.get("case") == "two-nodes-lost":
+        kills = "; ".join(
+            f"node {k['node']}: recovery {_f(k.get('recovery_s'), 1)} s, lost {k.get('steps_lost')} steps"
+            for k in rec.get("per_kill", [])
+        )
+        return f"healed={rec.get('healed')} {kills}, final world {rec.get('world_after')}"
     if rec.get("case") == "rendezvous-host-lost":
         return f"node 1's agent exit {rec['exit_status'].get('1')}, after {_f(host_stop_s(rec), 1)} s"
     return (
@@ -97,8 +103,9 @@ def render(res: dict) -> tuple[str, bool]:
                 ),
             ]
     lost = [r for r in res["cases"] if r["case"] in ("node-lost", "killed-during-save")]
-    rec_s = [r["recovery_s"] for r in lost if r.get("recovery_s") is not None]
-    steps_lost = [r["steps_lost"] for r in lost if r.get("steps_lost") is not None]
+    kills = [k for r in res["cases"] if r["case"] == "two-nodes-lost" for k in r.get("per_kill", [])]
+    rec_s = [r["recovery_s"] for r in [*lost, *kills] if r.get("recovery_s") is not None]
+    steps_lost = [r["steps_lost"] for r in [*lost, *kills] if r.get("steps_lost") is not None]
     lines += ["", "## Goals", "", "| goal | measured | verdict |", "|---|---|---|"]
     if rec_s:
         worst = max(rec_s)
@@ -113,9 +120,10 @@ def render(res: dict) -> tuple[str, bool]:
             f"| at most the steps since the last save are lost (<= {bound}) | {', '.join(map(str, steps_lost))} "
             f"| {'met' if all(0 <= s <= bound for s in steps_lost) else 'MISSED'} |"
         )
+    jobs = [r for r in res["cases"] if r["case"] in ("node-lost", "killed-during-save", "two-nodes-lost")]
     lines.append(
-        f"| no corrupt checkpoint | latest complete in {sum(r['checkpoint'].get('complete', False) for r in lost)} "
-        f"of {len(lost)} jobs | {'met' if lost and all(r['checkpoint'].get('complete') for r in lost) else 'MISSED'} |"
+        f"| no corrupt checkpoint | latest complete in {sum(r['checkpoint'].get('complete', False) for r in jobs)} "
+        f"of {len(jobs)} jobs | {'met' if jobs and all(r['checkpoint'].get('complete') for r in jobs) else 'MISSED'} |"
     )
     pairs = [
         (r.get("val_loss"), refs.get("acco", {}).get(r["seed"])) for r in lost if r["case"] == "node-lost"
@@ -138,6 +146,26 @@ def render(res: dict) -> tuple[str, bool]:
         lines += ["|---|" + "---|" * len(refs.get("acco", {}))]
         for mode, per_seed in sorted(refs.items()):
             lines.append(f"| {mode} | " + " | ".join(_f(per_seed[s], 4) for s in sorted(per_seed)) + " |")
+    for rec in [r for r in res["cases"] if r["case"] == "two-nodes-lost"]:
+        lines += [
+            "",
+            "## Two nodes lost in turn, down to the minimum",
+            "",
+            f"Three nodes on a bridge (`--nnodes 1:3`), seed {rec['seed']}: node 2 killed, then node 1 once the job had "
+            f"healed and saved five more times; node 0 finished alone (world {rec.get('world_after', '-')}, "
+            f"{rec.get('final_steps', '-')} steps, val loss {_f(rec.get('val_loss'), 4)}, checkpoint "
+            f"{'complete' if rec['checkpoint'].get('complete') else 'INCOMPLETE'}): "
+            f"{'healed' if rec.get('healed') else 'NOT healed'}.",
+            "",
+            "| kill | node | killed after save | recovery s (kill -> first step) | detected s | steps lost | resumed at |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for i, k in enumerate(rec.get("per_kill", []), 1):
+            lines.append(
+                f"| {i} | {k['node']} | {k['after_save']} | {_f(k.get('recovery_s'), 1)} | "
+                f"{_f(k.get('detected_s'), 1)} | {k.get('steps_lost', '-')} | {k.get('resumed_at_step', '-')} |"
+            )
+        ok = ok and bool(rec.get("healed"))
     host = [r for r in res["cases"] if r["case"] == "rendezvous-host-lost"]
     for rec in host:
         stopped = rec["exit_status"].get("1") not in (None, 0)

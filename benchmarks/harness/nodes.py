@@ -17,6 +17,10 @@ Contract:
 - ``wrap(node, nice)`` turns a shell command into the argv that runs it inside node ``node``
   (``ip netns exec``); ``env(node)`` names the node's interface for gloo/NCCL; ``master_addr`` is
   node 0's address on the link.
+- ``BridgedNodes(n)``: the same for ``n`` nodes (2 to 9): namespaces ``..._n0`` .. ``..._n<n-1>`` and a
+  switch namespace ``..._sw`` holding a bridge; node i's interface ``link0`` (10.77.1.<i+1>/24) is one end of
+  a veth pair whose other end is a port of the bridge. ``set_rate`` limits each node's egress on ``link0``,
+  ``wrap``/``env``/``qdisc``/``addrs``/``master_addr`` as above; leaving removes every namespace.
 - ``ours()`` lists this module's namespaces present now; ``remove_stale()`` deletes those left by
   a process that no longer exists (a run killed with SIGKILL cannot clean up after itself).
 """
@@ -35,7 +39,7 @@ PREFIX = "acco_topo"
 ADDRS = ("10.77.0.1", "10.77.0.2")
 IFNAMES = ("topo0", "topo1")
 NODES = 2
-NAME_RE = re.compile(rf"^{PREFIX}_(\d+)_n\d$")
+NAME_RE = re.compile(rf"^{PREFIX}_(\d+)_(n\d|sw)$")
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -94,6 +98,7 @@ class TwoNodes:
     def __init__(self) -> None:
         self.names = [f"{PREFIX}_{os.getpid()}_n{i}" for i in range(NODES)]
         self.rate = "none"
+        self.addrs = ADDRS
         self.master_addr = ADDRS[0]
 
     def __enter__(self) -> TwoNodes:
@@ -158,3 +163,71 @@ class TwoNodes:
         """gloo (and NCCL, on GPUs) bind the node's address on the link; peers on the same node
         reach it over the loopback."""
         return {"GLOO_SOCKET_IFNAME": IFNAMES[node], "NCCL_SOCKET_IFNAME": IFNAMES[node]}
+
+
+class BridgedNodes(TwoNodes):
+    """``n`` namespaces joined through a bridge (see the module docstring)."""
+
+    IFNAME = "link0"
+
+    def __init__(self, n: int) -> None:
+        if not 2 <= n <= 9:
+            raise ValueError(f"BridgedNodes: 2 to 9 nodes, got {n}")
+        super().__init__()
+        self.names = [f"{PREFIX}_{os.getpid()}_n{i}" for i in range(n)]
+        self.switch = f"{PREFIX}_{os.getpid()}_sw"
+        self.addrs = tuple(f"10.77.1.{i + 1}" for i in range(n))
+        self.master_addr = self.addrs[0]
+
+    def up(self) -> None:
+        _ip("netns", "add", self.switch)
+        _ip("-n", self.switch, "link", "add", "br0", "type", "bridge")
+        _ip("-n", self.switch, "link", "set", "br0", "up")
+        for i, (name, addr) in enumerate(zip(self.names, self.addrs)):
+            port = f"port{i}"
+            _ip("netns", "add", name)
+            _ip(
+                "link",
+                "add",
+                self.IFNAME,
+                "netns",
+                name,
+                "type",
+                "veth",
+                "peer",
+                "name",
+                port,
+                "netns",
+                self.switch,
+            )
+            _ip("-n", self.switch, "link", "set", port, "master", "br0")
+            _ip("-n", self.switch, "link", "set", port, "up")
+            _ip("-n", name, "addr", "add", f"{addr}/24", "dev", self.IFNAME)
+            _ip("-n", name, "link", "set", "lo", "up")
+            _ip("-n", name, "link", "set", self.IFNAME, "up")
+
+    def down(self) -> None:
+        for name in [*self.names, self.switch]:
+            _ip("netns", "del", name, check=False)
+
+    def set_rate(self, rate: str) -> None:
+        link.check_rate(rate)
+        for name in self.names:
+            tc = ["ip", "netns", "exec", name, "tc", "qdisc"]
+            if rate == "none":
+                subprocess.run(tc + ["del", "dev", self.IFNAME, "root"], capture_output=True, timeout=30)
+                continue
+            limit = ["root", "tbf", "rate", rate, "burst", "256kb", "latency", "200ms"]
+            proc = subprocess.run(
+                tc + ["replace", "dev", self.IFNAME, *limit], capture_output=True, text=True, timeout=30
+            )
+            if proc.returncode != 0:
+                raise RuntimeError(f"tc on {name}/{self.IFNAME} failed: {proc.stderr.strip()}")
+        self.rate = rate
+
+    def qdisc(self, node: int) -> str:
+        cmd = ["ip", "netns", "exec", self.names[node], "tc", "qdisc", "show", "dev", self.IFNAME]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=30).stdout.strip()
+
+    def env(self, node: int) -> dict:
+        return {"GLOO_SOCKET_IFNAME": self.IFNAME, "NCCL_SOCKET_IFNAME": self.IFNAME}
