@@ -281,6 +281,18 @@ def healed(rec: dict, steps: int) -> dict:
     return out
 
 
+def _case(
+    res: dict, net, setup, folder: Path, seed: int, timeout: float, fault, case: str, figures=None
+) -> None:
+    """Run one faulted job of ``case``, add ``figures(rec, steps)`` (healed / healed_twice) to its record."""
+    rec = run_job(net, setup, folder, "acco", seed, timeout, fault)
+    rec["case"] = case
+    if figures is not None:
+        rec.update(figures(rec, setup.steps))
+    res["cases"].append(rec)
+    print(f"{case} seed {seed}: {report.summary_line(rec)}", flush=True)
+
+
 def run(a) -> dict:
     setup = agents.Setup(
         steps=a.steps,
@@ -298,44 +310,25 @@ def run(a) -> dict:
         net.set_rate(a.rate)
         res["link"] = {"rate": a.rate, "qdisc_node0": net.qdisc(0)}
         for seed in a.seeds:
-            rng = random.Random(seed)
             if not a.quick:
                 for mode in ("acco", "zero1"):
                     rec = run_job(net, setup, work / f"ref_{mode}_s{seed}", mode, seed, a.timeout)
                     rec["case"] = "reference"
                     res["cases"].append(rec)
                     print(f"reference {mode} seed {seed}: {rec['starts'][-1:]}", flush=True)
-            fault = kill_at_random_step(rng, setup, a.timeout)
-            rec = run_job(net, setup, work / f"lost_s{seed}", "acco", seed, a.timeout, fault)
-            rec["case"] = "node-lost"
-            rec.update(healed(rec, a.steps))
-            res["cases"].append(rec)
-            print(f"node-lost seed {seed}: {report.summary_line(rec)}", flush=True)
+            fault = kill_at_random_step(random.Random(seed), setup, a.timeout)
+            _case(res, net, setup, work / f"lost_s{seed}", seed, a.timeout, fault, "node-lost", healed)
         if not a.quick:
             big = dataclasses.replace(setup, model_args=SAVE_CASE_MODEL_ARGS)
-            rec = run_job(
-                net, big, work / "during_save", "acco", 0, a.timeout, kill_during_save(big, a.timeout)
-            )
-            rec["case"] = "killed-during-save"
-            rec.update(healed(rec, a.steps))
-            res["cases"].append(rec)
-            print(f"killed-during-save: {report.summary_line(rec)}", flush=True)
-            rec = run_job(
-                net, setup, work / "host_lost", "acco", 0, a.timeout, kill_rendezvous_host(setup, a.timeout)
-            )
-            rec["case"] = "rendezvous-host-lost"
-            res["cases"].append(rec)
-            print(f"rendezvous-host-lost: {report.summary_line(rec)}", flush=True)
+            fault = kill_during_save(big, a.timeout)
+            _case(res, net, big, work / "during_save", 0, a.timeout, fault, "killed-during-save", healed)
+            fault = kill_rendezvous_host(setup, a.timeout)
+            _case(res, net, setup, work / "host_lost", 0, a.timeout, fault, "rendezvous-host-lost")
     if not a.quick:
         with nodes.BridgedNodes(3) as net3:
             net3.set_rate(a.rate)
-            rec = run_job(
-                net3, setup, work / "two_lost", "acco", 0, a.timeout, kill_two_in_turn(setup, a.timeout)
-            )
-            rec["case"] = "two-nodes-lost"
-            rec.update(healed_twice(rec, a.steps))
-            res["cases"].append(rec)
-            print(f"two-nodes-lost: {report.summary_line(rec)}", flush=True)
+            fault = kill_two_in_turn(setup, a.timeout)
+            _case(res, net3, setup, work / "two_lost", 0, a.timeout, fault, "two-nodes-lost", healed_twice)
     res["date"] = time.strftime("%Y-%m-%dT%H:%M:%S")
     res["command"] = " ".join(["python -m benchmarks.faults", *sys.argv[1:]])
     return res

@@ -15,6 +15,7 @@ import math
 import pytest
 import torch
 
+from tests.integrations.trainer_config import AUTO, trainer_ds_config
 from tests.ranks.launch import REPO, run_deepspeed
 
 pytestmark = pytest.mark.launcher  # starts ranks through a launcher (left out by make test-fast)
@@ -22,24 +23,11 @@ pytestmark = pytest.mark.launcher  # starts ranks through a launcher (left out b
 WORLD, GAS, MICRO, SAMPLES, EPOCHS = 2, 4, 2, 88, 2
 BATCHES = SAMPLES // (WORLD * MICRO)  # 22 micro-batches per rank per epoch
 STEPS = EPOCHS * -(-BATCHES // GAS)  # 2 x ceil(22 / 4) = 12
-AUTO = {k: "auto" for k in ("lr", "betas", "eps", "weight_decay")}
 ACCO = {
     "sync": {"mode": "sync"},
     "acco": {"mode": "acco"},
     "adaptive": {"mode": "acco", "accumulation": "adaptive"},
 }
-
-
-def trainer_config(optimizer: dict) -> dict:
-    return {
-        "train_micro_batch_size_per_gpu": "auto",
-        "gradient_accumulation_steps": "auto",
-        "train_batch_size": "auto",
-        "gradient_clipping": "auto",
-        "optimizer": optimizer,
-        "zero_optimization": {"stage": 1},
-        "steps_per_print": 10**9,
-    }
 
 
 def accelerate_config(optimizer: dict) -> dict:
@@ -56,8 +44,8 @@ def accelerate_config(optimizer: dict) -> dict:
 HYPERS = {"lr": 3e-3, "weight_decay": 0.01}
 CONFIGS = {
     "trainer": {
-        "adamw": trainer_config({"type": "AdamW", "params": AUTO}),
-        **{n: trainer_config({"type": "ACCO", "params": {**AUTO, **p}}) for n, p in ACCO.items()},
+        "adamw": trainer_ds_config({"type": "AdamW", "params": AUTO}),
+        **{n: trainer_ds_config({"type": "ACCO", "params": {**AUTO, **p}}) for n, p in ACCO.items()},
     },
     "accelerate": {
         "adamw": accelerate_config({"type": "AdamW", "params": HYPERS}),

@@ -29,6 +29,7 @@ from types import SimpleNamespace
 import pytest
 
 from acco_ds.cli import launch as cli_launch
+from tests.integrations.trainer_config import AUTO, trainer_ds_config
 from tests.ranks.launch import REPO, free_port, rank_env
 
 pytestmark = pytest.mark.launcher  # starts ranks through a launcher (left out by make test-fast)
@@ -43,23 +44,14 @@ TRAINER_ARGS = [
     "--dataloader_num_workers", "0", "--disable_tqdm", "true",
 ]  # fmt: skip
 SAMPLES_PER_STEP = WORLD * 2 * 2  # ranks x micro-batch x accumulation (TRAINER_ARGS)
-AUTO = {k: "auto" for k in ("lr", "betas", "eps", "weight_decay")}
 UNSUPPORTED = "ACCO is not a supported DeepSpeed Optimizer"
 
 
 def ds_config(optimizer: dict, monitor: Path) -> dict:
-    """The DeepSpeed config of the HF Trainer tests ("auto" from TrainingArguments) with ``optimizer``, and
-    DeepSpeed's CSV monitor in ``monitor`` (ACCO writes its own figures there: proof that ACCO trained)."""
-    return {
-        "train_micro_batch_size_per_gpu": "auto",
-        "gradient_accumulation_steps": "auto",
-        "train_batch_size": "auto",
-        "gradient_clipping": "auto",
-        "optimizer": optimizer,
-        "zero_optimization": {"stage": 1},
-        "steps_per_print": 10**9,
-        "csv_monitor": {"enabled": True, "output_path": str(monitor), "job_name": "run"},
-    }
+    """The HF Trainer tests' config with ``optimizer``, and DeepSpeed's CSV monitor in ``monitor`` (ACCO writes
+    its own figures there: proof that ACCO trained)."""
+    csv = {"enabled": True, "output_path": str(monitor), "job_name": "run"}
+    return trainer_ds_config(optimizer, csv_monitor=csv)
 
 
 def write_config(tmp: Path, name: str, optimizer: dict) -> Path:
