@@ -75,6 +75,12 @@ def parse(argv=None) -> argparse.Namespace:
     a.prefix = a.prefix or ("faults_quick" if a.quick else "faults")
     if a.save_every < 1 or a.steps < 3 * a.save_every:
         ap.error(f"--steps {a.steps} must hold at least three saves of --save-every {a.save_every}")
+    if (
+        not a.quick and a.steps < 9 * a.save_every
+    ):  # two-nodes-lost: kills after 2 and 2 + 5 saves, then 2 more
+        ap.error(
+            f"--steps {a.steps} must hold at least nine saves of --save-every {a.save_every} (two nodes lost)"
+        )
     return a
 
 

@@ -77,10 +77,17 @@ def test_from_json_rerenders_the_same_table(tmp_path):
     assert (tmp_path / "again.md").read_text() == report.render(recorded())[0]
 
 
-def test_options_are_checked(capsys):
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--quick", "--steps", "20", "--save-every", "10"], "at least three saves"),
+        (["--steps", "80", "--save-every", "10"], "at least nine saves"),
+    ],
+)
+def test_options_are_checked(argv, message, capsys):
     with pytest.raises(SystemExit) as err:
-        cli.parse(["--steps", "20", "--save-every", "10"])
-    assert err.value.code == 2 and "at least three saves" in capsys.readouterr().err
+        cli.parse(argv)
+    assert err.value.code == 2 and message in capsys.readouterr().err
 
 
 @pytest.mark.skipif(NO_NET is not None, reason=f"no two-node network here: {NO_NET}")
