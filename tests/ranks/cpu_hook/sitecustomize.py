@@ -7,18 +7,12 @@ Trainer then pick NCCL and cuda:<local_rank>, which does not exist for rank 1). 
 ``sitecustomize`` at start-up; this one empties ``CUDA_VISIBLE_DEVICES`` and then runs the next
 ``sitecustomize`` on the path, if any, so an environment's own hook still runs.
 
-A CPU rank (``ACCO_DS_TEST_HIDE_CUDA=1``) also skips DeepSpeed's CPU shared-memory communication op
-(``deepspeed.comm.torch.build_shm_op`` returns None, as on a platform without it): DeepSpeed uses it only for
-``inference_all_reduce`` (falling back to the process group's all-reduce, the same sums for the tests' two
-ranks), and loading it cost every rank start about 2 s and a 69 MB /dev/shm buffer.
-
 With ``ACCO_DS_TEST_CPU_ACCELERATE_SHIM=1`` as well, a rank (a process with ``LOCAL_RANK`` set) also applies
 ``tests/ranks/cpu_accelerate_shim.py`` at start-up: the HF Trainer then counts DeepSpeed's gloo ranks on a
 CPU-only machine in a script that cannot call the shim itself (an unmodified training script,
 tests/integrations/test_unmodified_scripts.py).
 """
 
-import importlib.abc
 import importlib.machinery
 import importlib.util
 import os
@@ -26,30 +20,6 @@ import sys
 
 if os.environ.get("ACCO_DS_TEST_HIDE_CUDA") == "1":
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
-
-
-class _NoShmOp(importlib.abc.MetaPathFinder):
-    """Patches ``deepspeed.comm.torch.build_shm_op`` to return None once that module is loaded."""
-
-    def find_spec(self, name, path, target=None):
-        if name != "deepspeed.comm.torch":
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.machinery.PathFinder.find_spec(name, path)
-        if spec is None or spec.loader is None:
-            return spec
-        load = spec.loader.exec_module
-
-        def exec_module(module):
-            load(module)
-            module.build_shm_op = lambda: None
-
-        spec.loader.exec_module = exec_module
-        return spec
-
-
-if os.environ.get("ACCO_DS_TEST_HIDE_CUDA") == "1":
-    sys.meta_path.insert(0, _NoShmOp())
 
 
 def _chain() -> None:
