@@ -66,6 +66,13 @@ class _ComboError(ValueError):
         return f"optimizer.params.{self.key}={self.value!r}: {self.text}"
 
 
+def _string(cls, v):
+    """A choice's value must be a string before pydantic checks it against the allowed ones (no coercion)."""
+    if not isinstance(v, str):
+        raise ValueError("must be a string")
+    return v
+
+
 class CompressionConfig(BaseModel):
     """``optimizer.params.compression``: compressed rounds with error feedback (docs/ALGORITHM.md, "Compressed
     rounds"). Default: everything off, so the rounds send what they send without the key."""
@@ -89,12 +96,7 @@ class CompressionConfig(BaseModel):
     all_gather: Literal["none"] = "none"
     """The parameter all-gather: only 'none'; quantized parameter differences are not built yet."""
 
-    @field_validator("commit", "peek", "all_gather", mode="before")
-    @classmethod
-    def _choice(cls, v):
-        if not isinstance(v, str):
-            raise ValueError("must be a string")
-        return v
+    _choice = field_validator("commit", "peek", "all_gather", mode="before")(classmethod(_string))
 
     @field_validator("block_size", mode="before")
     @classmethod
@@ -232,12 +234,7 @@ class ACCOConfig(BaseModel):
             raise ValueError(f"must be in [{MIN_TIMEOUT_S:g}, {MAX_TIMEOUT_S:g}] seconds")
         return v
 
-    @field_validator("mode", "accumulation", "comm_dtype", mode="before")
-    @classmethod
-    def _choice(cls, v):
-        if not isinstance(v, str):
-            raise ValueError("must be a string")
-        return v
+    _choice = field_validator("mode", "accumulation", "comm_dtype", mode="before")(classmethod(_string))
 
     @model_validator(mode="after")
     def _combinations(self) -> ACCOConfig:

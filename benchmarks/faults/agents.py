@@ -104,6 +104,14 @@ class Job:
                 )
         return t0
 
+    def all_running(self) -> bool:
+        """Whether every node's agent is still running (the faults' polls stop when one is not)."""
+        return all(p.poll() is None for p in self.procs.values())
+
+    def node0_running(self) -> bool:
+        """Whether node 0's agent (the one that survives every kill but the rendezvous host's) still runs."""
+        return self.procs[0].poll() is None
+
     def kill_node(self, node: int) -> float:
         """SIGKILL every process of ``node``; returns the wall-clock time of the kill."""
         proc = self.procs[node]

@@ -153,7 +153,7 @@ def kill_at_random_step(rng: random.Random, setup, timeout: float):
     fraction = rng.random()
 
     def fault(job) -> dict:
-        alive = lambda: all(p.poll() is None for p in job.procs.values())  # noqa: E731
+        alive = job.all_running
         previous = (
             agents.wait_for_save(job.out, at - setup.save_every, timeout, alive)
             if at > setup.save_every
@@ -175,7 +175,7 @@ def kill_at_random_step(rng: random.Random, setup, timeout: float):
 
 def kill_during_save(setup, timeout: float):
     def fault(job) -> dict:
-        alive = lambda: all(p.poll() is None for p in job.procs.values())  # noqa: E731
+        alive = job.all_running
         first = agents.wait_for_save(job.out, setup.save_every, timeout, alive)
         saving = agents.wait_for_new_save_folder(job.out, first, timeout, alive)
         latest_at_kill = agents.latest_step(job.out)
@@ -187,7 +187,7 @@ def kill_during_save(setup, timeout: float):
 
 def kill_rendezvous_host(setup, timeout: float):
     def fault(job) -> dict:
-        alive = lambda: all(p.poll() is None for p in job.procs.values())  # noqa: E731
+        alive = job.all_running
         got = agents.wait_for_save(job.out, setup.save_every, timeout, alive)
         return {"kill_after_save": got, "kill_unix": job.kill_node(0), "killed_node": 0}
 
@@ -199,7 +199,7 @@ def kill_two_in_turn(setup, timeout: float):
     five more times, node 1 too. Node 0 finishes alone."""
 
     def fault(job) -> dict:
-        alive = lambda: all(p.poll() is None for n, p in job.procs.items() if n == 0)  # noqa: E731
+        alive = job.node0_running
         first = agents.wait_for_save(job.out, 2 * setup.save_every, timeout, alive)
         t1 = job.kill_node(2)
         second = agents.wait_for_save(job.out, first + 5 * setup.save_every, timeout, alive)
