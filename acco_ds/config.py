@@ -46,7 +46,7 @@ ALLOWED = {
     "compression.peek": "'none' or 'int8' ('int8' with mode='acco' only: dpu and sync have no peek)",
     "compression.block_size": f"an integer in [1, {MAX_BLOCK_SIZE}]",
     "compression.error_feedback": "true or false",
-    "compression.all_gather": "'none'",
+    "compression.all_gather": "'none' or 'int8'",
 }
 """What each option accepts, quoted in the error messages."""
 
@@ -93,8 +93,10 @@ class CompressionConfig(BaseModel):
     """Each rank adds what quantization lost in its last compressed round (a residual, one buffer of the
     gradient buffer's size and dtype) to the next one, so nothing is lost over rounds, only delayed."""
 
-    all_gather: Literal["none"] = "none"
-    """The parameter all-gather: only 'none'; quantized parameter differences are not built yet."""
+    all_gather: Literal["none", "int8"] = "none"
+    """The parameter all-gather of every round: 'int8' sends the blockwise int8 difference between each rank's
+    new parameters and what every replica already holds; every rank applies the same dequantized difference,
+    so the replicas stay bitwise identical and trail the fp32 master by at most half a quantization step."""
 
     _choice = field_validator("commit", "peek", "all_gather", mode="before")(classmethod(_string))
 
@@ -115,9 +117,14 @@ class CompressionConfig(BaseModel):
         return v
 
     @property
-    def enabled(self) -> bool:
-        """Whether any round is compressed."""
+    def compresses_gradients(self) -> bool:
+        """Whether any round's gradient exchange is compressed (the error-feedback residuals exist)."""
         return self.commit != "none" or self.peek != "none"
+
+    @property
+    def enabled(self) -> bool:
+        """Whether any round compresses anything."""
+        return self.compresses_gradients or self.all_gather != "none"
 
 
 def _number(v) -> float:
@@ -306,8 +313,6 @@ class ACCOConfig(BaseModel):
                         continue
                     if e["type"] == "literal_error":
                         msg = "unknown value"
-                        if sub == "all_gather":
-                            msg = "compressed parameter all-gather (quantized differences) is not built yet"
                     lines.append(
                         f"optimizer.params.compression.{sub}={value!r}: {msg}. "
                         f"Allowed: {ALLOWED.get('compression.' + sub, ALLOWED['compression'])}."

@@ -279,6 +279,23 @@ MUTANTS = [
         "                residual.zero_()\n",
         ("tests/checkpoint/test_resume.py::test_resume_matches_uninterrupted",),
     ),
+    Mutant(
+        "M29",
+        "compressed peeks: the peeks' quantization error leaks into the committed state (an uncompressed commit "
+        "does not send what they withheld)",
+        "acco_ds/core/round_job.py",
+        "            if job is Job.COMMIT and residuals is not None and residuals[i] is not None:\n",
+        "            if False:\n",
+        ("tests/core/test_trajectories.py::test_compressed_steps_match_reference",),
+    ),
+    Mutant(
+        "M30",
+        "compressed all-gather: rank 0 applies its own unquantized difference (the replicas diverge)",
+        "acco_ds/core/compressed_comm.py",
+        "    chunks[me].copy_(own_base.float() + dequantize(q, scales, block_size))\n",
+        "    if me != 0:\n        chunks[me].copy_(own_base.float() + dequantize(q, scales, block_size))\n",
+        ("tests/core/test_trajectories.py::test_compressed_replicas_are_bitwise_identical",),
+    ),
 ]
 
 

@@ -1,5 +1,5 @@
-"""The compressed gradient exchange of a round (docs/ALGORITHM.md, "Compressed rounds"), and the byte
-counts of a round's collectives.
+"""The compressed exchanges of a round (docs/ALGORITHM.md, "Compressed rounds"): the gradient
+reduce-scatter and the parameter all-gather, and the byte counts of a round's collectives.
 
 :func:`compressed_reduce_scatter_inplace` replaces the reduce-scatter of ``round_job`` when the round
 is compressed: each rank quantizes its WHOLE flat gradient buffer (``acco_ds.ops.quantize``, blockwise
@@ -15,6 +15,13 @@ Threads and ownership: called on the communication side (the executor's worker t
 gradient buffer and the pipeline's residual of that group (full size, the buffer's dtype), which only
 jobs touch while training runs (the compute side reads and writes it only when drained: snapshot,
 restart). CPU tensors (gloo); the quantizer is pure torch (fused kernels are not built yet).
+
+:func:`compressed_all_gather_inplace` replaces the parameter all-gather when ``all_gather`` is compressed:
+rather than its new parameters, each rank sends the int8 blocks of their difference to what every replica
+already holds (the MODEL buffer at the job's launch, identical on every rank), and every rank, the owner
+included, writes ``base + dequantized difference`` into each slice: the replicas stay bitwise identical and
+what quantization withheld is part of the next round's difference (the fp32 master is exact; the replicas
+trail it by at most half a quantization step per element).
 
 :class:`Traffic` counts the bytes a rank hands to (``sent``) and takes from (``received``) the network
 in one job, counted at each send/receive call (point-to-point: the tensor's bytes; NCCL's collectives:
@@ -54,11 +61,14 @@ class Traffic:
 
 @dataclass(frozen=True)
 class Compression:
-    """How a round's gradients are exchanged when compressed: int8 blocks of ``block_size`` elements, with
-    the pipeline's residuals (error feedback) when ``error_feedback``."""
+    """What a round compresses: its gradient exchange (``gradients``: int8 blocks of ``block_size``
+    elements, with the pipeline's residuals when ``error_feedback``) and/or its parameter all-gather
+    (``parameters``: int8 blocks of the differences to the replicas' parameters)."""
 
     block_size: int
     error_feedback: bool
+    gradients: bool = True
+    parameters: bool = False
 
 
 def compressed_reduce_scatter_inplace(
@@ -100,3 +110,40 @@ def compressed_reduce_scatter_inplace(
                 req.wait()
             total += dequantize(got_q, got_s, block_size)
     chunks[me].copy_(total)
+
+
+def compressed_all_gather_inplace(
+    target: torch.Tensor,
+    base: torch.Tensor,
+    own_base: torch.Tensor,
+    group,
+    block_size: int,
+    traffic: Traffic,
+) -> None:
+    """Give every rank every rank's new parameters through int8 differences (see the module docstring).
+
+    ``target`` (full, the parameter dtype): this rank's slice holds its new parameters (written by AdamW);
+    the other slices are overwritten. ``base`` (full, same dtype): what every replica holds now (the MODEL
+    buffer; may be ``target`` itself, then its slices are read before they are written). ``own_base``: a copy
+    of this rank's slice of ``base`` taken before AdamW wrote into ``target`` (needed when they alias).
+    Afterwards every slice c of ``target`` is ``(base[c] + deq(Q(new[c] - base[c])))`` in the parameter dtype,
+    computed in fp32, bit for bit the same on every rank. Collective over ``group``."""
+    world, me = dist.get_world_size(group), dist.get_rank(group)
+    chunks, bases = target.view(world, -1), base.view(world, -1)
+    shard = chunks.shape[1]
+    q, scales = quantize(chunks[me].float() - own_base.float(), block_size)
+    chunks[me].copy_(own_base.float() + dequantize(q, scales, block_size))
+    if world == 1:
+        return
+    got_q = torch.empty((world, shard), dtype=torch.int8, device=target.device)
+    got_s = torch.empty((world, num_blocks(shard, block_size)), dtype=torch.float32, device=target.device)
+    reqs = []
+    for k in range(1, world):
+        dst, src = (me + k) % world, (me - k) % world
+        reqs += [traffic.send(q, group, dst), traffic.send(scales, group, dst)]
+        reqs += [traffic.recv(got_q[src], group, src), traffic.recv(got_s[src], group, src)]
+    for req in reqs:
+        req.wait()
+    for c in range(world):
+        if c != me:
+            chunks[c].copy_(bases[c].float() + dequantize(got_q[c], got_s[c], block_size))

@@ -150,9 +150,10 @@ class ACCOPipeline:
         comp = cfg.compression
         if comp.enabled and self.device.type != "cpu":
             raise ACCOConfigError(
-                f"optimizer.params.compression={{'commit': {comp.commit!r}, 'peek': {comp.peek!r}}} on a "
+                f"optimizer.params.compression={{'commit': {comp.commit!r}, 'peek': {comp.peek!r}, "
+                f"'all_gather': {comp.all_gather!r}}} on a "
                 f"{self.device.type} device: compressed rounds are built for CPU (gloo) ranks only so far (the "
-                "GPU kernels and NCCL path are not built yet). Allowed here: commit 'none' and peek 'none'."
+                "GPU kernels and NCCL path are not built yet). Allowed here: 'none' for commit, peek and all_gather."
             )
         self.groups = [
             GroupBuffers(
@@ -170,12 +171,14 @@ class ACCOPipeline:
         # error feedback (compressed rounds): per group, what quantization withheld from the rounds sent so
         # far, full size in the comm dtype; written by the jobs (comm side), read by snapshots when drained
         self.compression = {
-            Job.COMMIT: Compression(comp.block_size, comp.error_feedback) if comp.commit == "int8" else None,
-            Job.PEEK: Compression(comp.block_size, comp.error_feedback) if comp.peek == "int8" else None,
+            job: Compression(comp.block_size, comp.error_feedback, grads == "int8", comp.all_gather == "int8")
+            if grads == "int8" or comp.all_gather == "int8"
+            else None
+            for job, grads in ((Job.COMMIT, comp.commit), (Job.PEEK, comp.peek))
         }
         self.residuals: List[torch.Tensor | None] = [
             torch.zeros(b.layout.padded_numel, dtype=comm_dtype, device=self.device)
-            if comp.enabled and comp.error_feedback
+            if comp.compresses_gradients and comp.error_feedback
             else None
             for b in self.groups
         ]
@@ -401,6 +404,7 @@ class ACCOPipeline:
             tilde_count=self.tilde_count,
             compression=self.compression[plan.job],
             residuals=self.residuals,
+            bases=[b.model_flat for b in self.groups],
         )
         name = f"round {self.round_index} ({plan.job.value} of step {commit_index})"
         self.in_flight = (self.executor.launch(name, job), plan)

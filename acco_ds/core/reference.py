@@ -15,7 +15,10 @@ Compressed rounds (``reference_run(..., compression=RefCompression(...))``, docs
 rounds"): each simulated rank accumulates its own buffer as the pipeline does (the micro-batch gradients
 divided by GAS, summed one after the other in the communication dtype), quantizes it chunk by chunk of
 the padded ZeRO-1 layout with ``acco_ds.ops.quantize`` and its own error-feedback residual, and each
-chunk's owner sums the dequantized chunks in fp32 (own first, then rank - 1, rank - 2, ...).
+chunk's owner sums the dequantized chunks in fp32 (own first, then rank - 1, rank - 2, ...). With
+``all_gather`` the parameters the workers compute at are replicas (``_Exchange.publish``): each round's new
+parameters (cast to the compute dtype, as AdamW writes them) reach the replicas as the dequantized int8
+difference to the replicas' previous values, chunk by chunk; the fp32 master weights stay exact.
 """
 
 from __future__ import annotations
@@ -60,6 +63,7 @@ class RefCompression:
     error_feedback: bool
     comm_dtype: torch.dtype
     gas: int
+    all_gather: bool = False
 
 
 class _Exchange:
@@ -72,6 +76,28 @@ class _Exchange:
             [torch.zeros(padded_numel(n, world), dtype=spec.comm_dtype) for n in self.numels]
             for _ in range(world)
         ]
+        self.replicas: List[torch.Tensor] | None = None  # what every worker computes at (all_gather)
+
+    def publish(self, new: Sequence[torch.Tensor], compute_dtype: torch.dtype) -> List[torch.Tensor]:
+        """A round's new parameters (one per group, fp32) as the workers hold them after the all-gather: the
+        values cast to ``compute_dtype`` without ``all_gather``; with it, the replicas moved by the dequantized
+        int8 difference of each chunk of the padded layout (what ``compressed_all_gather_inplace`` does).
+        The first call sets the replicas from ``new`` (the initial parameters, held exactly)."""
+        if not self.spec.all_gather or self.replicas is None:
+            out = [t.to(compute_dtype) for t in new]
+            if self.spec.all_gather:
+                self.replicas = [t.clone() for t in out]
+            return out
+        W, bs = self.world, self.spec.block_size
+        for i, (rep, t) in enumerate(zip(self.replicas, new)):
+            n = rep.numel()
+            full, base = (torch.zeros(padded_numel(n, W), dtype=compute_dtype) for _ in range(2))
+            full[:n], base[:n] = t.to(compute_dtype), rep
+            for chunk, old in zip(full.view(W, -1), base.view(W, -1)):
+                q, scales = quantize(chunk.float() - old.float(), bs)
+                chunk.copy_(old.float() + dequantize(q, scales, bs))
+            self.replicas[i] = full[:n].clone()
+        return [t.clone() for t in self.replicas]
 
     def accumulate(self, at, count, compute_dtype, grad_fn, next_mb):
         """Every rank's buffer after ``count`` micro-batches at ``at`` (comm dtype, one per group)."""
@@ -86,12 +112,18 @@ class _Exchange:
             per_rank.append(bufs)
         return per_rank, count * self.world
 
-    def reduce(self, per_rank, compressed: bool) -> List[torch.Tensor]:
-        """The sum over the ranks (fp64, times GAS: the sum of the micro-batch gradients), one per group."""
+    def reduce(self, per_rank, compressed: bool, commit: bool = True) -> List[torch.Tensor]:
+        """The sum over the ranks (fp64, times GAS: the sum of the micro-batch gradients), one per group. An
+        uncompressed ``commit`` round first adds every rank's residual to its buffer and zeroes it (what the
+        compressed peeks withheld is sent exactly with the commit)."""
         W, spec = self.world, self.spec
         out = []
         for i, n in enumerate(self.numels):
             if not compressed:
+                if commit and spec.error_feedback:
+                    for r, bufs in enumerate(per_rank):
+                        bufs[i] += self.residuals[r][i][:n]
+                        self.residuals[r][i].zero_()
                 out.append(sum(bufs[i].double() for bufs in per_rank) * spec.gas)
                 continue
             deq = []  # deq[r][c]: rank r's chunk c, dequantized
@@ -248,29 +280,38 @@ def reference_run(
         if exchange is None:
             return _accumulate(at, k, W, compute_dtype, grad_fn, next_mb)
         per_rank, count = exchange.accumulate(at, k, compute_dtype, grad_fn, next_mb)
-        return exchange.reduce(per_rank, compression.peek if kind == "peek" else compression.commit), count
+        if kind == "peek":
+            return exchange.reduce(per_rank, compression.peek, commit=False), count
+        return exchange.reduce(per_rank, compression.commit), count
+
+    def publish(new: List[torch.Tensor]) -> List[torch.Tensor]:
+        """Where the workers compute after a round that sent ``new`` (the replicas; ``_Exchange.publish``)."""
+        return new if exchange is None else exchange.publish(new, compute_dtype)
 
     avg = _avg
     out = RefRun()
+    at_theta = publish(adam.theta())
     if mode == "sync":
         for t in range(steps):
-            g, n = accumulate(adam.theta())
+            g, n = accumulate(at_theta)
             adam.commit(avg(g, n), hypers(t))
+            at_theta = publish(adam.theta())
             out.record(adam)
     elif mode == "dpu":
-        history = [adam.theta()]  # history[r] = theta^r
+        history = [at_theta]  # history[r] = theta^r, as the workers hold it
         for r in range(steps):
             g, n = accumulate(history[max(r - 1, 0)])
             adam.commit(avg(g, n), hypers(r))
-            history.append(adam.theta())
+            history.append(publish(adam.theta()))
             out.record(adam)
     else:
-        g_tilde, n_tilde = accumulate(adam.theta(), "peek")  # prologue: g~^0 at theta^0
+        g_tilde, n_tilde = accumulate(at_theta, "peek")  # prologue: g~^0 at theta^0
         for t in range(steps):
-            g, n = accumulate(adam.theta())  # stage 1 compute: g^t at theta^t
-            estimate = adam.peek(avg(g_tilde, n_tilde), hypers(t))  # stage 1 comm: theta~^{t+1}
+            g, n = accumulate(at_theta)  # stage 1 compute: g^t at theta^t
+            estimate = publish(adam.peek(avg(g_tilde, n_tilde), hypers(t)))  # stage 1 comm: theta~^{t+1}
             total = [a + b for a, b in zip(g, g_tilde)]
             adam.commit(avg(total, n + n_tilde), hypers(t))  # stage 2 comm: theta^{t+1}
+            at_theta = publish(adam.theta())
             out.record(adam)
             if t + 1 < steps:  # stage 2 compute: g~^{t+1} at theta~^{t+1} (the last one is unused)
                 g_tilde, n_tilde = accumulate(estimate, "peek")

@@ -28,7 +28,12 @@ import torch
 import torch.distributed as dist
 
 from acco_ds.core.buffers import GroupBuffers
-from acco_ds.core.compressed_comm import Compression, Traffic, compressed_reduce_scatter_inplace
+from acco_ds.core.compressed_comm import (
+    Compression,
+    Traffic,
+    compressed_all_gather_inplace,
+    compressed_reduce_scatter_inplace,
+)
 from acco_ds.core.schedule import Job
 from acco_ds.ops.adamw import adamw_step
 from acco_ds.ops.adamw_settings import AdamWSettings
@@ -186,6 +191,7 @@ def run_round_job(
     norm_group=None,
     compression: Compression | None = None,
     residuals: Sequence[torch.Tensor | None] | None = None,
+    bases: Sequence[torch.Tensor] | None = None,
 ) -> RoundResult:
     """One round's communication. ``roles[i]`` is group i's ``(grad buffer, param target)`` index pair
     from ``GroupBuffers.start_job``.
@@ -202,11 +208,23 @@ def run_round_job(
 
     ``compression``: None, or this round's gradients are exchanged in int8 blocks
     (``compressed_comm.compressed_reduce_scatter_inplace``), with ``residuals[i]`` (the pipeline's
-    error-feedback residual of group i, written in place) when ``compression.error_feedback``."""
+    error-feedback residual of group i, written in place) when ``compression.error_feedback`` (an uncompressed
+    COMMIT adds the residual to its buffer and zeroes it: the peeks' quantization error is sent exactly); and/or its new
+    parameters are all-gathered as int8 differences to ``bases[i]`` (group i's MODEL buffer at the launch,
+    what every replica holds; ``compressed_comm.compressed_all_gather_inplace``)."""
     dev = groups[0].master.device
     traffic = Traffic()
+    packed_params = compression is not None and compression.parameters
+    if packed_params and (bases is None or len(bases) != len(groups)):
+        raise ValueError("run_round_job: a compressed all-gather needs one base buffer per group")
+    own_bases = [b.shard_of(base).clone() for b, base in zip(groups, bases)] if packed_params else None
     for i, (b, (g, _)) in enumerate(zip(groups, roles)):
-        if compression is None:
+        if compression is None or not compression.gradients:
+            if job is Job.COMMIT and residuals is not None and residuals[i] is not None:
+                # an uncompressed commit sends what the compressed peeks withheld: the committed gradient is
+                # then the exact sum, the peeks' quantization error stays out of the committed state
+                b.grad_bufs[g].add_(residuals[i])
+                residuals[i].zero_()
             reduce_scatter_inplace(b.grad_bufs[g], group, traffic)
         else:
             residual = residuals[i] if compression.error_feedback else None
@@ -279,7 +297,12 @@ def run_round_job(
             noop_flag=noop,
             commit=job is Job.COMMIT,
         )
-        all_gather_inplace(target, group, traffic)
+        if packed_params:
+            compressed_all_gather_inplace(
+                target, bases[i], own_bases[i], group, compression.block_size, traffic
+            )
+        else:
+            all_gather_inplace(target, group, traffic)
     if job is Job.COMMIT:
         applied[0].add_((~(skipped | empty)).double())
 

@@ -77,7 +77,8 @@ def scenarios() -> list:
             }
         )
     # compressed rounds with error feedback: the residuals are in-flight state (at a boundary, inside a step
-    # with the peek in flight; bf16 sync), and a resume on another world size drops them
+    # with the peek in flight; bf16 sync), and a resume on another world size drops them; with the parameter
+    # all-gather compressed (inside a step, sync) the replicas, which trail the master, resume as they were
     int8 = {"commit": "int8", "peek": "int8", "block_size": 16}
     for name, mode, dtype, extra in (
         ("acco_fp32_int8", "acco", "fp32", 0),
@@ -85,6 +86,8 @@ def scenarios() -> list:
         ("sync_bf16_int8", "sync", "bf16", 0),
     ):
         comp = int8 if mode == "acco" else {**int8, "peek": "none"}
+        if name != "acco_fp32_int8":
+            comp = {**comp, "all_gather": "int8"}
         out.append(
             {
                 "name": name,
@@ -207,6 +210,11 @@ def test_saved_module_weights_are_committed(runs, sc):
     _, res = runs
     r = res["first"][0][sc["name"]]
     dtype = torch.bfloat16 if sc["dtype"] == "bf16" else torch.float32
+    if sc["config"]["optimizer"]["params"].get("compression", {}).get("all_gather") == "int8":
+        # the module holds theta as the replicas do: within half a quantization step of the master, not equal
+        gap = max_diff(r["state_dict_at_save"], r["at_save"].to(dtype).float())
+        assert 0 < gap < 0.05 * max_diff(r["at_save"], toy.flat(toy.trainable(toy.build()))), gap
+        return
     assert torch.equal(r["state_dict_at_save"], r["at_save"].to(dtype).float())
     if sc["name"] == "acco_fp32":
         assert r["model_holds_at_save"] == "estimate"

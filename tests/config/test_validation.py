@@ -91,7 +91,12 @@ BAD_PARAMS = [
         "'yes'",
         ALLOWED["compression.error_feedback"],
     ),
-    ({"compression": {"all_gather": "int8"}}, "compression.all_gather", "'int8'", "is not built yet"),
+    (
+        {"compression": {"all_gather": "int4"}},
+        "compression.all_gather",
+        "'int4'",
+        ALLOWED["compression.all_gather"],
+    ),
     ({"compression": {"foo": 1}}, "compression.foo", "1", "Allowed keys: all_gather, block_size, commit"),
     ({"compression": "int8"}, "compression", "'int8'", ALLOWED["compression"]),
     (
@@ -163,6 +168,9 @@ def test_compression_defaults_off_and_valid_values_pass():
     ).compression
     assert on.enabled and on.block_size == 64 and on.error_feedback is False
     assert ACCOConfig.from_params({"mode": "sync", "compression": {"commit": "int8"}}).compression.enabled
+    params_only = ACCOConfig.from_params({"mode": "dpu", "compression": {"all_gather": "int8"}}).compression
+    assert params_only.enabled and not params_only.compresses_gradients and params_only.all_gather == "int8"
+    assert on.compresses_gradients and not off.compresses_gradients
 
 
 # -- DeepSpeed version range -------------------------------------------------------------------------

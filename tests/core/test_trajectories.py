@@ -29,7 +29,7 @@ from acco_ds.core.reference import (
     _Exchange,
     reference_run,
 )
-from acco_ds.ops.quantize import num_blocks
+from acco_ds.ops.quantize import num_blocks, quantize
 from tests.ranks import toy
 from tests.ranks.launch import run_scenarios
 
@@ -101,18 +101,47 @@ COMPRESSED["acco_fp32_int8_commit_only_no_ef"] = (
     "fp32",
     {"commit": "int8", "peek": "none", "block_size": 32, "error_feedback": False},
 )
+# compressed peeks, exact commits: the commit sends what the peeks withheld (no quantization error is committed)
+COMPRESSED["acco_fp32_int8_peek_only"] = (
+    "acco",
+    "fp32",
+    {"commit": "none", "peek": "int8", "block_size": 16},
+)
+# the parameter all-gather as int8 differences to the replicas: with and without the gradients compressed
+COMPRESSED["acco_bf16_int8_all_gather"] = (
+    "acco",
+    "bf16",
+    {"commit": "int8", "peek": "int8", "all_gather": "int8", "block_size": 16},
+)
+COMPRESSED["dpu_fp32_all_gather_only"] = (
+    "dpu",
+    "fp32",
+    {"commit": "none", "all_gather": "int8", "block_size": 7},
+)
+COMPRESSED["sync_fp32_int8_all_gather"] = (
+    "sync",
+    "fp32",
+    {"commit": "int8", "all_gather": "int8", "block_size": 16},
+)
 LONG_STEPS = 40  # the replicas after many compressed steps
-LONG = ("acco_bf16_int8_long", "acco", "bf16", {"commit": "int8", "peek": "int8", "block_size": 16})
+LONG = (
+    "acco_bf16_int8_long",
+    "acco",
+    "bf16",
+    {"commit": "int8", "peek": "int8", "all_gather": "int8", "block_size": 16},
+)
 
 
 def ref_compression(spec: dict, precision: str) -> RefCompression:
     return RefCompression(
-        commit=spec["commit"] == "int8",
-        peek=spec["peek"] == "int8",
+        commit=spec.get("commit", "none") == "int8",
+        peek=spec.get("peek", "none") == "int8",
         block_size=spec["block_size"],
-        error_feedback=spec.get("error_feedback", True),
+        # residuals exist where a gradient exchange is compressed
+        error_feedback=spec.get("error_feedback", True) and "int8" in (spec.get("commit"), spec.get("peek")),
         comm_dtype=DTYPES[precision],
         gas=GAS,
+        all_gather=spec.get("all_gather", "none") == "int8",
     )
 
 
@@ -329,9 +358,12 @@ def toy_grad_fn(dtype: str):
 def replay_step(mode: str, dtype: str, world: int, spec: RefCompression, t: int, before: dict) -> dict:
     """Commit t of a compressed run recomputed by the reference's pieces (``reference._Exchange``, AdamW on
     unsharded fp32 master weights) from the run's own state before it: ``before`` holds theta^t, both
-    moments, the residual of every rank, and where the rounds of commit t computed (theta~^t in acco, theta^{t-1}
-    in dpu). Returns the parameters, moments, norm, every rank's residual after commit t, and the estimate
-    theta~^{t+1} of the next step (acco)."""
+    moments, the residual of every rank, where the rounds of commit t computed (``at``: theta~^t in acco,
+    theta^{t-1} in dpu, theta^t in sync; ``theta_at``: theta^t in acco) as the run's replicas held them, and
+    ``base``: what the replicas held when commit t's job started (compressed all-gather). Returns the
+    parameters, moments, norm, every rank's residual after commit t, the estimate theta~^{t+1} of the next
+    step (acco, exact) and the replicas of theta^{t+1} the all-gather leaves from ``base`` and the run's
+    theta^{t+1} (``new_theta``; ``replica``)."""
     hyper = [RefHyper(before["lr"], (0.9, 0.999), 1e-8, WD)]
     theta = before["theta"]
     adam = _Adam([theta], 0.0, RefState([before["exp_avg"]], [before["exp_avg_sq"]], t))
@@ -343,9 +375,9 @@ def replay_step(mode: str, dtype: str, world: int, spec: RefCompression, t: int,
     out = {}
     if mode == "acco":
         per_rank, n_tilde = ex.accumulate([before["at"]], GAS // 2, compute, grad_fn, next_mb)
-        g_tilde = ex.reduce(per_rank, spec.peek)
+        g_tilde = ex.reduce(per_rank, spec.peek, commit=False)
         out["estimate"] = adam.peek(_avg(g_tilde, n_tilde), hyper)[0]
-        per_rank, n = ex.accumulate([theta], GAS // 2, compute, grad_fn, next_mb)
+        per_rank, n = ex.accumulate([before["theta_at"]], GAS // 2, compute, grad_fn, next_mb)
         g = ex.reduce(per_rank, spec.commit)
         adam.commit(_avg([g[0] + g_tilde[0]], n + n_tilde), hyper)
     else:
@@ -358,6 +390,11 @@ def replay_step(mode: str, dtype: str, world: int, spec: RefCompression, t: int,
         norm=adam.last_norm,
         residuals=[r[0] for r in ex.residuals] if spec.error_feedback else None,
     )
+    if (
+        spec.all_gather
+    ):  # from the run's own theta^{t+1} (``new_theta``): rounding decisions are discontinuous
+        ex.replicas = [before["base"].to(compute)]
+        out["replica"] = ex.publish([before["new_theta"]], compute)[0].float()
     return out
 
 
@@ -383,13 +420,19 @@ def test_compressed_steps_match_reference(run, name):
     padded = padded_numel(theta0.numel(), world)
     per_rank = res["residuals_per_rank"]
     norms = reported_norms(res, mode)
+    # theta^t as the replicas hold it: the fp32 master cast, or, with a compressed all-gather, the run's replicas
+    held = [theta0] + (res["committed_replica"] if spec.all_gather else res["traj"])
     for t in range(STEPS):
-        at = {"sync": thetas[t], "dpu": thetas[max(t - 1, 0)]}.get(mode)
+        at = {"sync": held[t], "dpu": held[max(t - 1, 0)]}.get(mode)
         if mode == "acco":
             at = theta0 if t == 0 else res["model_at_boundary"][t - 1]
         before = {
             "lr": res["lrs"][t],
             "theta": thetas[t],
+            "theta_at": held[t],
+            "new_theta": res["traj"][t],
+            # the MODEL buffer when commit t's job started: acco, the estimate the peek of step t left
+            "base": res["model_at_boundary"][t] if mode == "acco" else held[t],
             "exp_avg": moments["exp_avg"][t],
             "exp_avg_sq": moments["exp_avg_sq"][t],
             "at": at,
@@ -413,11 +456,42 @@ def test_compressed_steps_match_reference(run, name):
                     f"{where}: rank {r}'s residual differs, max |diff| "
                     f"{(got.double() - want['residuals'][r].double()).abs().max().item():.3e}"
                 )
-            assert any(bool(per_rank[r][t].ne(0).any()) for r in range(world)), f"{where}: all residuals zero"
+            if spec.commit:
+                assert any(bool(per_rank[r][t].ne(0).any()) for r in range(world)), (
+                    f"{where}: all residuals zero"
+                )
+            else:  # an uncompressed commit sent what the peeks withheld
+                assert all(not per_rank[r][t].any() for r in range(world)), f"{where}: a residual left"
+        if spec.all_gather:  # the replicas of theta^{t+1}: the same dequantized differences, bit for bit
+            got = res["committed_replica"][t]
+            assert torch.equal(got, want["replica"]), (
+                f"{where}: replicas of theta differ from base + deq(Q(theta - base)), max |diff| "
+                f"{(got - want['replica']).abs().max().item():.3e}"
+            )
         if mode == "acco" and t + 1 < STEPS:  # the model holds the estimate theta~^{t+1} at boundary t
-            d = (res["model_at_boundary"][t] - want["estimate"].to(DTYPES[dtype]).float()).abs().max().item()
-            assert d <= TOL[dtype], f"{where}: estimate max |diff| {d:.3e}"
+            held_est, exact = res["model_at_boundary"][t], want["estimate"].to(DTYPES[dtype]).float()
+            slack = TOL[dtype]
+            if spec.all_gather:  # within half a quantization step of the difference to theta^t's replicas
+                slack += est_quantization_bound(exact - held[t], world, comp["block_size"])
+            d = (held_est - exact).abs() - slack
+            assert d.max().item() <= 0, f"{where}: estimate off by {d.max().item():.3e} beyond {TOL[dtype]}"
     assert (res["traj"][-1] - res["traj"][0]).abs().max() > 10 * TOL[dtype]
+    if spec.all_gather:  # the replicas trail the master: not equal to it, but close
+        gap = (res["committed_replica"][-1] - res["traj"][-1]).abs().max().item()
+        assert 0 < gap < 0.05 * (res["traj"][-1] - res["traj"][0]).abs().max().item(), f"{name}: gap {gap}"
+
+
+def est_quantization_bound(diff: torch.Tensor, world: int, block_size: int) -> torch.Tensor:
+    """Per element, half the quantization step of its block of ``diff`` laid out as the all-gather cuts it
+    (chunks of the padded layout, blocks inside each chunk), plus fp32 rounding."""
+    n = diff.numel()
+    full = torch.zeros(padded_numel(n, world))
+    full[:n] = diff
+    steps = []
+    for chunk in full.view(world, -1):
+        _, scales = quantize(chunk, block_size)
+        steps.append(scales.repeat_interleave(block_size)[: chunk.numel()])
+    return torch.cat(steps)[:n] * 0.5001 + 1e-7
 
 
 @pytest.mark.parametrize("name", ["acco_fp32_int8", "dpu_fp32_int8", "sync_fp32_int8"])
@@ -437,6 +511,20 @@ def test_compression_and_error_feedback_are_visible(name):
     assert (with_ef - no_ef.params[-1][0]).abs().max() > 10 * TOL[dtype], name
 
 
+@pytest.mark.parametrize("name", ["dpu_fp32_all_gather_only", "sync_fp32_int8_all_gather"])
+def test_compressed_all_gather_is_visible(name):
+    """The reference whose replicas receive int8 differences differs from the one whose replicas receive the
+    parameters, by far more than the tolerance: a run that gathered the exact parameters could not pass
+    test_compressed_steps_match_reference's free check of the gradients' points either."""
+    mode, dtype, comp = COMPRESSED[name]
+    lrs = (LR,) * STEPS
+    packed = reference(mode, dtype, 2, "noclip", lrs, ref_compression(comp, dtype)).params[-1][0]
+    exact = reference(
+        mode, dtype, 2, "noclip", lrs, ref_compression({**comp, "all_gather": "none"}, dtype)
+    ).params[-1][0]
+    assert (packed - exact).abs().max() > 10 * TOL[dtype], name
+
+
 def test_compressed_replicas_are_bitwise_identical(run):
     """After many compressed steps every rank holds the same parameters, bit for bit."""
     world, results = run
@@ -450,13 +538,17 @@ def test_compressed_replicas_are_bitwise_identical(run):
     assert (long["traj"][-1] - long["traj"][0]).abs().max() > 0.1  # it trained
 
 
-def wire_bytes(world: int, precision: str, block_size: int | None) -> int:
+def wire_bytes(world: int, precision: str, block_size: int | None, params_block: int | None = None) -> int:
     """Bytes one rank sends (and receives) in a round of the toy model: the gradient exchange ((W-1)
-    chunks: comm dtype, or int8 plus one fp32 scale per block) and the parameter all-gather."""
+    chunks: comm dtype, or int8 plus one fp32 scale per block of ``block_size``) and the parameter
+    all-gather (the parameter dtype, or int8 plus a scale per block of ``params_block``)."""
     shard = padded_numel(toy.flat(toy.trainable(toy.build())).numel(), world) // world
     size = DTYPES[precision].itemsize
-    grads = shard * size if block_size is None else shard + 4 * num_blocks(shard, block_size)
-    return (world - 1) * (grads + shard * size)
+
+    def packed(block):
+        return shard * size if block is None else shard + 4 * num_blocks(shard, block)
+
+    return (world - 1) * (packed(block_size) + packed(params_block))
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -483,3 +575,11 @@ def test_stats_count_bytes_per_round(run, mode):
                 assert st["bytes_received"] == st["rounds"] * want
         if world > 1:
             assert packed["stats"]["last_round_bytes_sent"] < plain["stats"]["last_round_bytes_sent"]
+    name = {"acco": "acco_bf16_int8_all_gather", "dpu": "dpu_fp32_all_gather_only"}.get(
+        mode, "sync_fp32_int8_all_gather"
+    )
+    _, dtype, comp = COMPRESSED[name]
+    block = comp["block_size"]
+    want = wire_bytes(world, dtype, block if comp.get("commit") == "int8" else None, block)
+    for st in results[name]["stats_per_rank"]:
+        assert st["last_round_bytes_sent"] == want == st["last_round_bytes_received"], (name, st, want)

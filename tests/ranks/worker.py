@@ -16,6 +16,7 @@ import torch
 from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state  # noqa: E402
 
 import acco_ds  # noqa: E402,F401
+from acco_ds.core import snapshot
 from tests.ranks import rank_start, toy  # noqa: E402
 
 
@@ -25,7 +26,7 @@ def run_scenario(sc: dict, rank: int) -> dict:
     model = toy.build()
     engine, _, _, _ = deepspeed.initialize(model=model, config=cfg, model_parameters=model.parameters())
     params = toy.trainable(engine.module)
-    lrs, traj, norms, at_boundary, residuals = [], [], [], [], []
+    lrs, traj, norms, at_boundary, residuals, committed = [], [], [], [], [], []
     moments = {"exp_avg": [], "exp_avg_sq": []}
     for step in range(sc["steps"]):
         lrs.append(float(engine.get_lr()[0]))
@@ -44,11 +45,15 @@ def run_scenario(sc: dict, rank: int) -> dict:
         pipe = getattr(engine.optimizer, "pipeline", None)
         if pipe is not None and pipe.cfg.compression.enabled:
             at_boundary.append(toy.flat(params).cpu())
+            snapshot.drain(pipe)
+            theta = snapshot.committed_flats(pipe)[0][: pipe.groups[0].layout.numel]
+            committed.append(theta.detach().float().cpu().clone())  # theta as the replicas hold it
             residual = pipe.residuals[0]
             residuals.append(None if residual is None else residual.detach().cpu().clone())
     out = {"lrs": lrs, "traj": traj, "norms": norms, "moments": moments}
     if at_boundary:
         out["model_at_boundary"], out["residuals"] = at_boundary, residuals
+        out["committed_replica"] = committed
     for key, per_step in moments.items():
         out[key] = per_step[-1]
     opt = engine.optimizer

@@ -76,7 +76,7 @@ INT8 = {"commit": "int8", "peek": "int8", "block_size": 16}
 FAULTS_INT8 = {
     "sync_int8": ("sync", FAULTS["sync"][1], {**INT8, "peek": "none"}),
     "acco_tilde_int8": ("acco", FAULTS["acco_tilde"][1], INT8),
-    "acco_g_int8": ("acco", FAULTS["acco_g"][1], INT8),
+    "acco_g_int8": ("acco", FAULTS["acco_g"][1], {**INT8, "all_gather": "int8"}),
 }
 NEVER_SAW = ("sync", "dpu", "acco_tilde")  # claim 1 holds for these
 DEFERRED = ("dpu", "acco_tilde", "acco_g")  # claim 5: the same fault with late host reads
