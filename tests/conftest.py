@@ -18,6 +18,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 import contextlib  # noqa: E402
 import glob  # noqa: E402
 import subprocess  # noqa: E402
+import time  # noqa: E402
 
 import pytest  # noqa: E402
 
@@ -47,14 +48,18 @@ def _remove_deepspeed_shm_buffers():
     launched ranks have exited when it returns (also those of module-scoped fixtures, which launch
     before this fixture starts): remove every buffer that appeared since the session started and that no
     live process maps (so the ranks of another test session running at the same time keep theirs;
-    unlinking one an in-process engine still maps would leave its mapping valid anyway)."""
+    unlinking one an in-process engine still maps would leave its mapping valid anyway), and that is older than
+    a minute: the ranks of a test running in another worker may have created theirs and not mapped it yet
+    (the launch helpers remove their own ranks' buffers by name as the launch ends)."""
     yield
     new = set(glob.glob(_SHM_PATTERN)) - _SHM_AT_START
     if not new:
         return
+    now = time.time()
     for path in new - _mapped_shm_buffers():
         with contextlib.suppress(OSError):
-            os.unlink(path)
+            if now - os.stat(path).st_mtime > 60:
+                os.unlink(path)
 
 
 _LAUNCHER_MODULES = ("deepspeed.launcher.runner", "torch.distributed.run")
