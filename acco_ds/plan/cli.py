@@ -16,7 +16,14 @@ import sys
 from pathlib import Path
 
 from acco_ds.plan import units
-from acco_ds.plan.model import CONTENDERS, DEEPSPEED_BUCKET, DTYPE_SIZE, PlanInputs, predict
+from acco_ds.plan.model import (
+    COMPRESSED_CONTENDERS,
+    CONTENDERS,
+    DEEPSPEED_BUCKET,
+    DTYPE_SIZE,
+    PlanInputs,
+    predict,
+)
 from acco_ds.plan.recommend import recommend
 
 EXAMPLE = """examples:
@@ -94,6 +101,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--reduce-bucket-size",
         default=str(DEEPSPEED_BUCKET),
         help=f"DeepSpeed's reduce_bucket_size in elements (default {DEEPSPEED_BUCKET:.0e}, DeepSpeed's)",
+    )
+    w.add_argument(
+        "--block-size",
+        type=int,
+        default=256,
+        help="compressed rounds (the *-int8 rows): elements per int8 block, one fp32 scale each (default 256, "
+        "acco_ds's compression.block_size)",
     )
     ap.add_argument(
         "--json",
@@ -181,6 +195,8 @@ def resolve(argv=None) -> tuple:
         # 6 N T model flops per micro-batch; a tensor-parallel group shares them
         t_mb = 6 * params * tokens / a.tp / (a.tflops * 1e12)
     bucket = _opt(ap, "--reduce-bucket-size", units.parse_count, a.reduce_bucket_size)
+    if a.block_size < 1:
+        ap.error(f"--block-size must be an integer >= 1, got {a.block_size}")
     gpu_mem = _opt(ap, "--gpu-memory", units.parse_memory, a.gpu_memory) if a.gpu_memory else None
     return PlanInputs(
         params=params,
@@ -202,6 +218,7 @@ def resolve(argv=None) -> tuple:
         largest_frac=largest_frac,
         tokens_per_micro_batch=tokens,
         gpu_memory=gpu_mem,
+        block_size=a.block_size,
     ), a.json
 
 
@@ -225,6 +242,8 @@ def render(plan, rec: dict) -> str:
         f"AdamW commit {ms * d['opt_commit_s']:.2f} ms",
         f"comm/compute: one round's communication {ms * d['comm_round_s']:.1f} ms / a step's compute "
         f"{ms * d['compute_step_s']:.1f} ms = {d['comm_compute_ratio']:.3f} (fixed ACCO hides it up to 0.5)",
+        f"int8 rounds (*-int8 rows; blocks of {i['block_size']}): {d['int8_bytes'] / 1e6:,.1f} MB per collective, "
+        f"a round {ms * d['comm_round_int8_s']:.1f} ms (quantize passes {ms * d['quantize_s']:.2f} ms)",
         "",
         "| contender | step ms | samples/s | x ZeRO-1 | micro-batches/step/GPU | exposed comm ms | memory/GPU GiB "
         "| bytes/param | note |",
@@ -250,6 +269,8 @@ def render(plan, rec: dict) -> str:
         + f", GAS {rec['gas']}",
         f"why: {rec['reason']}",
     ]
+    if rec.get("compression"):
+        lines.append(f'add to optimizer.params: "compression": {json.dumps(rec["compression"])}')
     if rec.get("alternative"):
         lines.append(f"alternative: {rec['alternative']}")
     return "\n".join(lines)
@@ -259,7 +280,8 @@ def main(argv=None) -> int:
     inputs, json_to = resolve(argv)
     plan = predict(inputs)
     rec = recommend(plan, inputs)
-    doc = json.dumps(plan.to_dict() | {"recommendation": rec, "contenders": list(CONTENDERS)}, indent=1)
+    names = list(CONTENDERS + COMPRESSED_CONTENDERS)
+    doc = json.dumps(plan.to_dict() | {"recommendation": rec, "contenders": names}, indent=1)
     if json_to == "-":
         print(doc)
         return 0

@@ -19,6 +19,12 @@ the equations are written down in docs/PLAN.md and each contender's rule is in `
   waits, so samples/s is the compute-only rate and a step holds ``k'_1 + k'_2`` micro-batches.
 
 with ``t_c = GAS t_mb`` and ``C_round = T_rs + T_opt + T_ag`` (acco_ds's fused AdamW over the shard).
+
+Compressed rounds (``optimizer.params.compression``, every exchange int8: commit, peek and all-gather;
+docs/ALGORITHM.md "Compressed rounds"): the rows ``sync-int8``, ``acco-int8`` and ``acco-adaptive-int8`` are
+the rules above with ``C_round8 = T_rs(n (1 + 4/B)) + T_opt + T_ag(n (1 + 4/B)) + T_q`` (int8 plus one fp32
+scale per block of B; ``T_q`` the quantize / dequantize passes at ``hbm_bw``, ``quant_bytes_per_param``) and
+one more full buffer held (the error-feedback residual, in the comm dtype).
 """
 
 from __future__ import annotations
@@ -32,6 +38,9 @@ from acco_ds.plan.comm import Topology
 
 DTYPE_SIZE = {"bf16": 2, "fp32": 4}
 CONTENDERS = ("zero1", "zero1-overlap", "zero2", "sync", "dpu", "acco", "acco-adaptive")
+COMPRESSED_CONTENDERS = ("sync-int8", "acco-int8", "acco-adaptive-int8")
+"""acco_ds with every exchange int8 (commit, peek, all-gather); CPU (gloo) ranks only so far."""
+COMPRESSION_CONFIG = {"commit": "int8", "peek": "int8", "all_gather": "int8"}
 BACKWARD_SHARE = 2.0 / 3.0  # of a micro-batch's compute: backward ~ 2x forward
 DEEPSPEED_BUCKET = 500_000_000  # DeepSpeed's default reduce_bucket_size (elements)
 FP32_ADAM = 12  # fp32 master, exp_avg, exp_avg_sq: bytes per parameter, read or written
@@ -61,6 +70,7 @@ class PlanInputs:
     largest_frac: float = 0.0  # the largest parameter tensor / all parameters (an autograd transient)
     tokens_per_micro_batch: float | None = None
     gpu_memory: float | None = None  # bytes; None: no fit check
+    block_size: int = 256  # compressed rounds: elements per int8 block (one fp32 scale each)
 
     def __post_init__(self) -> None:
         def bad(name, allowed):
@@ -69,7 +79,7 @@ class PlanInputs:
         for name in ("params", "t_micro_batch", "hbm_bw", "reduce_bucket"):
             if not getattr(self, name) > 0:
                 bad(name, "> 0")
-        for name in ("micro_batch", "gas", "nodes", "gpus_per_node", "tp"):
+        for name in ("micro_batch", "gas", "nodes", "gpus_per_node", "tp", "block_size"):
             if getattr(self, name) < 1:
                 bad(name, "an integer >= 1")
         if self.gpus_per_node % self.tp:
@@ -140,6 +150,15 @@ def opt_bytes_per_param(kind: str, D: int, C: int) -> int:
     raise ValueError(f"unknown optimizer step kind {kind!r}")
 
 
+def quant_bytes_per_param(D: int, C: int, W: int) -> float:
+    """Bytes a compressed round's quantize / dequantize passes stream per parameter of the full buffer (all
+    int8): the gradients quantized with the residual (read the gradient and the residual, write q and the
+    residual: ``3 C + 1``), the owner's dequantize-and-sum of W chunks into its shard (``(W + C) / W``), the
+    parameter difference of the shard quantized (``(2 D + 1) / W``) and applied to every chunk (read the
+    base and q, write the parameter: ``2 D + 1``). The scales are left out (4/B of the values)."""
+    return 3 * C + 1 + (W + C) / W + (2 * D + 1) / W + 2 * D + 1
+
+
 def exposed_overlapped_reduce(t_reduce: float, t_backward: float, n_buckets: int, can_overlap: bool) -> float:
     """The part of an all-reduce of ``n_buckets`` equal buckets that outlasts the backward producing
     them: bucket j is ready at ``t_backward j/n``, the reductions run one after another on one stream,
@@ -172,6 +191,9 @@ def _derived(i: PlanInputs) -> dict:
     t_ds_opt = opt_bytes_per_param("deepspeed", D, C) * shard / i.hbm_bw
     t_c = i.gas * i.t_micro_batch
     comm_commit = rs + t_commit + ag
+    packed = n_g * (1 + 4 / i.block_size)  # int8 values + one fp32 scale per block
+    rs8, ag8 = topo.reduce_scatter(packed), topo.all_gather(packed)
+    t_q = quant_bytes_per_param(D, C, W) * n_g / i.hbm_bw
     return {
         "dp_world": W,
         "ranks_per_node": i.gpus_per_node // i.tp,
@@ -187,6 +209,12 @@ def _derived(i: PlanInputs) -> dict:
         "compute_step_s": t_c,
         "comm_round_s": comm_commit,  # acco_ds: reduce-scatter + commit + all-gather
         "comm_round_peek_s": rs + t_peek + ag,
+        "int8_bytes": packed,
+        "int8_reduce_scatter_s": rs8,
+        "int8_all_gather_s": ag8,
+        "quantize_s": t_q,
+        "comm_round_int8_s": rs8 + t_commit + ag8 + t_q,
+        "comm_round_peek_int8_s": rs8 + t_peek + ag8 + t_q,
         "comm_compute_ratio": comm_commit / t_c,
         "reduce_buckets": max(1, math.ceil(n_g / i.reduce_bucket)),
         "bucket_frac": i.reduce_bucket / n_g,
@@ -198,9 +226,13 @@ def memory_buffers(contender: str, i: PlanInputs, d: dict) -> list:
     """What one GPU holds at its peak (memory_model, the formulas bench_memory prints), per parameter
     of the GPU: DeepSpeed's buckets at ``--reduce-bucket-size``, the world the data-parallel one."""
     D, C = DTYPE_SIZE[i.param_dtype], DTYPE_SIZE[i.comm_dtype]
-    name = "acco" if contender == "acco-adaptive" else contender
+    name = contender.removesuffix("-int8")
+    name = "acco" if name == "acco-adaptive" else name
     bucket = d["bucket_frac"] if name.startswith("zero") else None
-    return memory_model.buffers(name, D, d["dp_world"], i.largest_frac, C, bucket_frac=bucket)
+    bufs = memory_model.buffers(name, D, d["dp_world"], i.largest_frac, C, bucket_frac=bucket)
+    if contender.endswith("-int8"):
+        bufs.append(memory_model.Buffer("error-feedback residual (full, comm dtype)", C, "held", "C"))
+    return bufs
 
 
 def _rows(i: PlanInputs, d: dict) -> Dict[str, dict]:
@@ -236,22 +268,28 @@ def _rows(i: PlanInputs, d: dict) -> Dict[str, dict]:
     out["sync"] = {"step": t_c + c_commit, "mbs": G, "exposed": c_commit}
     out["dpu"] = {"step": max(t_c, c_commit), "mbs": G, "exposed": max(0.0, c_commit - t_c)}
     if G % 2:
+        c8 = d["comm_round_int8_s"]
+        out["sync-int8"] = {"step": t_c + c8, "mbs": G, "exposed": c8}
         na = {"step": None, "mbs": None, "exposed": None, "note": f"needs an even GAS (got {G})"}
-        out["acco"], out["acco-adaptive"] = dict(na), dict(na)
-        return out
-    half = t_c / 2
-    step = max(half, c_peek) + max(half, c_commit)
-    out["acco"] = {"step": step, "mbs": G, "exposed": step - t_c}
-    k = G // 2
-    k1 = adaptive_round_micro_batches(k, c_peek, t_mb)
-    k2 = adaptive_round_micro_batches(k, c_commit, t_mb)
-    out["acco-adaptive"] = {
-        "step": (k1 + k2) * t_mb,
-        "mbs": k1 + k2,
-        "exposed": 0.0,
-        "note": f"rounds of {k1} + {k2} micro-batches (at least {k} each)",
-    }
-    return out
+        for name in ("acco", "acco-adaptive", "acco-int8", "acco-adaptive-int8"):
+            out[name] = dict(na)
+        return {k: out[k] for k in CONTENDERS + COMPRESSED_CONTENDERS}
+    c8_commit, c8_peek = d["comm_round_int8_s"], d["comm_round_peek_int8_s"]
+    out["sync-int8"] = {"step": t_c + c8_commit, "mbs": G, "exposed": c8_commit}
+    for tag, peek, commit in (("", c_peek, c_commit), ("-int8", c8_peek, c8_commit)):
+        half = t_c / 2
+        step = max(half, peek) + max(half, commit)
+        out["acco" + tag] = {"step": step, "mbs": G, "exposed": step - t_c}
+        k = G // 2
+        k1 = adaptive_round_micro_batches(k, peek, t_mb)
+        k2 = adaptive_round_micro_batches(k, commit, t_mb)
+        out["acco-adaptive" + tag] = {
+            "step": (k1 + k2) * t_mb,
+            "mbs": k1 + k2,
+            "exposed": 0.0,
+            "note": f"rounds of {k1} + {k2} micro-batches (at least {k} each)",
+        }
+    return {k: out[k] for k in CONTENDERS + COMPRESSED_CONTENDERS}
 
 
 def predict(i: PlanInputs) -> Plan:
@@ -277,6 +315,12 @@ def predict(i: PlanInputs) -> Plan:
                 note=r.get("note", ""),
             )
         )
+    if i.accelerator == "gpu":
+        for r in plan.rows:
+            if r.contender in COMPRESSED_CONTENDERS:
+                r.note = "; ".join(
+                    x for x in (r.note, "compression runs on CPU (gloo) ranks only so far") if x
+                )
     base = plan.row("zero1").samples_per_s
     for r in plan.rows:
         r.x_zero1 = r.samples_per_s / base if r.samples_per_s else None

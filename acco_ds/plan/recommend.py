@@ -10,6 +10,11 @@ paragraph with the figures) and ``alternative`` (or None). The rules (docs/PLAN.
 3. When one round's communication fits in half a step's compute, fixed ACCO at the user's GAS hides it
    (same batch, same math as ZeRO-1 at that GAS). When it does not, adaptive ACCO keeps the GPUs busy
    and its steps grow; the fixed alternative is the smallest even GAS whose half covers the round.
+4. Compression (``compression``: the ``optimizer.params.compression`` to add, or None): only where the
+   uncompressed round does not fit in half a step's compute (the link is the bottleneck). If the int8 round
+   fits, fixed ACCO with compression hides it at the user's GAS; otherwise adaptive ACCO with compression,
+   whose steps grow less. acco_ds compresses on CPU (gloo) ranks only so far: with ``--accelerator gpu`` the
+   reason gives the figure and says so, and ``compression`` stays None.
 DPU is never recommended: it is the stale-gradient baseline ACCO corrects (docs/ALGORITHM.md).
 """
 
@@ -17,7 +22,7 @@ from __future__ import annotations
 
 import math
 
-from acco_ds.plan.model import Plan, PlanInputs
+from acco_ds.plan.model import COMPRESSION_CONFIG, Plan, PlanInputs
 
 MIN_GAIN = 1.05
 
@@ -31,7 +36,13 @@ def recommend(plan: Plan, i: PlanInputs) -> dict:
     z1, z1o = plan.row("zero1"), plan.row("zero1-overlap")
     base = z1o if z1o.samples_per_s > z1.samples_per_s * (1 + 1e-9) else z1
     base_name = "ZeRO-1 with overlap_comm" if base is z1o else "ZeRO-1"
-    keep = {"mode": base.contender, "accumulation": None, "gas": i.gas, "alternative": None}
+    keep = {
+        "mode": base.contender,
+        "accumulation": None,
+        "gas": i.gas,
+        "alternative": None,
+        "compression": None,
+    }
     acco, adaptive = plan.row("acco"), plan.row("acco-adaptive")
     ratio = d["comm_compute_ratio"]
     share = 1 - (d["compute_step_s"] / base.step_s)
@@ -60,28 +71,66 @@ def recommend(plan: Plan, i: PlanInputs) -> dict:
             f"{100 * (MIN_GAIN - 1):.0f}% worth a switch ({mem}). Stay with DeepSpeed.",
         }
     gain_fixed = acco.samples_per_s / base.samples_per_s
-    if d["comm_round_s"] <= d["compute_step_s"] / 2:
+    half = d["compute_step_s"] / 2
+    if d["comm_round_s"] <= half:
         return {
             "mode": "acco",
             "accumulation": "fixed",
             "gas": i.gas,
             "reason": f"one round's communication ({1e3 * d['comm_round_s']:.1f} ms) fits in half a step's "
-            f"compute ({1e3 * d['compute_step_s'] / 2:.1f} ms): fixed ACCO hides it at the same batch, "
+            f"compute ({1e3 * half:.1f} ms): fixed ACCO hides it at the same batch, "
             f"{gain_fixed:.2f}x the samples/s of {base_name}.",
             "alternative": None,
+            "compression": None,
         }
-    gas_fixed = 2 * math.ceil(d["comm_round_s"] / i.t_micro_batch - 1e-9)
-    grow = adaptive.micro_batches_per_step / i.gas
+    slow = (
+        f"one round's communication ({1e3 * d['comm_round_s']:.1f} ms) is longer than half a step's compute "
+        f"({1e3 * half:.1f} ms), so fixed ACCO at GAS {i.gas} waits ({gain_fixed:.2f}x {base_name})."
+    )
+    c8 = d["comm_round_int8_s"]
+    on_cpu = i.accelerator == "cpu"
+    if c8 <= half:
+        fixed8 = plan.row("acco-int8")
+        packed = (
+            f" With int8 compression (commit, peek and all-gather) a round takes {1e3 * c8:.1f} ms and fits: "
+            f"fixed ACCO would hide it at the same batch, {fixed8.samples_per_s / base.samples_per_s:.2f}x "
+            f"{base_name}."
+        )
+        if on_cpu:
+            return {
+                "mode": "acco",
+                "accumulation": "fixed",
+                "gas": i.gas,
+                "reason": slow + packed,
+                "alternative": "adaptive ACCO without compression (exact communication, larger steps)",
+                "compression": dict(COMPRESSION_CONFIG),
+            }
+        packed += " acco_ds compresses on CPU (gloo) ranks only so far, not on GPUs."
+    else:
+        ad8 = plan.row("acco-adaptive-int8")
+        packed = (
+            f" int8 compression would shorten a round to {1e3 * c8:.1f} ms: adaptive steps of about "
+            f"{ad8.micro_batches_per_step:g} micro-batches instead of {adaptive.micro_batches_per_step:g}."
+        )
+        if not on_cpu:
+            packed += " acco_ds compresses on CPU (gloo) ranks only so far, not on GPUs."
+    steps, round_s = adaptive, d["comm_round_s"]
+    if on_cpu and c8 < d["comm_round_s"]:
+        steps, round_s = plan.row("acco-adaptive-int8"), c8
+    gas_fixed = 2 * math.ceil(round_s / i.t_micro_batch - 1e-9)
+    grow = steps.micro_batches_per_step / i.gas
     return {
         "mode": "acco",
         "accumulation": "adaptive",
         "gas": i.gas,
-        "reason": f"one round's communication ({1e3 * d['comm_round_s']:.1f} ms) is longer than half a "
-        f"step's compute ({1e3 * d['compute_step_s'] / 2:.1f} ms), so fixed ACCO at GAS {i.gas} waits "
-        f"({gain_fixed:.2f}x {base_name}). Adaptive ACCO keeps computing while it communicates: "
-        f"{adaptive.samples_per_s / base.samples_per_s:.2f}x the samples/s of {base_name}, "
-        f"with steps of about {adaptive.micro_batches_per_step:g} micro-batches per GPU instead of "
-        f"{i.gas} ({grow:.1f}x the batch: check the learning rate and schedule, which follow steps).",
-        "alternative": f"fixed ACCO with --gas {gas_fixed} (deterministic, the same samples/s, "
+        "reason": slow + f" Adaptive ACCO keeps computing while it communicates: "
+        f"{steps.samples_per_s / base.samples_per_s:.2f}x the samples/s of {base_name}, "
+        f"with steps of about {steps.micro_batches_per_step:g} micro-batches per GPU instead of "
+        f"{i.gas} ({grow:.1f}x the batch: check the learning rate and schedule, which follow steps)."
+        + packed,
+        "alternative": f"fixed ACCO with --gas {gas_fixed}"
+        + (" and the same compression" if steps is not adaptive else "")
+        + " (deterministic, the same samples/s, "
         f"{gas_fixed / i.gas:.1f}x the batch)",
+        "compression": dict(COMPRESSION_CONFIG) if steps is not adaptive else None,
     }

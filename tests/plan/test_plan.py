@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from acco_ds.plan import cli, memory_model
-from acco_ds.plan.model import CONTENDERS, PlanInputs, predict
+from acco_ds.plan.model import COMPRESSED_CONTENDERS, COMPRESSION_CONFIG, CONTENDERS, PlanInputs, predict
 from acco_ds.plan.recommend import recommend
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -47,6 +47,7 @@ def _exit2(capsys, argv):
         (BASE[:6], ["--t-micro-batch", "--tflops"]),
         (BASE[:6] + ["--tflops", "300"], ["--tflops needs the tokens"]),
         (BASE + ["--gpu-memory", "80 parsecs"], ["--gpu-memory", "unknown unit"]),
+        (BASE + ["--block-size", "0"], ["--block-size", ">= 1", "got 0"]),
         (
             ["--model-config", "/nonexistent/config.json"] + BASE[2:],
             ["--model-config", "/nonexistent/config.json", "no such file"],
@@ -122,6 +123,28 @@ def test_each_contender_against_a_hand_computed_case():
     # adaptive never waits: samples/s is the compute-only rate W x micro-batch / t_mb
     assert plan.row("acco-adaptive").samples_per_s == pytest.approx(8 * 2 / 0.05)
     assert plan.row("acco").samples_per_s == pytest.approx(8 * 2 * 4 / HAND["acco"])
+
+
+def test_compressed_rounds_against_a_hand_computed_case():
+    """COMM_BOUND with int8 rounds (blocks of 256): a collective moves 4e9 x (1 + 4/256) = 4.0625e9 bytes,
+    reduce-scatter 3/4 x 4.0625e9 / 100e9 + 1/2 x 4.0625e9 / 25e9 = 0.11171875 s; the quantize passes
+    stream 3 C + 1 + (W + C)/W + (2 D + 1)/W + 2 D + 1 = 13.875 bytes per parameter: 13.875 x 4e9 / 2e12
+    = 0.02775 s. Commit round 2 x 0.11171875 + 0.007 + 0.02775, peek 2 x 0.11171875 + 0.004 + 0.02775."""
+    plan = predict(COMM_BOUND)
+    d = plan.derived
+    assert d["int8_reduce_scatter_s"] == pytest.approx(0.11171875)
+    assert d["quantize_s"] == pytest.approx(0.02775)
+    commit, peek = 0.2234375 + 0.007 + 0.02775, 0.2234375 + 0.004 + 0.02775
+    assert d["comm_round_int8_s"] == pytest.approx(commit)
+    assert plan.row("sync-int8").step_s == pytest.approx(0.2 + commit)
+    assert plan.row("acco-int8").step_s == pytest.approx(peek + commit)
+    ad = plan.row("acco-adaptive-int8")  # rounds of ceil(0.2551875 / 0.05) = 6 and ceil(0.2581875 / 0.05) = 6
+    assert ad.micro_batches_per_step == 12 and ad.step_s == pytest.approx(0.6)
+    # one more full buffer in the comm dtype (the residual), nothing else
+    assert plan.row("acco-int8").memory_held_bytes_per_param == pytest.approx(
+        plan.row("acco").memory_held_bytes_per_param + 2
+    )
+    assert "CPU (gloo) ranks only" in plan.row("acco-int8").note
 
 
 def test_latency_terms_and_a_compute_bound_case():
@@ -202,9 +225,12 @@ def test_memory_is_bench_memorys_analytic_bytes_per_parameter():
         plan = predict(i)
         W = plan.derived["dp_world"]  # 8: nodes x GPUs / tp
         for row in plan.rows:
-            name = "acco" if row.contender == "acco-adaptive" else row.contender
+            name = row.contender.removesuffix("-int8")
+            name = "acco" if name == "acco-adaptive" else name
             frac = plan.derived["bucket_frac"] if name.startswith("zero") else None
             bufs = bench_mm.buffers(name, D, W, 0.05, C, bucket_frac=frac)
+            if row.contender.endswith("-int8"):  # the error-feedback residual: one full buffer, comm dtype
+                bufs.append(bench_mm.Buffer("residual", C, "held", "C"))
             assert row.memory_bytes_per_param == bench_mm.peak(bufs, cpu=False)
             assert row.memory_bytes == pytest.approx(bench_mm.peak(bufs, cpu=False) * 4e9)
         held = {r.contender: r.memory_held_bytes_per_param for r in plan.rows}
@@ -221,6 +247,8 @@ def test_memory_is_bench_memorys_analytic_bytes_per_parameter():
         for name, v in want.items():
             assert held[name] == pytest.approx(v), (pd, cd, name)
         assert held["acco-adaptive"] == held["acco"]
+        for name in ("sync", "acco", "acco-adaptive"):
+            assert held[name + "-int8"] == pytest.approx(held[name] + C)
     # the bench's ZeRO configs (one bucket of the model for zero1, a quarter for zero2) are the defaults
     assert bench_mm.buffers("zero1", 2, 2) == memory_model.buffers("zero1", 2, 2, bucket_frac=1.0)
     assert bench_mm.buffers("zero2", 2, 2) == memory_model.buffers("zero2", 2, 2, bucket_frac=0.25)
@@ -282,12 +310,32 @@ def test_recommendation_follows_the_rules():
     assert r["mode"].startswith("zero1") and "--gpu-memory" in r["reason"]
     r = _rec(gas=3)
     assert r["mode"].startswith("zero1") and "--gas 4" in r["reason"]
+    assert r["compression"] is None
+
+
+def test_recommendation_of_compression():
+    """Compression only where the round does not fit in half a step, and only on CPU ranks (what acco_ds
+    compresses so far); on GPUs the reason gives the figure and says why not."""
+    assert (
+        _rec(t_micro_batch=0.5, accelerator="cpu")["compression"] is None
+    )  # the round fits: nothing to gain
+    # the exact round (0.447 s) misses half a step of 0.6 s / 2, the int8 one (0.258 s) fits: fixed + int8
+    r = _rec(t_micro_batch=0.15, accelerator="cpu")
+    assert (r["mode"], r["accumulation"], r["compression"]) == ("acco", "fixed", COMPRESSION_CONFIG)
+    gpu = _rec(t_micro_batch=0.15)
+    assert (gpu["accumulation"], gpu["compression"]) == ("adaptive", None)
+    assert "CPU (gloo) ranks only" in gpu["reason"] and "258.2 ms" in gpu["reason"]
+    # neither fits: adaptive, whose steps shrink from 18 to 12 micro-batches with int8
+    r = _rec(accelerator="cpu")
+    assert (r["accumulation"], r["compression"]) == ("adaptive", COMPRESSION_CONFIG)
+    assert "about 12 micro-batches" in r["reason"]
+    assert cli.render(predict(COMM_BOUND), r).count('"compression": {"commit": "int8"') == 1
 
 
 def test_json_output(capsys, tmp_path):
     assert cli.main(BASE + ["--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
-    assert [r["contender"] for r in doc["rows"]] == list(CONTENDERS)
+    assert [r["contender"] for r in doc["rows"]] == list(CONTENDERS + COMPRESSED_CONTENDERS)
     assert doc["recommendation"]["mode"] and doc["derived"]["dp_world"] == 4
     out = tmp_path / "plan.json"
     assert cli.main(BASE + ["--json", str(out)]) == 0
