@@ -1,15 +1,17 @@
 """Build of acco_ds: the package is pure Python; the kernels in csrc/ are optional compiled modules.
 
 csrc/ is laid out by kernel: csrc/common (rules every kernel shares: the bf16 rounding, dtype codes, the CPU
-ISA choice, the ABI version), csrc/adamw, csrc/accumulate. The modules (``MODULES``), named for what they hold:
+ISA choice, the ABI version), csrc/adamw, csrc/accumulate, csrc/quantize. The modules (``MODULES``), named for
+what they hold:
 
 - ``acco_ds._adamw_cpu``: the CPU AdamW launcher and the CPU harness of the CUDA AdamW body; g++ (or $CXX),
   OpenMP, pybind11 only (no libtorch).
 - ``acco_ds._accumulate_cpu``: the CPU gradient accumulate / cast-copy launcher; the same toolchain.
+- ``acco_ds._quantize_cpu``: the CPU blockwise int8 quantize / dequantize launchers; the same toolchain.
 - ``acco_ds._adamw_cuda``: the CUDA AdamW launcher; nvcc for sm_80 and sm_90 (+ PTX for newer GPUs), cudart
   linked statically.
 
-Both are built with ninja when it is on PATH (otherwise the same commands run one by one). Environment:
+All are built with ninja when it is on PATH (otherwise the same commands run one by one). Environment:
 
 - ``ACCO_DS_BUILD_EXT``: unset/``auto`` builds what the compilers present allow and, if a build fails, warns
   and installs without that module (acco_ds then logs it and uses the torch reference); ``0`` builds nothing
@@ -54,6 +56,7 @@ MODULES = {
          ("adamw/cuda_body_harness.cpp", [])],
     ),
     "acco_ds._accumulate_cpu": ("cpu", [("accumulate/bindings.cpp", []), ("accumulate/accumulate_cpu.cpp", [])]),
+    "acco_ds._quantize_cpu": ("cpu", [("quantize/bindings.cpp", []), ("quantize/quantize_cpu.cpp", [])]),
     "acco_ds._adamw_cuda": ("cuda", [("adamw/adamw_cuda.cu", []), ("adamw/bindings.cpp", ["-DACCO_BIND_CUDA"])]),
 }  # fmt: skip
 # No -march=native (the modules must run on any x86-64: csrc/common/cpu.h picks AVX-512/AVX2 at load), no

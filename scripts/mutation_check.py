@@ -292,8 +292,8 @@ MUTANTS = [
         "M30",
         "compressed all-gather: rank 0 applies its own unquantized difference (the replicas diverge)",
         "acco_ds/core/compressed_comm.py",
-        "    chunks[me].copy_(own_base.float() + dequantize(q, scales, block_size))\n",
-        "    if me != 0:\n        chunks[me].copy_(own_base.float() + dequantize(q, scales, block_size))\n",
+        "    chunks[me].copy_(_plus_dequantized(own_base, q, scales, block_size))\n",
+        "    if me != 0:\n        chunks[me].copy_(_plus_dequantized(own_base, q, scales, block_size))\n",
         ("tests/core/test_trajectories.py::test_compressed_replicas_are_bitwise_identical",),
     ),
 ]

@@ -14,7 +14,8 @@ as an uncompressed one (average, norm, clipping, AdamW, all-gather).
 Threads and ownership: called on the communication side (the executor's worker thread) with the job's
 gradient buffer and the pipeline's residual of that group (full size, the buffer's dtype), which only
 jobs touch while training runs (the compute side reads and writes it only when drained: snapshot,
-restart). CPU tensors (gloo); the quantizer is pure torch (fused kernels are not built yet).
+restart). CPU tensors (gloo); the quantizer is ``acco_ds.ops.quantize`` (its C++ kernel where built, else
+the torch reference: the same bits).
 
 :func:`compressed_all_gather_inplace` replaces the parameter all-gather when ``all_gather`` is compressed:
 rather than its new parameters, each rank sends the int8 blocks of their difference to what every replica
@@ -36,7 +37,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from acco_ds.ops.quantize import dequantize, num_blocks, quantize, quantize_with_residual
+from acco_ds.ops.quantize import dequantize, dequantize_add, num_blocks, quantize, quantize_with_residual
 
 
 @dataclass
@@ -108,8 +109,17 @@ def compressed_reduce_scatter_inplace(
             ]
             for req in reqs:
                 req.wait()
-            total += dequantize(got_q, got_s, block_size)
+            dequantize_add(total, got_q, got_s, block_size)
     chunks[me].copy_(total)
+
+
+def _plus_dequantized(
+    base: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, block_size: int
+) -> torch.Tensor:
+    """A new fp32 tensor: ``base + dequantize(q, scales)`` (``base`` is read, never written)."""
+    out = base.to(torch.float32, copy=True)
+    dequantize_add(out, q, scales, block_size)
+    return out
 
 
 def compressed_all_gather_inplace(
@@ -132,7 +142,7 @@ def compressed_all_gather_inplace(
     chunks, bases = target.view(world, -1), base.view(world, -1)
     shard = chunks.shape[1]
     q, scales = quantize(chunks[me].float() - own_base.float(), block_size)
-    chunks[me].copy_(own_base.float() + dequantize(q, scales, block_size))
+    chunks[me].copy_(_plus_dequantized(own_base, q, scales, block_size))
     if world == 1:
         return
     got_q = torch.empty((world, shard), dtype=torch.int8, device=target.device)
@@ -146,4 +156,4 @@ def compressed_all_gather_inplace(
         req.wait()
     for c in range(world):
         if c != me:
-            chunks[c].copy_(bases[c].float() + dequantize(got_q[c], got_s[c], block_size))
+            chunks[c].copy_(_plus_dequantized(bases[c], got_q[c], got_s[c], block_size))

@@ -6,6 +6,8 @@
   kernels, and ``KERNEL_FIELDS``, the scalars the kernels read.
 - :mod:`acco_ds.ops.accumulate`: accumulate / cast gradients into the flat communication buffer (Triton on
   CUDA, the CPU extension on CPU) with pure-torch ``*_ref`` references.
+- :mod:`acco_ds.ops.quantize`: blockwise int8 quantization with an error-feedback residual (compressed rounds),
+  the CPU extension or the pure-torch ``*_ref`` reference, the same bits.
 - :mod:`acco_ds.ops.triton_kernels`: the Triton kernels (imported at the first Triton launch only).
 - :mod:`acco_ds.ops._build`: loading of the compiled modules (csrc/).
 

@@ -1,11 +1,13 @@
 """Locate and load the compiled kernels, keeping the original import error for the log.
 
-Three pybind11 modules, built by ``setup.py`` (in place, editable or regular install) next to this package from
-csrc/ (laid out by kernel: csrc/common, csrc/adamw, csrc/accumulate), each named for what it holds:
+Four pybind11 modules, built by ``setup.py`` (in place, editable or regular install) next to this package from
+csrc/ (laid out by kernel: csrc/common, csrc/adamw, csrc/accumulate, csrc/quantize), each named for what it
+holds:
 
 - ``acco_ds._adamw_cpu`` (kind ``"adamw_cpu"``): the CPU AdamW launcher (OpenMP) and the CPU harness of the CUDA
   AdamW kernel body.
 - ``acco_ds._accumulate_cpu`` (kind ``"accumulate_cpu"``): the CPU gradient accumulate / cast-copy launcher.
+- ``acco_ds._quantize_cpu`` (kind ``"quantize_cpu"``): the CPU blockwise int8 quantize / dequantize launchers.
 - ``acco_ds._adamw_cuda`` (kind ``"adamw_cuda"``): the CUDA AdamW launcher (cudart linked statically).
 
 The kinds ``"cpu"`` and ``"cuda"`` name the AdamW modules (``"adamw_cpu"``, ``"adamw_cuda"``): scripts and
@@ -31,6 +33,7 @@ from typing import Dict, Tuple
 _MODULES = {
     "adamw_cpu": "acco_ds._adamw_cpu",
     "accumulate_cpu": "acco_ds._accumulate_cpu",
+    "quantize_cpu": "acco_ds._quantize_cpu",
     "adamw_cuda": "acco_ds._adamw_cuda",
 }
 _ALIASES = {"cpu": "adamw_cpu", "cuda": "adamw_cuda"}

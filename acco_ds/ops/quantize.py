@@ -11,30 +11,56 @@ so that ``|x_i - deq_i| <= scale_b / 2`` per element (up to the fp32 rounding of
 units in 2**-24 of a step). An all-zero block has ``scale_b = 0`` and ``q = 0``. Rounding the scale up
 (rather than to nearest) matters only where absmax / 127 is not an fp32 value (tiny, subnormal
 magnitudes): a scale rounded down could make ``|x_i| / scale_b`` exceed 127 and the clamp break the bound.
+Precisely: ``absmax_b / 127`` is divided in double, rounded to the nearest fp32, and moved one fp32 step
+up where that rounding went below the double quotient.
 
 Non-finite input never hides inside a scale: a block holding an inf or a NaN gets ``scale_b = NaN``
 (its q are 0), so whatever dequantizes it is NaN there and the global gradient norm of the round is
 non-finite: the round job's skip path (``acco_ds.core.round_job``) skips the step on every rank.
 
 :func:`quantize_with_residual` is the error-feedback form: it quantizes ``v = x + residual`` (in fp32)
-and writes what quantization lost, ``v - deq``, into ``residual`` (in place, in residual's dtype); a
-block whose ``v`` is non-finite gets its residual zeroed (that round is skipped; a NaN kept there would
-poison every later round).
+and writes what quantization lost, ``v - deq``, into ``residual`` (in place, in residual's dtype, rounded
+to nearest even); a block whose ``v`` is non-finite gets its residual zeroed (that round is skipped; a NaN
+kept there would poison every later round). :func:`dequantize_add` adds ``deq`` into an fp32 accumulator
+(``out + deq``, each product and each sum rounded to fp32): the owner of a chunk sums every rank's
+dequantized chunk that way.
 
-Implementation: pure torch (any device; no host read of device values). Fused CPU C++ / Triton / CUDA
-kernels are NOT built yet: these functions define the semantics such kernels must reproduce bit for bit.
+Backends (``backend=`` of every public function; the ``*_ref`` functions are the torch reference):
+
+- ``"cpp"``: the CPU extension ``acco_ds._quantize_cpu`` (csrc/quantize; OpenMP over blocks,
+  ``torch.get_num_threads()`` threads; the call returns when done), for CPU tensors that are contiguous,
+  aligned to their element size and do not overlap one another. It reproduces the reference bit for bit
+  (q, scales, residual, dequantized values, NaN bits included): tests/ops/test_quantize_kernel.py.
+- ``"ref"``: pure torch (any device; no host read of device values).
+- ``None``/``"auto"``: ``"cpp"`` where its conditions hold and the extension loads, else ``"ref"`` (the
+  choice is logged once per device type and backend). ``"cpp"`` named explicitly raises instead of
+  falling back.
+
+Fused Triton / CUDA kernels are NOT built yet: CUDA tensors take the torch reference, whose functions
+define the semantics such kernels must reproduce bit for bit. Outputs are new tensors on x's (q's)
+device; ``residual`` and ``out`` are the caller's, written in place.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Tuple
 
 import torch
+
+from acco_ds.ops import _build
+
+logger = logging.getLogger(__name__)
 
 QMAX = 127
 """Largest |q|: the int8 range is symmetric, [-127, 127] (-128 is never produced)."""
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
+
+_DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1}
+_NO_RESIDUAL = -1
+_BACKENDS = (None, "auto", "ref", "cpp")
+_logged: set = set()
 
 
 def num_blocks(numel: int, block_size: int) -> int:
@@ -42,15 +68,48 @@ def num_blocks(numel: int, block_size: int) -> int:
     return -(-numel // block_size)
 
 
-def _check(x: torch.Tensor, block_size: int, name: str = "x") -> None:
+def _check_block_size(block_size: int) -> None:
     if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
         raise ValueError(f"block_size must be an integer >= 1, got {block_size!r}")
+
+
+def _check(x: torch.Tensor, block_size: int, name: str = "x") -> None:
+    _check_block_size(block_size)
     if x.dim() != 1:
         raise ValueError(f"{name} must be a flat (1-D) tensor, got shape {tuple(x.shape)}")
     if x.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"{name} must be float32 or bfloat16, got {x.dtype}")
 
 
+def _check_residual(x: torch.Tensor, residual: torch.Tensor, block_size: int) -> None:
+    _check(x, block_size)
+    _check(residual, block_size, "residual")
+    if residual.numel() != x.numel() or residual.device != x.device:
+        raise ValueError(
+            f"residual must match x: {residual.numel()} elements on {residual.device} vs {x.numel()} on {x.device}"
+        )
+
+
+def _check_q(q: torch.Tensor, scales: torch.Tensor, block_size: int) -> None:
+    _check_block_size(block_size)
+    if q.dtype != torch.int8 or q.dim() != 1:
+        raise TypeError(f"q must be a flat int8 tensor, got {q.dtype} of shape {tuple(q.shape)}")
+    if scales.dtype != torch.float32 or scales.numel() != num_blocks(q.numel(), block_size):
+        raise ValueError(
+            f"scales must be fp32 with {num_blocks(q.numel(), block_size)} elements for {q.numel()} values in "
+            f"blocks of {block_size}, got {scales.dtype} with {scales.numel()}"
+        )
+
+
+def _check_out(out: torch.Tensor, q: torch.Tensor) -> None:
+    if out.dtype != torch.float32 or out.dim() != 1 or out.numel() != q.numel() or out.device != q.device:
+        raise ValueError(
+            f"out must be a flat fp32 tensor of q's length and device ({q.numel()} on {q.device}), got "
+            f"{out.dtype} of shape {tuple(out.shape)} on {out.device}"
+        )
+
+
+# -- the torch reference ----------------------------------------------------------------------------------
 def _blocks(v: torch.Tensor, block_size: int) -> torch.Tensor:
     """fp32 ``v`` padded with zeros to whole blocks, as [blocks, block_size] (a view when no padding)."""
     n = v.numel()
@@ -85,43 +144,169 @@ def _quantize_fp32(v: torch.Tensor, block_size: int) -> Tuple[torch.Tensor, torc
     return q.to(torch.int8).reshape(-1)[:n], scale
 
 
-def quantize(x: torch.Tensor, block_size: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Quantize the flat fp32/bf16 tensor ``x``: returns ``(q, scales)``, q int8 of x's length, scales
-    fp32 of ``num_blocks(len(x), block_size)``, both new tensors on x's device (see the module docstring)."""
+def quantize_ref(x: torch.Tensor, block_size: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Pure-torch reference of :func:`quantize` (validates the same way)."""
     _check(x, block_size)
     return _quantize_fp32(x.float(), block_size)
 
 
-def dequantize(q: torch.Tensor, scales: torch.Tensor, block_size: int) -> torch.Tensor:
-    """fp32 ``q * scale`` of its block, per element (a new tensor of q's length)."""
-    if q.dtype != torch.int8 or q.dim() != 1:
-        raise TypeError(f"q must be a flat int8 tensor, got {q.dtype} of shape {tuple(q.shape)}")
-    if scales.dtype != torch.float32 or scales.numel() != num_blocks(q.numel(), block_size):
-        raise ValueError(
-            f"scales must be fp32 with {num_blocks(q.numel(), block_size)} elements for {q.numel()} values in "
-            f"blocks of {block_size}, got {scales.dtype} with {scales.numel()}"
-        )
+def dequantize_ref(q: torch.Tensor, scales: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Pure-torch reference of :func:`dequantize` (validates the same way)."""
+    _check_q(q, scales, block_size)
     n = q.numel()
     blocks = _blocks(q.float(), block_size)
     return (blocks * scales.unsqueeze(1)).reshape(-1)[:n]
 
 
-def quantize_with_residual(
+def dequantize_add_ref(out: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, block_size: int) -> None:
+    """Pure-torch reference of :func:`dequantize_add` (validates the same way)."""
+    _check_q(q, scales, block_size)
+    _check_out(out, q)
+    out.add_(dequantize_ref(q, scales, block_size))
+
+
+def quantize_with_residual_ref(
     x: torch.Tensor, residual: torch.Tensor, block_size: int
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Pure-torch reference of :func:`quantize_with_residual` (validates the same way; ``residual`` may even
+    alias x here, since v is computed whole before residual is written)."""
+    _check_residual(x, residual, block_size)
+    v = x.float() + residual.float()
+    q, scale = _quantize_fp32(v, block_size)
+    lost = v - dequantize_ref(q, scale, block_size)
+    finite = torch.isfinite(scale).repeat_interleave(block_size)[: x.numel()]
+    residual.copy_(torch.where(finite, lost, torch.zeros_like(lost)))
+    return q, scale
+
+
+# -- dispatch ----------------------------------------------------------------------------------------------
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the memory of the contiguous tensors ``a`` and ``b`` overlaps."""
+    if a.numel() == 0 or b.numel() == 0:
+        return False
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
+
+
+def _cpp_obstacle(tensors: dict) -> str:
+    """Why the CPU extension cannot run on ``tensors`` ({argument name: tensor}); "" when it can."""
+    for name, t in tensors.items():
+        if t.device.type != "cpu":
+            return f"{name} is on {t.device}, the CPU extension takes CPU tensors only"
+        if not t.is_contiguous():
+            return f"{name} is not contiguous (stride {t.stride()})"
+        if t.numel() and t.data_ptr() % t.element_size():
+            return f"{name} is not aligned to its element size"
+    names = list(tensors)
+    for i, a in enumerate(names):
+        for b in names[i + 1 :]:
+            if _overlap(tensors[a], tensors[b]):
+                return f"{a} and {b} overlap in memory"
+    return _build.why_missing("quantize_cpu")
+
+
+def _use_cpp(fn: str, backend: str | None, **tensors: torch.Tensor) -> bool:
+    """True to run ``fn`` on the CPU extension, False for the torch reference (see the module docstring)."""
+    if backend not in _BACKENDS:
+        raise ValueError(f"{fn}: backend must be one of {_BACKENDS}, got {backend!r}.")
+    if backend == "ref":
+        return False
+    why = _cpp_obstacle(tensors)
+    if backend == "cpp":
+        if not _build.available("quantize_cpu"):
+            raise RuntimeError(f"{fn}: backend='cpp' requested but {_build.why_missing('quantize_cpu')}")
+        if why:
+            raise ValueError(f"{fn}: backend='cpp' cannot run: {why}.")
+        return True
+    device = next(iter(tensors.values())).device.type
+    chosen = "torch reference" if why else "CPU extension"
+    if (device, chosen) not in _logged:
+        _logged.add((device, chosen))
+        missing = device == "cpu" and not _build.available("quantize_cpu")
+        (logger.warning if missing else logger.info)(
+            "acco_ds quantize on %s: using the %s%s", device, chosen, f" ({why})" if why else ""
+        )
+    return not why
+
+
+def _quantize_cpp(x: torch.Tensor, residual: torch.Tensor | None, block_size: int):
+    """(q, scales) from the CPU extension; ``residual`` (or None) updated in place."""
+    q = torch.empty(x.numel(), dtype=torch.int8)
+    scales = torch.empty(num_blocks(x.numel(), block_size), dtype=torch.float32)
+    if x.numel():
+        _build.load("quantize_cpu").quantize_cpu(
+            x.data_ptr(),
+            _DTYPE_CODE[x.dtype],
+            0 if residual is None else residual.data_ptr(),
+            _NO_RESIDUAL if residual is None else _DTYPE_CODE[residual.dtype],
+            x.numel(),
+            block_size,
+            q.data_ptr(),
+            scales.data_ptr(),
+            torch.get_num_threads(),
+        )
+    return q, scales
+
+
+def _dequantize_cpp(out: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, block_size: int, add: bool):
+    """``out (+)= q * scale`` by the CPU extension (``out`` allocated or owned by the caller)."""
+    if q.numel():
+        _build.load("quantize_cpu").dequantize_cpu(
+            q.data_ptr(),
+            scales.data_ptr(),
+            q.numel(),
+            block_size,
+            out.data_ptr(),
+            add,
+            torch.get_num_threads(),
+        )
+
+
+# -- the public functions ----------------------------------------------------------------------------------
+def quantize(
+    x: torch.Tensor, block_size: int, *, backend: str | None = None
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Quantize the flat fp32/bf16 tensor ``x``: returns ``(q, scales)``, q int8 of x's length, scales
+    fp32 of ``num_blocks(len(x), block_size)``, both new tensors on x's device (see the module docstring)."""
+    _check(x, block_size)
+    if not _use_cpp("quantize", backend, x=x):
+        return quantize_ref(x, block_size)
+    return _quantize_cpp(x, None, block_size)
+
+
+def dequantize(
+    q: torch.Tensor, scales: torch.Tensor, block_size: int, *, backend: str | None = None
+) -> torch.Tensor:
+    """fp32 ``q * scale`` of its block, per element (a new tensor of q's length)."""
+    _check_q(q, scales, block_size)
+    if not _use_cpp("dequantize", backend, q=q, scales=scales):
+        return dequantize_ref(q, scales, block_size)
+    out = torch.empty(q.numel(), dtype=torch.float32)
+    _dequantize_cpp(out, q, scales, block_size, add=False)
+    return out
+
+
+def dequantize_add(
+    out: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, block_size: int, *, backend: str | None = None
+) -> None:
+    """``out += dequantize(q, scales, block_size)`` in place, in one pass: ``out`` flat fp32 of q's length on
+    q's device, not overlapping q or scales (each product and each sum rounded to fp32)."""
+    _check_q(q, scales, block_size)
+    _check_out(out, q)
+    if not _use_cpp("dequantize_add", backend, out=out, q=q, scales=scales):
+        dequantize_add_ref(out, q, scales, block_size)
+        return
+    _dequantize_cpp(out, q, scales, block_size, add=True)
+
+
+def quantize_with_residual(
+    x: torch.Tensor, residual: torch.Tensor, block_size: int, *, backend: str | None = None
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Error feedback: quantize ``v = x + residual`` (fp32 arithmetic) and set ``residual`` to ``v -
     dequantize(q, scales)`` in place (rounded to residual's dtype); a block with a non-finite ``v`` gets
     scale NaN and its residual zeroed. ``residual``: same length and device as x, fp32 or bf16, not
-    aliasing x. Returns ``(q, scales)`` as :func:`quantize`."""
-    _check(x, block_size)
-    _check(residual, block_size, "residual")
-    if residual.numel() != x.numel() or residual.device != x.device:
-        raise ValueError(
-            f"residual must match x: {residual.numel()} elements on {residual.device} vs {x.numel()} on {x.device}"
-        )
-    v = x.float() + residual.float()
-    q, scale = _quantize_fp32(v, block_size)
-    lost = v - dequantize(q, scale, block_size)
-    finite = torch.isfinite(scale).repeat_interleave(block_size)[: x.numel()]
-    residual.copy_(torch.where(finite, lost, torch.zeros_like(lost)))
-    return q, scale
+    aliasing x (an overlap takes the torch reference). Returns ``(q, scales)`` as :func:`quantize`."""
+    _check_residual(x, residual, block_size)
+    if not _use_cpp("quantize_with_residual", backend, x=x, residual=residual):
+        return quantize_with_residual_ref(x, residual, block_size)
+    return _quantize_cpp(x, residual, block_size)

@@ -1,11 +1,15 @@
-"""Kernel microbenchmarks (BENCHMARKS.md section 1): fused AdamW commit / peek and gradient accumulation.
+"""Kernel microbenchmarks (BENCHMARKS.md section 1): fused AdamW commit / peek, gradient accumulation and the
+blockwise int8 quantizer.
 
 Per size: median time, GB/s from the bytes a kernel must read + write (commit 28 B/param, peek 16 B/param,
-accumulate grad + buffer read + buffer write), the fraction of the streaming bandwidth measured in the same run
-(the best of four large-buffer probes on the same thread count, bytes counted the same way: in-place update,
-in-place axpy, copy, triad; see benchmarks.kernels.table.STREAM), and the speed ratio to anchors measured in the same run:
+accumulate grad + buffer read + buffer write, quantize: benchmarks.kernels.table.QUANT_BYTES), the fraction
+of the streaming bandwidth measured in the same run (the best of four large-buffer probes on the same thread
+count, bytes counted the same way: in-place update, in-place axpy, copy, triad; see
+benchmarks.kernels.table.STREAM), and the speed ratio to anchors measured in the same run:
 CPU: torch.optim.AdamW(fused=True), AdamW(foreach=True), DeepSpeedCPUAdam; GPU: torch AdamW fused (+ the bf16
-copy it needs), DeepSpeed FusedAdam, and the clone/step/restore way of computing ACCO's estimate.
+copy it needs), DeepSpeed FusedAdam, and the clone/step/restore way of computing ACCO's estimate. The CPU
+quantize kernels (quantize_with_residual with fp32 and bf16 x and residual, dequantize_add into fp32; blocks of
+256) are measured against their torch reference (CPU only: there is no GPU quantize kernel yet).
 
     python -m benchmarks.kernels                      # CPU, 1 thread, 1M/10M/100M/10_000_019
     python -m benchmarks.kernels --threads 2 --quick
@@ -29,7 +33,7 @@ from pathlib import Path
 
 from benchmarks.harness.cli import parser
 from benchmarks.harness.records import results_dir
-from benchmarks.kernels.table import LABEL, STREAM, render
+from benchmarks.kernels.table import LABEL, QUANT_BLOCK, STREAM, render
 
 DEFAULT_SIZES = [1_000_000, 10_000_000, 100_000_000, 10_000_019]
 QUICK_SIZES = [1_000_000, 10_000_019]
@@ -180,6 +184,57 @@ def acco_accumulate(buf_dtype):
         return lambda: accumulate_grads(buf, [grad], [0], 0.5)
 
     return factory
+
+
+def quant_residual(dtype, backend: str):
+    """quantize_with_residual of ``dtype`` x into a residual of ``dtype`` (the communication buffer's dtype),
+    blocks of QUANT_BLOCK; the residual evolves from call to call, as over rounds."""
+
+    def factory(n, device):
+        import torch
+
+        from acco_ds.ops.quantize import quantize_with_residual
+
+        x = torch.randn(n, device=device).to(dtype)
+        residual = (torch.randn(n, device=device) * 1e-3).to(dtype)
+        return lambda: quantize_with_residual(x, residual, QUANT_BLOCK, backend=backend)
+
+    return factory
+
+
+def quant_dequantize_add(backend: str):
+    """dequantize_add of one rank's int8 chunk into the owner's fp32 sum, blocks of QUANT_BLOCK."""
+
+    def factory(n, device):
+        import torch
+
+        from acco_ds.ops.quantize import dequantize_add, quantize
+
+        q, scales = quantize(torch.randn(n, device=device), QUANT_BLOCK)
+        total = torch.zeros(n, device=device)
+        return lambda: dequantize_add(total, q, scales, QUANT_BLOCK, backend=backend)
+
+    return factory
+
+
+def quant_contenders(device: str, notes: list) -> dict:
+    """The quantize rows (compiled and torch reference), or none with a note saying why."""
+    import torch
+
+    from acco_ds.ops import _build
+
+    if device != "cpu":
+        notes.append("quantize rows: CPU only (no GPU quantize kernel is built yet)")
+        return {}
+    if not _build.available("quantize_cpu"):
+        notes.append(f"quantize rows skipped: {_build.why_missing('quantize_cpu')}")
+        return {}
+    out = {}
+    for backend, suffix in (("cpp", ""), ("ref", "_ref")):
+        out[f"qres_fp32{suffix}"] = quant_residual(torch.float32, backend)
+        out[f"qres_bf16{suffix}"] = quant_residual(torch.bfloat16, backend)
+        out[f"deq_add{suffix}"] = quant_dequantize_add(backend)
+    return out
 
 
 def _torch_opt(n, device, **kw):
@@ -335,6 +390,7 @@ def run(args) -> dict:
             contenders[key] = deepspeed_adam
         except Exception as e:  # noqa: BLE001 - an anchor that cannot run is reported, not fatal
             notes.append(f"{LABEL[key]} unavailable: {type(e).__name__}: {str(e)[:300]}")
+    contenders.update(quant_contenders(args.device, notes))
     results = []
     for n in sizes:
         big = n >= 50_000_000 and args.device == "cpu"

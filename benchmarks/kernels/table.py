@@ -1,6 +1,7 @@
 """Markdown of the kernel benchmark's raw results. ``render(res)`` is a pure function of the raw JSON
 that ``python -m benchmarks.kernels`` writes beside the table (no torch, no clock, no machine query),
-so ``python -m benchmarks.kernels --from-json`` re-renders the same table anywhere."""
+so ``python -m benchmarks.kernels --from-json`` re-renders the same table anywhere (results written before
+the quantize rows existed render as they did)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,20 @@ BYTES = {
     "read_floor": 14,
     "anchor": 28,
 }
+QUANT_BLOCK = 256
+"""Block size of the quantize rows (compression.block_size's default); one fp32 scale per block."""
+_SCALE = 4 / QUANT_BLOCK
+# quantize with residual: read x, read + write the residual, write q and the scales; dequantize-add: read q and
+# the scales, read + write the fp32 accumulator. The torch reference is credited with the same bytes.
+QUANT_BYTES = {
+    "qres_fp32": 4 + 4 + 4 + 1 + _SCALE,
+    "qres_bf16": 2 + 2 + 2 + 1 + _SCALE,
+    "deq_add": 1 + _SCALE + 4 + 4,
+}
+QUANT_REF = {key: f"{key}_ref" for key in QUANT_BYTES}
+"""The torch reference row of each compiled quantize row (its speed-up is measured against it)."""
+BYTES.update(QUANT_BYTES)
+BYTES.update({ref: QUANT_BYTES[key] for key, ref in QUANT_REF.items()})
 LABEL = {
     "commit": "acco commit (bf16 g in, bf16 p out)",
     "peek": "acco peek (bf16 g in, bf16 p out)",
@@ -28,8 +43,15 @@ LABEL = {
     "deepspeed": "DeepSpeedCPUAdam (fp32)",
     "deepspeed_gpu": "DeepSpeed FusedAdam (fp32)",
     "clone_step_restore": "peek by clone/step/restore",
+    "qres_fp32": "acco quantize_with_residual fp32 x, fp32 residual",
+    "qres_bf16": "acco quantize_with_residual bf16 x, bf16 residual",
+    "deq_add": "acco dequantize_add into fp32",
+    "qres_fp32_ref": "torch reference quantize_with_residual fp32",
+    "qres_bf16_ref": "torch reference quantize_with_residual bf16",
+    "deq_add_ref": "torch reference dequantize_add",
 }
 OWN = ("commit", "peek", "acc_bf16_fp32", "acc_bf16_bf16", "read_floor")
+QUANT_ROWS = ("qres_fp32", "qres_bf16", "deq_add", "qres_fp32_ref", "qres_bf16_ref", "deq_add_ref")
 
 # stream probes: (description, bytes per fp32 element counted: reads + writes of the buffers)
 STREAM = {
@@ -61,7 +83,23 @@ def rows(res: dict) -> list:
             out.append((n, LABEL[key], sec, BYTES[key] * n / sec / 1e9, vs))
         for key, sec in anchors.items():
             out.append((n, LABEL[key], sec, BYTES["anchor"] * n / sec / 1e9, {}))
+        out += _quant_rows(n, t)
     return out
+
+
+def _quant_rows(n: int, t: dict) -> list:
+    """The quantize rows of one size (none in results measured without them); a compiled row's ratio is the
+    torch reference's time over its own."""
+    out = []
+    for key in (k for k in QUANT_ROWS if k in t):
+        ref = QUANT_REF.get(key)
+        vs = {ref: t[ref] / t[key]} if ref in t else {}
+        out.append((n, LABEL[key], t[key], BYTES[key] * n / t[key] / 1e9, vs))
+    return out
+
+
+def _has_quant(res: dict) -> bool:
+    return any(k in entry["median_s"] for entry in res["results"] for k in QUANT_ROWS)
 
 
 def _stream_line(res: dict) -> str:
@@ -84,6 +122,20 @@ def _stream_line(res: dict) -> str:
         "its bytes faster than the best probe (possible on one core, likely because a core's bandwidth grows "
         "with the misses it keeps in flight, and a commit walks 8 streams where a probe walks 2 or 3)."
     )
+
+
+def _quant_bytes_line(res: dict) -> list:
+    """The bullet on the quantize rows' bytes, only where the results hold them."""
+    if not _has_quant(res):
+        return []
+    return [
+        f"- Quantize rows (blocks of {QUANT_BLOCK}, one fp32 scale per block: {_SCALE:g} B/param): "
+        f"quantize_with_residual fp32 {QUANT_BYTES['qres_fp32']:g} B/param (read x and the residual, write the "
+        f"residual, q and the scales), bf16 {QUANT_BYTES['qres_bf16']:g}; dequantize_add "
+        f"{QUANT_BYTES['deq_add']:g} (read q and the scales, read + write the fp32 sum). The torch reference "
+        "(acco_ds.ops.quantize's *_ref functions, the same bits) is credited with the same bytes; a compiled row's "
+        "ratio is the reference's time over its own. q and the scales are new tensors every call (as in a round)."
+    ]
 
 
 def render(res: dict) -> str:
@@ -112,6 +164,7 @@ def render(res: dict) -> str:
         "(read the same, write bf16 out), accumulate grad + buffer read + buffer write; anchors are credited with "
         "the 28 B of an fp32 AdamW step (what the work needs, not what they move: the bf16 copy and clone/restore "
         "traffic is not counted).",
+        *_quant_bytes_line(res),
         f"- Clock: {res['clock']}. Median of {res['reps']} timed calls after 2 warm-up calls; below 50M parameters "
         "(and on the GPU) the contenders are interleaved call by call (so load from other processes falls on all "
         "alike, and no contender keeps its data in the caches from one call to the next); at 50M and above, one "

@@ -64,7 +64,7 @@ def test_build_ext_inplace_without_the_modules(tmp_path, cuda):
     assert "installing without it" in out  # the CPU module's build failed (CXX=/bin/false) and was skipped
     assert not (build_lib / "acco_ds" / stale_name).exists(), "a stale build output would be installed"
     assert (tree / "acco_ds" / stale_name).read_bytes() == b"an earlier in-place build"
-    for cpu_module in ("_adamw_cpu", "_accumulate_cpu"):
+    for cpu_module in ("_adamw_cpu", "_accumulate_cpu", "_quantize_cpu"):
         assert not list((tree / "acco_ds").glob(f"{cpu_module}*{EXT_SUFFIX}"))
 
 

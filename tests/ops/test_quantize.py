@@ -1,6 +1,8 @@
 """acco_ds.ops.quantize against an fp64 reference written here: per-block scales, the error bound
 |x - deq| <= scale / 2, round half to even, odd sizes (short last block), all-zero blocks, huge and tiny
-magnitudes, bf16 and fp32 inputs, non-finite values, and the error-feedback residual."""
+magnitudes, bf16 and fp32 inputs, non-finite values, and the error-feedback residual. Every test runs on
+the torch reference and, when it is built, on the CPU extension (tests/ops/test_quantize_kernel.py
+compares the two bit for bit)."""
 
 from __future__ import annotations
 
@@ -9,9 +11,32 @@ import math
 import pytest
 import torch
 
-from acco_ds.ops.quantize import QMAX, dequantize, num_blocks, quantize, quantize_with_residual
+from acco_ds.ops import _build
+from acco_ds.ops import quantize as Q
+from acco_ds.ops.quantize import QMAX, num_blocks
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+BACKENDS = ["ref"] + (["cpp"] if _build.available("quantize_cpu") else [])
+_BACKEND = {"name": "ref"}
+
+
+@pytest.fixture(autouse=True, params=BACKENDS)
+def backend(request):
+    """Every test once per backend: the functions below call it."""
+    _BACKEND["name"] = request.param
+    return request.param
+
+
+def quantize(x, block_size):
+    return Q.quantize(x, block_size, backend=_BACKEND["name"])
+
+
+def dequantize(q, scales, block_size):
+    return Q.dequantize(q, scales, block_size, backend=_BACKEND["name"])
+
+
+def quantize_with_residual(x, residual, block_size):
+    return Q.quantize_with_residual(x, residual, block_size, backend=_BACKEND["name"])
 
 
 def ref_blocks(x: torch.Tensor, block_size: int):

@@ -1,0 +1,53 @@
+// pybind11 bindings of the CPU blockwise int8 quantize / dequantize launchers (no libtorch): module
+// acco_ds._quantize_cpu.
+//
+// Raw addresses (tensor.data_ptr()) and sizes in; the Python front (acco_ds/ops/quantize.py) has already
+// checked dtypes, device, contiguity, sizes, alignment and that the buffers do not overlap, and allocated the
+// outputs. Every entry point releases the GIL. Dtype codes: csrc/common/dtype.h (-1: no residual).
+#include <pybind11/pybind11.h>
+
+#include <stdexcept>
+#include <string>
+
+#include "common/bindings.h"
+#include "common/cpu.h"
+#include "quantize/quantize_cpu.h"
+
+namespace py = pybind11;
+
+namespace {
+
+void check_sizes(const char* fn, int64_t n, int64_t block_size) {
+  if (n < 0 || block_size < 1)
+    throw std::invalid_argument(std::string(fn) + ": need n >= 0 and block_size >= 1, got n = " +
+                                std::to_string(n) + ", block_size = " + std::to_string(block_size));
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_quantize_cpu, mod) {
+  mod.doc() = "acco_ds CPU blockwise int8 quantization (OpenMP; no libtorch). Call it through "
+              "acco_ds.ops.quantize.";
+  mod.def(
+      "quantize_cpu",
+      [](uintptr_t x, int x_dtype, uintptr_t residual, int residual_dtype, int64_t n, int64_t block_size,
+         uintptr_t q, uintptr_t scales, int num_threads) {
+        acco::check_dtype("x dtype", x_dtype, false);
+        acco::check_dtype("residual dtype", residual_dtype, true);
+        check_sizes("quantize_cpu", n, block_size);
+        acco::quantize_cpu(x, x_dtype, residual, residual_dtype, n, block_size, q, scales, num_threads);
+      },
+      "q (int8, n), scales (fp32, one per block) of v = x (+ residual, which becomes v - q * scale).",
+      py::call_guard<py::gil_scoped_release>());
+  mod.def(
+      "dequantize_cpu",
+      [](uintptr_t q, uintptr_t scales, int64_t n, int64_t block_size, uintptr_t out, bool accumulate,
+         int num_threads) {
+        check_sizes("dequantize_cpu", n, block_size);
+        acco::dequantize_cpu(q, scales, n, block_size, out, accumulate, num_threads);
+      },
+      "out (fp32, n) = q * scale of its block, or out += q * scale when accumulate.",
+      py::call_guard<py::gil_scoped_release>());
+  mod.attr("ABI_VERSION") = acco::kAbiVersion;
+  mod.attr("ISA") = acco::isa_name();
+}

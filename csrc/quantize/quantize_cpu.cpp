@@ -1,0 +1,206 @@
+// CPU launchers of the blockwise int8 quantization (acco_ds.ops.quantize's "cpp" backend).
+//
+// Per block, in one pass over memory: a first sweep of the block finds absmax and whether it holds an inf or a
+// NaN, a second sweep (the block is in cache by then) writes q and, with error feedback, the residual. The
+// arithmetic is the torch reference's, operation for operation: v = x + residual in fp32, the scale in double
+// rounded up to fp32, q = rint(v / scale) with an fp32 division (round half to even, the default rounding
+// mode), the residual v - float(q) * scale rounded to its dtype with csrc/common/bf16.h's rule. Each block loop
+// is compiled once per instruction-set variant (csrc/common/cpu.h) with -ffp-contract=off, so every variant
+// gives the same bits.
+#include "quantize/quantize_cpu.h"
+
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+
+#include <algorithm>
+#include <limits>
+
+#include "common/bf16.h"
+#include "common/cpu.h"
+#include "common/dtype.h"
+
+namespace acco {
+namespace {
+
+constexpr int64_t kChunk = 1 << 16;  // elements per work item (whole blocks, at least one)
+constexpr int32_t kQmax = 127;
+constexpr uint32_t kInfBits = 0x7F800000u;  // the bits of +inf
+
+// absmax / 127 rounded up to fp32: the division in double, rounded to nearest, then one fp32 step up where
+// that went below the double quotient (the reference's torch.nextafter).
+inline float scale_of(float absmax) {
+  const double wide = static_cast<double>(absmax) / 127.0;
+  const float s = static_cast<float>(wide);
+  return static_cast<double>(s) < wide ? nextafterf(s, std::numeric_limits<float>::infinity()) : s;
+}
+
+template <typename X, typename R, bool RES>
+inline __attribute__((always_inline)) float value(const X* __restrict x, const R* __restrict r, int64_t i) {
+  return RES ? to_f32(x[i]) + to_f32(r[i]) : to_f32(x[i]);
+}
+
+// q (and the residual) of one block of `len` elements, which holds an inf or a NaN: scale NaN, q 0, residual 0.
+template <typename R, bool RES>
+inline __attribute__((always_inline)) void non_finite_block(R* __restrict r, int8_t* __restrict q, float* scale,
+                                                            int64_t len) {
+  *scale = std::numeric_limits<float>::quiet_NaN();
+  for (int64_t i = 0; i < len; ++i) {
+    q[i] = 0;
+    if (RES) r[i] = from_f32<R>(0.0f);
+  }
+}
+
+template <typename X, typename R, bool RES>
+inline __attribute__((always_inline)) void quant_block(const X* __restrict x, R* __restrict r, int8_t* __restrict q,
+                                                       float* scale, int64_t len) {
+  // |v| as bits: their integer order is the order of the values, and an inf or a NaN is >= kInfBits, so one
+  // integer max gives absmax and whether the block is finite (exact in any order: no rounding involved)
+  uint32_t top = 0;
+#pragma omp simd reduction(max : top)
+  for (int64_t i = 0; i < len; ++i) {
+    const uint32_t a = f32_bits(value<X, R, RES>(x, r, i)) & 0x7FFFFFFFu;
+    top = a > top ? a : top;
+  }
+  if (top >= kInfBits) {
+    non_finite_block<R, RES>(r, q, scale, len);
+    return;
+  }
+  const float s = scale_of(bits_f32(top));
+  *scale = s;
+  // an all-zero block (s == 0) divides its +-0 by 1: q = 0, residual = v, as the reference gives
+  const float div = s > 0.0f ? s : 1.0f;
+#pragma omp simd
+  for (int64_t i = 0; i < len; ++i) {
+    const float v = value<X, R, RES>(x, r, i);
+    // |v / div| <= 127 (div >= absmax / 127), so clamping the integer is the reference's clamp of the float
+    // (an integer clamp vectorises where GCC keeps the float one as branches)
+    const int32_t t = static_cast<int32_t>(rintf(v / div));
+    const int32_t qi = t < -kQmax ? -kQmax : t > kQmax ? kQmax : t;
+    q[i] = static_cast<int8_t>(qi);
+    // float(qi), not the rounded quotient: a -0.0 quotient is the integer 0, whose product with s is +0.0
+    if (RES) r[i] = from_f32<R>(v - static_cast<float>(qi) * s);
+  }
+}
+
+template <typename X, typename R, bool RES>
+inline __attribute__((always_inline)) void quant_impl(const void* xv, void* rv, int8_t* q, float* scales, int64_t len,
+                                                      int64_t bs) {
+  const X* x = static_cast<const X*>(xv);
+  R* r = static_cast<R*>(rv);
+  for (int64_t lo = 0, b = 0; lo < len; lo += bs, ++b)
+    quant_block<X, R, RES>(x + lo, RES ? r + lo : r, q + lo, scales + b, std::min(bs, len - lo));
+}
+
+template <bool ACC>
+inline __attribute__((always_inline)) void deq_impl(const int8_t* __restrict q, const float* scales,
+                                                    float* __restrict out, int64_t len, int64_t bs) {
+  for (int64_t lo = 0, b = 0; lo < len; lo += bs, ++b) {
+    const float s = scales[b];
+    const int64_t end = std::min(bs, len - lo);
+#pragma omp simd
+    for (int64_t i = lo; i < lo + end; ++i) {
+      const float d = static_cast<float>(q[i]) * s;
+      out[i] = ACC ? out[i] + d : d;
+    }
+  }
+}
+
+// One work item: `len` elements from its first block on (pointers already offset), blocks of `bs`.
+using QuantItem = void (*)(const void*, void*, int8_t*, float*, int64_t, int64_t);
+using DeqItem = void (*)(const int8_t*, const float*, float*, int64_t, int64_t);
+
+template <typename X, typename R, bool RES>
+void quant_base(const void* x, void* r, int8_t* q, float* s, int64_t len, int64_t bs) {
+  quant_impl<X, R, RES>(x, r, q, s, len, bs);
+}
+template <bool ACC>
+void deq_base(const int8_t* q, const float* s, float* out, int64_t len, int64_t bs) {
+  deq_impl<ACC>(q, s, out, len, bs);
+}
+#if ACCO_HAVE_ISA_VARIANTS
+template <typename X, typename R, bool RES>
+ACCO_TARGET_AVX2 void quant_avx2(const void* x, void* r, int8_t* q, float* s, int64_t len, int64_t bs) {
+  quant_impl<X, R, RES>(x, r, q, s, len, bs);
+}
+template <typename X, typename R, bool RES>
+ACCO_TARGET_AVX512 void quant_avx512(const void* x, void* r, int8_t* q, float* s, int64_t len, int64_t bs) {
+  quant_impl<X, R, RES>(x, r, q, s, len, bs);
+}
+template <bool ACC>
+ACCO_TARGET_AVX2 void deq_avx2(const int8_t* q, const float* s, float* out, int64_t len, int64_t bs) {
+  deq_impl<ACC>(q, s, out, len, bs);
+}
+template <bool ACC>
+ACCO_TARGET_AVX512 void deq_avx512(const int8_t* q, const float* s, float* out, int64_t len, int64_t bs) {
+  deq_impl<ACC>(q, s, out, len, bs);
+}
+#endif
+
+template <typename X, typename R, bool RES>
+QuantItem pick_quant3() {
+#if ACCO_HAVE_ISA_VARIANTS
+  if (kIsa == Isa::kAvx512) return &quant_avx512<X, R, RES>;
+  if (kIsa == Isa::kAvx2) return &quant_avx2<X, R, RES>;
+#endif
+  return &quant_base<X, R, RES>;
+}
+
+template <typename X>
+QuantItem pick_quant2(int residual_dtype) {
+  if (residual_dtype == kF32) return pick_quant3<X, float, true>();
+  if (residual_dtype == kBF16) return pick_quant3<X, uint16_t, true>();
+  return pick_quant3<X, float, false>();
+}
+
+QuantItem pick_quant(int x_dtype, int residual_dtype) {
+  return x_dtype == kBF16 ? pick_quant2<uint16_t>(residual_dtype) : pick_quant2<float>(residual_dtype);
+}
+
+template <bool ACC>
+DeqItem pick_deq() {
+#if ACCO_HAVE_ISA_VARIANTS
+  if (kIsa == Isa::kAvx512) return &deq_avx512<ACC>;
+  if (kIsa == Isa::kAvx2) return &deq_avx2<ACC>;
+#endif
+  return &deq_base<ACC>;
+}
+
+// Calls run(first element, elements) for every work item (whole blocks, about kChunk elements), over at most
+// `num_threads` OpenMP threads and at least kGrain elements per thread.
+template <typename F>
+void for_items(int64_t n, int64_t bs, int num_threads, const F& run) {
+  const int64_t per_item = std::max<int64_t>(1, kChunk / bs) * bs;
+  const int64_t items = (n + per_item - 1) / per_item;
+  const int nt = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads, n / kGrain)));
+  auto one = [&](int64_t k) { run(k * per_item, std::min(per_item, n - k * per_item), k * per_item / bs); };
+  if (nt <= 1 || items <= 1) {
+    for (int64_t k = 0; k < items; ++k) one(k);
+    return;
+  }
+#pragma omp parallel for num_threads(nt) schedule(static)
+  for (int64_t k = 0; k < items; ++k) one(k);
+}
+
+}  // namespace
+
+void quantize_cpu(uintptr_t x, int x_dtype, uintptr_t residual, int residual_dtype, int64_t n, int64_t block_size,
+                  uintptr_t q, uintptr_t scales, int num_threads) {
+  const QuantItem fn = pick_quant(x_dtype, residual_dtype);
+  const int64_t xs = elem_size(x_dtype), rs = residual_dtype == -1 ? 0 : elem_size(residual_dtype);
+  for_items(n, block_size, num_threads, [&](int64_t first, int64_t len, int64_t block) {
+    fn(reinterpret_cast<const char*>(x) + first * xs, reinterpret_cast<char*>(residual) + first * rs,
+       reinterpret_cast<int8_t*>(q) + first, reinterpret_cast<float*>(scales) + block, len, block_size);
+  });
+}
+
+void dequantize_cpu(uintptr_t q, uintptr_t scales, int64_t n, int64_t block_size, uintptr_t out, bool accumulate,
+                    int num_threads) {
+  const DeqItem fn = accumulate ? pick_deq<true>() : pick_deq<false>();
+  for_items(n, block_size, num_threads, [&](int64_t first, int64_t len, int64_t block) {
+    fn(reinterpret_cast<const int8_t*>(q) + first, reinterpret_cast<const float*>(scales) + block,
+       reinterpret_cast<float*>(out) + first, len, block_size);
+  });
+}
+
+}  // namespace acco
