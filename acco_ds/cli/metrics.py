@@ -131,6 +131,12 @@ def summarize(
         "peak_mem_mib": [s["peak_mem_mib"] for s in ranks],
         "rank_micro_batches": [s["micro_batches_local"] for s in ranks],
         "acco_stats": [s.get("stats", {}) for s in ranks],
+        # bytes each rank sent while training (acco_ds.cli.wire_bytes), per optimizer step, mean over ranks
+        "wire_bytes_per_step": (
+            statistics.mean(s["wire_bytes_sent"] for s in ranks) / last["step"]
+            if last["step"] and all("wire_bytes_sent" in s for s in ranks)
+            else None
+        ),
         "warmup_steps": w,
     }
 

@@ -92,6 +92,7 @@ def run(spec) -> dict:
     from acco_ds.cli.progress import Progress
     from acco_ds.cli.slowdown import Spinner, calibrate
     from acco_ds.cli.steplog import StepLog
+    from acco_ds.cli.wire_bytes import WireCounter
     from acco_ds.data import load_corpus, stream
     from acco_ds.models import build_model
 
@@ -137,6 +138,7 @@ def run(spec) -> dict:
     dist.barrier()
     _wait_at_gate(spec, rank)
     marks["barrier"] = time.perf_counter()
+    wire = WireCounter().install()  # the bytes this rank sends while it trains (not set-up, not evaluation)
     bar = Progress(spec.steps, enabled=spec.progress and rank == 0, desc=spec.name)
     first_step_unix: list = []  # wall clock of this start's first optimizer step (a restart's recovery)
 
@@ -163,12 +165,14 @@ def run(spec) -> dict:
         else:
             train_s = loop.train_fixed(engine, batches, **common)
     except Exception as err:  # a lost peer, say: record how far this start got, then fail as before
+        wire.uninstall()
         _write_failure(spec, rank, log.last_step, resumed_at, first_step_unix, err)
         raise
     t = time.perf_counter()
     if hasattr(engine.optimizer, "finish"):
         engine.optimizer.finish()  # collective: drains the round in flight, model <- theta
     finish_s = time.perf_counter() - t
+    wire.uninstall()
     train_s = t + finish_s - common["start"]
     log.step(loop.step_counter(engine)(), train_s)  # the commits the drain completed
     saver(loop.step_counter(engine)(), final=True)
@@ -196,6 +200,8 @@ def run(spec) -> dict:
         "device": str(device),
         "phases_s": phases,
         "stats": {k: v for k, v in stats.items() if isinstance(v, (int, float, str, list, bool))},
+        "wire_bytes_sent": wire.sent,
+        "wire_calls": wire.calls,
         "resumed_at_step": resumed_at,
         "saves": saver.saves,
         "save_s": [round(x, 3) for x in saver.seconds],

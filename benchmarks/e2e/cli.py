@@ -47,8 +47,9 @@ from benchmarks.harness.sweep import seeds_arg
 
 DEFAULT_RATES = "none,400mbit,200mbit,50mbit"
 ALL = ",".join(runs.CONTENDERS)
-DEFAULT_CONTENDERS = ",".join(c for c in runs.CONTENDERS if c != "zero2")
-DS_LABELS = ("zero1", "zero1-overlap", "zero2")
+DEFAULT_CONTENDERS = "zero1,zero1-overlap,sync,dpu,acco,acco-adaptive"
+COMPRESSION_CONTENDERS = "zero1,zero1-bf16comm,sync-int8,acco,acco-adaptive,acco-int8,acco-adaptive-int8"
+DS_LABELS = ("zero1", "zero1-overlap", "zero2", "zero1-bf16comm")
 
 _log = sweep.logger("benchmarks.e2e")
 
@@ -64,7 +65,8 @@ def parse(argv=None) -> argparse.Namespace:
     ap.add_argument(
         "--contenders",
         default=None,
-        help=f"comma-separated subset of {ALL}, or 'all' (default: {DEFAULT_CONTENDERS})",
+        help=f"comma-separated subset of {ALL}, or 'all', or 'compression' ({COMPRESSION_CONTENDERS}) "
+        f"(default: {DEFAULT_CONTENDERS})",
     )
     ap.add_argument("--steps", type=int, default=None, help="optimizer steps per run (default 40, quick 6)")
     ap.add_argument(
@@ -111,7 +113,8 @@ def parse(argv=None) -> argparse.Namespace:
     a = ap.parse_args(argv)
     a.rates = rates(ap, a.rates, a.quick, DEFAULT_RATES)
     default_c = "zero1,acco-adaptive" if a.quick else DEFAULT_CONTENDERS
-    a.contenders = (ALL if a.contenders == "all" else (a.contenders or default_c)).split(",")
+    named = {"all": ALL, "compression": COMPRESSION_CONTENDERS}
+    a.contenders = named.get(a.contenders, a.contenders or default_c).split(",")
     a.hetero_contenders = a.hetero_contenders.split(",")
     if a.quick and a.hetero_contenders == ["zero1", "acco", "acco-adaptive"]:
         a.hetero_contenders = ["zero1", "acco-adaptive"]

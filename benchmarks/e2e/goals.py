@@ -71,7 +71,64 @@ def goals(an: dict, results: dict) -> list:
                 ("a throughput figure: the same runs in both framings", a[1]),
             )
         )
+    g += compression_goals(an)
     return g + ran_goal(results)
+
+
+def _packed(rows: dict) -> str | None:
+    """The compressed ACCO contender of a rate's rows: adaptive if it ran, else fixed."""
+    return next((c for c in ("acco-adaptive-int8", "acco-int8") if c in rows), None)
+
+
+def compression_goals(an: dict) -> list:
+    """The compressed rounds' goals (docs/BENCHMARKS.md, "Compressed rounds"), where their contenders ran:
+    bytes per step against ZeRO-1 fp32's, time to ZeRO-1's final loss at the slowest rate, steps/s against
+    acco_ds sync with the same compression there, and the cost of the quantize passes where the link is fast
+    (against the same ACCO uncompressed). A goal whose contenders did not run is left out."""
+    tables, g = an["tables"], []
+    for rate, rows in tables.items():
+        c = _packed(rows)
+        if (
+            c
+            and "zero1" in rows
+            and rows[c].get("wire_bytes_per_step")
+            and rows["zero1"].get("wire_bytes_per_step")
+        ):
+            x = rows[c]["wire_bytes_per_step"] / rows["zero1"]["wire_bytes_per_step"]
+            a = (f"{c}: {x:.3f}x ZeRO-1's bytes per step per rank (counted)", verdict(x <= 1 / 3))
+            g.append(goal(f"{c} bytes on the wire per step <= 1/3 of ZeRO-1 fp32's ({rate})", a, a))
+    slow = an.get("slowest_rate")
+    rows = tables.get(slow, {})
+    c = _packed(rows)
+    if c and "zero1" in rows:
+        p = rows[c]["paired"]
+        x, xv = p.get("x_time_to_base_loss"), p.get("x_time_to_base_val")
+        g.append(
+            goal(
+                f"{c} time to ZeRO-1's final loss <= 0.5x ZeRO-1's ({slow})",
+                (f"training loss: {fmt_x(x)}", sd.verdict_at_most(x, 0.5)),
+                (f"val loss reached by the end (an upper bound): {fmt_x(xv)}", sd.verdict_at_most(xv, 0.5)),
+            )
+        )
+    if "sync-int8" in rows and "acco-int8" in rows:
+        x = rows["sync-int8"]["step_time_s"] / rows["acco-int8"]["step_time_s"]
+        a = (f"acco-int8 {x:.2f}x the optimizer steps/s of sync-int8 (best-of-seeds)", verdict(x >= 1.3))
+        g.append(
+            goal(
+                f"compressed ACCO >= 1.3x the steps/s of acco_ds sync with the same compression ({slow})",
+                a,
+                a,
+            )
+        )
+    for rate, rows in tables.items():
+        if rate == slow:
+            continue
+        for plain, packed in (("acco", "acco-int8"), ("acco-adaptive", "acco-adaptive-int8")):
+            if plain in rows and packed in rows:
+                x = rows[packed]["samples_per_s"] / rows[plain]["samples_per_s"]
+                a = (f"{packed} {x:.3f}x the samples/s of {plain}", verdict(x >= 0.95))
+                g.append(goal(f"{packed} no more than 5% slower than {plain} ({rate})", a, a))
+    return g
 
 
 def _adaptive_time_goal(an: dict) -> list:

@@ -22,6 +22,7 @@ from benchmarks.harness.tables import (
     seeds_line,
     steps_table,
     throughput_table,
+    wire_table,
 )
 
 
@@ -98,5 +99,5 @@ def _goals(an: dict) -> list:
 
 def render(results: dict, an: dict) -> str:
     parts = _context(results, an) + failed_section(results) + _goals(an)
-    parts += throughput_table(results, an) + steps_table(an) + budget_table(an) + _hetero(an)
+    parts += throughput_table(results, an) + wire_table(an) + steps_table(an) + budget_table(an) + _hetero(an)
     return "\n".join(parts + notes_section(results))

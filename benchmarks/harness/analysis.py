@@ -49,7 +49,21 @@ from acco_ds.cli.metrics import smoothed_loss, time_to_loss
 from benchmarks.harness import link
 from benchmarks.harness import seeds as sd
 
-ORDER = ("zero1", "zero1-overlap", "zero2", "sync", "dpu", "acco", "acco-adaptive")
+ORDER = (
+    "zero1",
+    "zero1-overlap",
+    "zero2",
+    "zero1-bf16comm",
+    "sync",
+    "sync-int8",
+    "dpu",
+    "acco",
+    "acco-adaptive",
+    "acco-int8",
+    "acco-adaptive-int8",
+    "acco-int8-noef",
+    "acco-int8-exact-peek",
+)
 
 
 def compute_only(results: dict) -> dict:
@@ -69,12 +83,14 @@ def compute_only(results: dict) -> dict:
 
 
 def rounds_per_step(label: str, s: dict) -> float:
-    if label == "acco-adaptive":
+    """Communication rounds per optimizer step: acco's two (adaptive: counted), one otherwise (labels
+    ``acco...`` are ACCO's contenders, compressed or not)."""
+    if label.startswith("acco-adaptive"):
         stats = [x for x in s.get("acco_stats", []) if x.get("rounds")]
         if stats and s["steps"]:
             return statistics.mean(x["rounds"] for x in stats) / s["steps"]
         return 2.0
-    return 2.0 if label == "acco" else 1.0
+    return 2.0 if label.startswith("acco") else 1.0
 
 
 def _loss_at(records: list, samples: int, window: int):
@@ -172,6 +188,7 @@ def analyse_rate(block: dict, comp: dict, gas: int, world: int, default_seed: in
             "comm_wait_s": [x.get("comm_wait_s") for x in s.get("acco_stats", [])],
             "load": [s["load_before"], s["load_after"]],
             "repeats": [x["samples_per_s"] for x in s.get("repeats", [])],
+            "wire_bytes_per_step": s.get("wire_bytes_per_step"),
         }
     return rows
 

@@ -53,7 +53,40 @@ CONTENDERS = {
     "dpu": ("dpu", "fixed"),
     "acco": ("acco", "fixed"),
     "acco-adaptive": ("acco", "adaptive"),
+    # compressed communication (docs/ALGORITHM.md, "Compressed rounds"; CONFIG_CHANGES below)
+    "zero1-bf16comm": ("zero1", "fixed"),
+    "sync-int8": ("sync", "fixed"),
+    "acco-int8": ("acco", "fixed"),
+    "acco-adaptive-int8": ("acco", "adaptive"),
+    "acco-int8-noef": ("acco", "fixed"),
+    "acco-int8-exact-peek": ("acco", "fixed"),
 }
+INT8 = {"commit": "int8", "peek": "int8", "all_gather": "int8"}
+CONFIG_CHANGES = {
+    # DeepSpeed's own lower-precision communication: its gradients all-reduced in bf16
+    "zero1-bf16comm": {"communication_data_type": "bf16"},
+    # "ZeRO-1 with the same quantizer": acco_ds sync, int8 gradients and parameter differences
+    "sync-int8": {"optimizer.params.compression": {"commit": "int8", "all_gather": "int8"}},
+    "acco-int8": {"optimizer.params.compression": INT8},
+    "acco-adaptive-int8": {"optimizer.params.compression": INT8},
+    # ablations: without error feedback; the peek (the estimate's gradients) exact
+    "acco-int8-noef": {"optimizer.params.compression": {**INT8, "error_feedback": False}},
+    "acco-int8-exact-peek": {"optimizer.params.compression": {**INT8, "peek": "none"}},
+}
+"""What a contender changes in its mode's DeepSpeed config: a top-level key, or ``optimizer.params.<key>``."""
+
+
+def contender_config(label: str, knobs: dsconfig.Knobs) -> dict:
+    """The DeepSpeed config of contender ``label``: its mode's (``dsconfig.build_config``) with its
+    ``CONFIG_CHANGES``."""
+    mode, _ = CONTENDERS[label]
+    cfg = dsconfig.build_config(mode, knobs)
+    for key, value in CONFIG_CHANGES.get(label, {}).items():
+        if key.startswith("optimizer.params."):
+            cfg["optimizer"]["params"][key.removeprefix("optimizer.params.")] = value
+        else:
+            cfg[key] = value
+    return cfg
 
 
 @dataclass
@@ -216,7 +249,7 @@ def contender_spec(
     steps = warm = None
     if schedule:
         steps, warm = schedule["steps"], schedule["warmup_lr_steps"]
-    cfg = dsconfig.build_config(mode, setup.knobs(acc, steps, warm))
+    cfg = contender_config(label, setup.knobs(acc, steps, warm))
     run_dir = setup.work / f"{rate}{tag}" / (f"{label}-budget" if schedule else label)
     return _spec(setup, run_dir, label, mode, acc, cfg, slow or {}, seed, steps)
 

@@ -112,6 +112,33 @@ def throughput_table(results: dict, an: dict, title: str = "## Throughput per li
     return lines + [""]
 
 
+def wire_table(an: dict, title: str = "## Bytes on the wire per optimizer step") -> list:
+    """Bytes each rank sent per optimizer step (counted at its torch.distributed calls,
+    ``acco_ds.cli.wire_bytes``), per rate and contender, and over ZeRO-1's; nothing for results that
+    predate the count."""
+    rows = [
+        (rate, label, r["wire_bytes_per_step"], (rs.get("zero1") or {}).get("wire_bytes_per_step"))
+        for rate, rs in an["tables"].items()
+        for label, r in rs.items()
+        if r.get("wire_bytes_per_step") is not None
+    ]
+    if not rows:
+        return []
+    lines = [
+        title,
+        "",
+        "What one rank sends while it trains, counted at each torch.distributed call as a ring moves it "
+        "(all-reduce 2 (W-1)/W of the tensor, reduce-scatter and all-gather (W-1)/W, point-to-point the "
+        "tensor), over its optimizer steps; mean over the ranks of the best-of-seeds run.",
+        "",
+        "| link | contender | MB per step per rank | x ZeRO-1's |",
+        "|---|---|---|---|",
+    ]
+    for rate, label, b, base in rows:
+        lines.append(f"| {rate} | {label} | {b / 1e6:.3f} | {fmt_opt(base and b / base, '.3f')} |")
+    return lines + [""]
+
+
 def _x(s) -> str:
     return sd.fmt(s, ".2f", suffix="x")
 

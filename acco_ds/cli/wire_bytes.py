@@ -1,0 +1,105 @@
+"""Bytes a rank puts on the network, counted at its ``torch.distributed`` calls, for every contender alike.
+
+``acco_ds`` counts its own rounds (``engine.optimizer.stats()``); DeepSpeed's ZeRO counts nothing. So that the
+benchmarks compare the same figure, :class:`WireCounter` wraps the ``torch.distributed`` functions every
+backend path ends in (DeepSpeed's ``deepspeed.comm`` and acco_ds call them by attribute at call time) while
+installed, and adds, per call, what one rank SENDS on a ring (the algorithm NCCL and gloo use for large
+tensors; ``W`` the group's size, ``B`` the tensor's bytes):
+
+- ``all_reduce``: ``2 (W-1)/W B`` (a reduce-scatter then an all-gather);
+- ``reduce_scatter_tensor`` (``B`` the input) and ``all_gather_into_tensor`` (``B`` the output):
+  ``(W-1)/W B``; ``all_gather`` (a list of W outputs of ``B``): ``(W-1) B``;
+- ``send`` / ``isend``: ``B``; ``broadcast``: ``B`` from the source, 0 elsewhere (a tree or a ring moves
+  at most that per rank).
+
+Receives are not counted (on a ring every rank receives what it sends). Threads: the calls may come from
+the communication thread; the counts are kept under a lock. ``install`` / ``uninstall`` are not thread-safe
+(call them while no collective runs).
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+
+import torch.distributed as dist
+
+_WRAPPED = (
+    "all_reduce",
+    "reduce_scatter_tensor",
+    "all_gather_into_tensor",
+    "all_gather",
+    "send",
+    "isend",
+    "broadcast",
+)
+
+
+def _bytes(t) -> int:
+    return t.numel() * t.element_size()
+
+
+def _group_size(kwargs: dict) -> int:
+    return dist.get_world_size(kwargs.get("group"))
+
+
+def sent_bytes(name: str, args: tuple, kwargs: dict) -> float:
+    """What one call of ``torch.distributed.<name>`` sends from this rank (see the module docstring)."""
+    first = args[0] if args else None
+    if name == "all_reduce":
+        t = kwargs.get("tensor", first)
+        w = _group_size(kwargs)
+        return 2 * (w - 1) / w * _bytes(t)
+    if name == "reduce_scatter_tensor":
+        t = kwargs.get("input", args[1] if len(args) > 1 else None)
+        w = _group_size(kwargs)
+        return (w - 1) / w * _bytes(t)
+    if name == "all_gather_into_tensor":
+        t = kwargs.get("output_tensor", first)
+        w = _group_size(kwargs)
+        return (w - 1) / w * _bytes(t)
+    if name == "all_gather":
+        outs = kwargs.get("tensor_list", first)
+        return (len(outs) - 1) * _bytes(outs[0]) if outs else 0.0
+    if name in ("send", "isend"):
+        return float(_bytes(kwargs.get("tensor", first)))
+    if name == "broadcast":
+        t = kwargs.get("tensor", first)
+        src = kwargs.get("src", args[1] if len(args) > 1 else None)
+        group_src = kwargs.get("group_src")
+        me = dist.get_rank(kwargs.get("group")) if group_src is not None else dist.get_rank()
+        return float(_bytes(t)) if me == (group_src if group_src is not None else src) else 0.0
+    raise ValueError(f"sent_bytes: {name!r} is not counted; counted: {', '.join(_WRAPPED)}")
+
+
+class WireCounter:
+    """Counts the bytes this rank sends through ``torch.distributed`` while installed."""
+
+    def __init__(self) -> None:
+        self.sent = 0.0
+        self.calls = 0
+        self._lock = threading.Lock()
+        self._originals: dict = {}
+
+    def install(self) -> WireCounter:
+        for name in _WRAPPED:
+            fn = getattr(dist, name)
+            self._originals[name] = fn
+            setattr(dist, name, self._wrap(name, fn))
+        return self
+
+    def uninstall(self) -> None:
+        for name, fn in self._originals.items():
+            setattr(dist, name, fn)
+        self._originals = {}
+
+    def _wrap(self, name: str, fn):
+        @functools.wraps(fn)
+        def counted(*args, **kwargs):
+            n = sent_bytes(name, args, kwargs)
+            with self._lock:
+                self.sent += n
+                self.calls += 1
+            return fn(*args, **kwargs)
+
+        return counted
