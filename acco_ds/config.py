@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 MODES = ("acco", "dpu", "sync")
 ACCUMULATIONS = ("fixed", "adaptive")
 COMM_DTYPES = ("auto", "bf16", "fp32")
-COMPRESSIONS = ("none", "int8")
+COMPRESSIONS = ("none", "int8", "int4")
 MAX_BLOCK_SIZE = 1 << 20
 MIN_TIMEOUT_S = 1.0
 """Shortest comm_timeout_s accepted: below it a loaded machine would time out healthy rounds."""
@@ -42,11 +42,11 @@ ALLOWED = {
     "comm_timeout_s": f"a number of seconds in [{MIN_TIMEOUT_S:g}, {MAX_TIMEOUT_S:g}]",
     "compression": "an object with keys among commit, peek, block_size, error_feedback, all_gather, e.g. "
     '{"commit": "int8", "peek": "int8", "block_size": 256, "error_feedback": true}',
-    "compression.commit": "'none' or 'int8'",
-    "compression.peek": "'none' or 'int8' ('int8' with mode='acco' only: dpu and sync have no peek)",
+    "compression.commit": "'none', 'int8' or 'int4'",
+    "compression.peek": "'none', 'int8' or 'int4' (the last two with mode='acco' only: dpu and sync have no peek)",
     "compression.block_size": f"an integer in [1, {MAX_BLOCK_SIZE}]",
     "compression.error_feedback": "true or false",
-    "compression.all_gather": "'none' or 'int8'",
+    "compression.all_gather": "'none', 'int8' or 'int4'",
 }
 """What each option accepts, quoted in the error messages."""
 
@@ -79,11 +79,12 @@ class CompressionConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    commit: Literal["none", "int8"] = "none"
+    commit: Literal["none", "int8", "int4"] = "none"
     """The gradient exchange (reduce-scatter) of COMMIT rounds (every round in dpu and sync): 'int8' sends
-    blockwise int8 values and one fp32 scale per block (``acco_ds.ops.quantize``), summed in fp32 by the owner."""
+    blockwise int8 values and one fp32 scale per block (``acco_ds.ops.quantize``), summed in fp32 by the owner;
+    'int4' values in [-7, 7], two per byte."""
 
-    peek: Literal["none", "int8"] = "none"
+    peek: Literal["none", "int8", "int4"] = "none"
     """The gradient exchange of acco's PEEK rounds (the g~ of the estimate; the commit reuses what it received)."""
 
     block_size: int = 256
@@ -93,7 +94,7 @@ class CompressionConfig(BaseModel):
     """Each rank adds what quantization lost in its last compressed round (a residual, one buffer of the
     gradient buffer's size and dtype) to the next one, so nothing is lost over rounds, only delayed."""
 
-    all_gather: Literal["none", "int8"] = "none"
+    all_gather: Literal["none", "int8", "int4"] = "none"
     """The parameter all-gather of every round: 'int8' sends the blockwise int8 difference between each rank's
     new parameters and what every replica already holds; every rank applies the same dequantized difference,
     so the replicas stay bitwise identical and trail the fp32 master by at most half a quantization step."""
@@ -257,7 +258,7 @@ class ACCOConfig(BaseModel):
                 "compression.peek",
                 self.compression.peek,
                 f"mode={self.mode!r} has no peek round to compress. Allowed: 'none' with mode='dpu' or 'sync' "
-                "(compression.commit compresses their rounds); 'int8' with mode='acco'.",
+                "(compression.commit compresses their rounds); 'int8' or 'int4' with mode='acco'.",
             )
         if self.accumulation == "fixed" and self.max_micro_batches_per_round is not None:
             raise _ComboError(

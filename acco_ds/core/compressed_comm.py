@@ -37,7 +37,15 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from acco_ds.ops.quantize import dequantize, dequantize_add, num_blocks, quantize, quantize_with_residual
+from acco_ds.ops.quantize import (
+    dequantize,
+    dequantize_add,
+    num_blocks,
+    pack_int4,
+    quantize,
+    quantize_with_residual,
+    unpack_int4,
+)
 
 
 @dataclass
@@ -62,14 +70,16 @@ class Traffic:
 
 @dataclass(frozen=True)
 class Compression:
-    """What a round compresses: its gradient exchange (``gradients``: int8 blocks of ``block_size``
-    elements, with the pipeline's residuals when ``error_feedback``) and/or its parameter all-gather
-    (``parameters``: int8 blocks of the differences to the replicas' parameters)."""
+    """What a round compresses: its gradient exchange (``gradients``: blocks of ``block_size`` elements in
+    ``gradient_bits``, with the pipeline's residuals when ``error_feedback``) and/or its parameter all-gather
+    (``parameters``: the differences to the replicas' parameters in ``parameter_bits``)."""
 
     block_size: int
     error_feedback: bool
     gradients: bool = True
     parameters: bool = False
+    gradient_bits: int = 8  # 8 (int8) or 4 (two values per byte on the wire)
+    parameter_bits: int = 8
 
 
 def compressed_reduce_scatter_inplace(
@@ -78,11 +88,13 @@ def compressed_reduce_scatter_inplace(
     group,
     block_size: int,
     traffic: Traffic,
+    bits: int = 8,
 ) -> None:
     """Sum ``full`` (this rank's flat gradient buffer, fp32 or bf16, length W x shard) over the ranks into
     this rank's own slice of it, through int8 quantization (see the module docstring); the other slices
     are left as they were. ``residual`` (same length and dtype as ``full``, or None: no error feedback)
-    is added before quantizing and overwritten with what quantization lost. Collective over ``group``."""
+    is added before quantizing and overwritten with what quantization lost. ``bits``: 8, or 4 (values in
+    [-7, 7], sent two per byte, ``pack_int4``). Collective over ``group``."""
     world, me = dist.get_world_size(group), dist.get_rank(group)
     chunks = full.view(world, -1)
     shard = chunks.shape[1]
@@ -92,25 +104,40 @@ def compressed_reduce_scatter_inplace(
     rests = None if residual is None else residual.view(world, -1)
     for r in range(world):
         if rests is None:
-            q[r], scales[r] = quantize(chunks[r], block_size)
+            q[r], scales[r] = quantize(chunks[r], block_size, bits=bits)
         else:
-            q[r], scales[r] = quantize_with_residual(chunks[r], rests[r], block_size)
+            q[r], scales[r] = quantize_with_residual(chunks[r], rests[r], block_size, bits=bits)
     total = dequantize(q[me], scales[me], block_size)
     if world > 1:
-        got_q = torch.empty(shard, dtype=torch.int8, device=full.device)
+        got_q = _wire_buffer(shard, bits, full.device)
         got_s = torch.empty(nb, dtype=torch.float32, device=full.device)
         for k in range(1, world):
             dst, src = (me + k) % world, (me - k) % world
             reqs = [
-                traffic.send(q[dst], group, dst),
+                traffic.send(_to_wire(q[dst], bits), group, dst),
                 traffic.send(scales[dst], group, dst),
                 traffic.recv(got_q, group, src),
                 traffic.recv(got_s, group, src),
             ]
             for req in reqs:
                 req.wait()
-            dequantize_add(total, got_q, got_s, block_size)
+            dequantize_add(total, _from_wire(got_q, shard, bits), got_s, block_size)
     chunks[me].copy_(total)
+
+
+def _wire_buffer(n: int, bits: int, device) -> torch.Tensor:
+    """A receive buffer for ``n`` quantized values in their wire form."""
+    if bits == 4:
+        return torch.empty(-(-n // 2), dtype=torch.uint8, device=device)
+    return torch.empty(n, dtype=torch.int8, device=device)
+
+
+def _to_wire(q: torch.Tensor, bits: int) -> torch.Tensor:
+    return pack_int4(q) if bits == 4 else q
+
+
+def _from_wire(w: torch.Tensor, n: int, bits: int) -> torch.Tensor:
+    return unpack_int4(w, n) if bits == 4 else w
 
 
 def _plus_dequantized(
@@ -129,8 +156,10 @@ def compressed_all_gather_inplace(
     group,
     block_size: int,
     traffic: Traffic,
+    bits: int = 8,
 ) -> None:
-    """Give every rank every rank's new parameters through int8 differences (see the module docstring).
+    """Give every rank every rank's new parameters through quantized differences (see the module docstring;
+    ``bits`` 8 or 4, as :func:`compressed_reduce_scatter_inplace`).
 
     ``target`` (full, the parameter dtype): this rank's slice holds its new parameters (written by AdamW);
     the other slices are overwritten. ``base`` (full, same dtype): what every replica holds now (the MODEL
@@ -141,19 +170,21 @@ def compressed_all_gather_inplace(
     world, me = dist.get_world_size(group), dist.get_rank(group)
     chunks, bases = target.view(world, -1), base.view(world, -1)
     shard = chunks.shape[1]
-    q, scales = quantize(chunks[me].float() - own_base.float(), block_size)
+    q, scales = quantize(chunks[me].float() - own_base.float(), block_size, bits=bits)
     chunks[me].copy_(_plus_dequantized(own_base, q, scales, block_size))
     if world == 1:
         return
-    got_q = torch.empty((world, shard), dtype=torch.int8, device=target.device)
+    wire = _to_wire(q, bits)
+    got_q = [_wire_buffer(shard, bits, target.device) for _ in range(world)]
     got_s = torch.empty((world, num_blocks(shard, block_size)), dtype=torch.float32, device=target.device)
     reqs = []
     for k in range(1, world):
         dst, src = (me + k) % world, (me - k) % world
-        reqs += [traffic.send(q, group, dst), traffic.send(scales, group, dst)]
+        reqs += [traffic.send(wire, group, dst), traffic.send(scales, group, dst)]
         reqs += [traffic.recv(got_q[src], group, src), traffic.recv(got_s[src], group, src)]
     for req in reqs:
         req.wait()
     for c in range(world):
         if c != me:
-            chunks[c].copy_(_plus_dequantized(bases[c], got_q[c], got_s[c], block_size))
+            q_c = _from_wire(got_q[c], shard, bits)
+            chunks[c].copy_(_plus_dequantized(bases[c], q_c, got_s[c], block_size))

@@ -170,9 +170,17 @@ class ACCOPipeline:
             b.install_fold_hooks()
         # error feedback (compressed rounds): per group, what quantization withheld from the rounds sent so
         # far, full size in the comm dtype; written by the jobs (comm side), read by snapshots when drained
+        bits = {"int8": 8, "int4": 4, "none": 8}
         self.compression = {
-            job: Compression(comp.block_size, comp.error_feedback, grads == "int8", comp.all_gather == "int8")
-            if grads == "int8" or comp.all_gather == "int8"
+            job: Compression(
+                comp.block_size,
+                comp.error_feedback,
+                gradients=grads != "none",
+                parameters=comp.all_gather != "none",
+                gradient_bits=bits[grads],
+                parameter_bits=bits[comp.all_gather],
+            )
+            if grads != "none" or comp.all_gather != "none"
             else None
             for job, grads in ((Job.COMMIT, comp.commit), (Job.PEEK, comp.peek))
         }

@@ -64,6 +64,9 @@ class RefCompression:
     comm_dtype: torch.dtype
     gas: int
     all_gather: bool = False
+    commit_bits: int = 8  # 8 or 4 (values in [-7, 7])
+    peek_bits: int = 8
+    all_gather_bits: int = 8
 
 
 class _Exchange:
@@ -94,7 +97,7 @@ class _Exchange:
             full, base = (torch.zeros(padded_numel(n, W), dtype=compute_dtype) for _ in range(2))
             full[:n], base[:n] = t.to(compute_dtype), rep
             for chunk, old in zip(full.view(W, -1), base.view(W, -1)):
-                q, scales = quantize(chunk.float() - old.float(), bs)
+                q, scales = quantize(chunk.float() - old.float(), bs, bits=self.spec.all_gather_bits)
                 chunk.copy_(old.float() + dequantize(q, scales, bs))
             self.replicas[i] = full[:n].clone()
         return [t.clone() for t in self.replicas]
@@ -112,7 +115,7 @@ class _Exchange:
             per_rank.append(bufs)
         return per_rank, count * self.world
 
-    def reduce(self, per_rank, compressed: bool, commit: bool = True) -> List[torch.Tensor]:
+    def reduce(self, per_rank, compressed: bool, commit: bool = True, bits: int = 8) -> List[torch.Tensor]:
         """The sum over the ranks (fp64, times GAS: the sum of the micro-batch gradients), one per group. An
         uncompressed ``commit`` round first adds every rank's residual to its buffer and zeroes it (what the
         compressed peeks withheld is sent exactly with the commit)."""
@@ -134,9 +137,9 @@ class _Exchange:
                 row = []
                 for c in range(W):
                     if spec.error_feedback:
-                        q, scales = quantize_with_residual(chunks[c], rests[c], spec.block_size)
+                        q, scales = quantize_with_residual(chunks[c], rests[c], spec.block_size, bits=bits)
                     else:
-                        q, scales = quantize(chunks[c], spec.block_size)
+                        q, scales = quantize(chunks[c], spec.block_size, bits=bits)
                     row.append(dequantize(q, scales, spec.block_size))
                 deq.append(row)
             owned = []
@@ -281,8 +284,10 @@ def reference_run(
             return _accumulate(at, k, W, compute_dtype, grad_fn, next_mb)
         per_rank, count = exchange.accumulate(at, k, compute_dtype, grad_fn, next_mb)
         if kind == "peek":
-            return exchange.reduce(per_rank, compression.peek, commit=False), count
-        return exchange.reduce(per_rank, compression.commit), count
+            return exchange.reduce(
+                per_rank, compression.peek, commit=False, bits=compression.peek_bits
+            ), count
+        return exchange.reduce(per_rank, compression.commit, bits=compression.commit_bits), count
 
     def publish(new: List[torch.Tensor]) -> List[torch.Tensor]:
         """Where the workers compute after a round that sent ``new`` (the replicas; ``_Exchange.publish``)."""

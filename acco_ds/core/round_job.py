@@ -229,7 +229,7 @@ def run_round_job(
         else:
             residual = residuals[i] if compression.error_feedback else None
             compressed_reduce_scatter_inplace(
-                b.grad_bufs[g], residual, group, compression.block_size, traffic
+                b.grad_bufs[g], residual, group, compression.block_size, traffic, compression.gradient_bits
             )
     grads = [b.shard_of(b.grad_bufs[g]) for b, (g, _) in zip(groups, roles)]
 
@@ -299,7 +299,13 @@ def run_round_job(
         )
         if packed_params:
             compressed_all_gather_inplace(
-                target, bases[i], own_bases[i], group, compression.block_size, traffic
+                target,
+                bases[i],
+                own_bases[i],
+                group,
+                compression.block_size,
+                traffic,
+                compression.parameter_bits,
             )
         else:
             all_gather_inplace(target, group, traffic)

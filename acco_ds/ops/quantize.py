@@ -55,6 +55,15 @@ logger = logging.getLogger(__name__)
 QMAX = 127
 """Largest |q|: the int8 range is symmetric, [-127, 127] (-128 is never produced)."""
 
+QMAX_OF = {8: QMAX, 4: 7}
+"""Largest |q| per number of bits: 8 bits [-127, 127], 4 bits [-7, 7] (symmetric, -8 never produced)."""
+
+
+def _check_bits(bits) -> None:
+    if bits not in QMAX_OF or isinstance(bits, bool):
+        raise ValueError(f"bits must be 8 or 4, got {bits!r}")
+
+
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
 
 _DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1}
@@ -119,10 +128,10 @@ def _blocks(v: torch.Tensor, block_size: int) -> torch.Tensor:
     return v.view(nb, block_size)
 
 
-def _scales(blocks: torch.Tensor) -> torch.Tensor:
-    """fp32 [blocks]: absmax / 127 rounded up to fp32; NaN for a block with a non-finite value."""
+def _scales(blocks: torch.Tensor, qmax: int = QMAX) -> torch.Tensor:
+    """fp32 [blocks]: absmax / qmax rounded up to fp32; NaN for a block with a non-finite value."""
     absmax = blocks.abs().amax(dim=1)
-    wide = absmax.double() / QMAX
+    wide = absmax.double() / qmax
     scale = wide.float()
     # round up: the next fp32 above where rounding to nearest went below (a no-op where exact)
     scale = torch.where(
@@ -132,22 +141,24 @@ def _scales(blocks: torch.Tensor) -> torch.Tensor:
     return torch.where(finite, scale, torch.full_like(scale, float("nan")))
 
 
-def _quantize_fp32(v: torch.Tensor, block_size: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(q int8 [n], scales fp32 [blocks]) of an fp32 flat ``v``."""
+def _quantize_fp32(v: torch.Tensor, block_size: int, bits: int = 8) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(q int8 [n], scales fp32 [blocks]) of an fp32 flat ``v``, q in [-qmax, qmax] of ``bits``."""
     n = v.numel()
+    qmax = QMAX_OF[bits]
     blocks = _blocks(v, block_size)
-    scale = _scales(blocks)
+    scale = _scales(blocks, qmax)
     usable = (scale > 0) & torch.isfinite(scale)
     div = torch.where(usable, scale, torch.ones_like(scale)).unsqueeze(1)
-    q = torch.round(blocks / div).clamp_(-QMAX, QMAX)
+    q = torch.round(blocks / div).clamp_(-qmax, qmax)
     q = torch.where(usable.unsqueeze(1), q, torch.zeros_like(q))
     return q.to(torch.int8).reshape(-1)[:n], scale
 
 
-def quantize_ref(x: torch.Tensor, block_size: int) -> Tuple[torch.Tensor, torch.Tensor]:
+def quantize_ref(x: torch.Tensor, block_size: int, bits: int = 8) -> Tuple[torch.Tensor, torch.Tensor]:
     """Pure-torch reference of :func:`quantize` (validates the same way)."""
     _check(x, block_size)
-    return _quantize_fp32(x.float(), block_size)
+    _check_bits(bits)
+    return _quantize_fp32(x.float(), block_size, bits)
 
 
 def dequantize_ref(q: torch.Tensor, scales: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -166,13 +177,14 @@ def dequantize_add_ref(out: torch.Tensor, q: torch.Tensor, scales: torch.Tensor,
 
 
 def quantize_with_residual_ref(
-    x: torch.Tensor, residual: torch.Tensor, block_size: int
+    x: torch.Tensor, residual: torch.Tensor, block_size: int, bits: int = 8
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Pure-torch reference of :func:`quantize_with_residual` (validates the same way; ``residual`` may even
     alias x here, since v is computed whole before residual is written)."""
     _check_residual(x, residual, block_size)
+    _check_bits(bits)
     v = x.float() + residual.float()
-    q, scale = _quantize_fp32(v, block_size)
+    q, scale = _quantize_fp32(v, block_size, bits)
     lost = v - dequantize_ref(q, scale, block_size)
     finite = torch.isfinite(scale).repeat_interleave(block_size)[: x.numel()]
     residual.copy_(torch.where(finite, lost, torch.zeros_like(lost)))
@@ -264,13 +276,15 @@ def _dequantize_cpp(out: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bl
 
 # -- the public functions ----------------------------------------------------------------------------------
 def quantize(
-    x: torch.Tensor, block_size: int, *, backend: str | None = None
+    x: torch.Tensor, block_size: int, *, bits: int = 8, backend: str | None = None
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Quantize the flat fp32/bf16 tensor ``x``: returns ``(q, scales)``, q int8 of x's length, scales
-    fp32 of ``num_blocks(len(x), block_size)``, both new tensors on x's device (see the module docstring)."""
+    """Quantize the flat fp32/bf16 tensor ``x``: returns ``(q, scales)``, q int8 of x's length (values in
+    [-qmax, qmax] of ``bits``: 8 or 4), scales fp32 of ``num_blocks(len(x), block_size)``, both new tensors on
+    x's device (see the module docstring; 4 bits: the torch reference only)."""
     _check(x, block_size)
-    if not _use_cpp("quantize", backend, x=x):
-        return quantize_ref(x, block_size)
+    _check_bits(bits)
+    if bits != 8 or not _use_cpp("quantize", backend, x=x):
+        return quantize_ref(x, block_size, bits)
     return _quantize_cpp(x, None, block_size)
 
 
@@ -300,13 +314,44 @@ def dequantize_add(
 
 
 def quantize_with_residual(
-    x: torch.Tensor, residual: torch.Tensor, block_size: int, *, backend: str | None = None
+    x: torch.Tensor, residual: torch.Tensor, block_size: int, *, bits: int = 8, backend: str | None = None
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Error feedback: quantize ``v = x + residual`` (fp32 arithmetic) and set ``residual`` to ``v -
     dequantize(q, scales)`` in place (rounded to residual's dtype); a block with a non-finite ``v`` gets
     scale NaN and its residual zeroed. ``residual``: same length and device as x, fp32 or bf16, not
     aliasing x (an overlap takes the torch reference). Returns ``(q, scales)`` as :func:`quantize`."""
     _check_residual(x, residual, block_size)
-    if not _use_cpp("quantize_with_residual", backend, x=x, residual=residual):
-        return quantize_with_residual_ref(x, residual, block_size)
+    _check_bits(bits)
+    if bits != 8 or not _use_cpp("quantize_with_residual", backend, x=x, residual=residual):
+        return quantize_with_residual_ref(x, residual, block_size, bits)
     return _quantize_cpp(x, residual, block_size)
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """The 4-bit wire form of a flat int8 ``q`` with values in [-7, 7]: ``ceil(n / 2)`` uint8, element 2i in
+    the low nibble and 2i + 1 in the high one, each stored as ``q + 8`` (an odd n pads a 0)."""
+    if q.dtype != torch.int8 or q.dim() != 1:
+        raise TypeError(f"q must be a flat int8 tensor, got {q.dtype} of shape {tuple(q.shape)}")
+    u = (q.to(torch.int16) + 8).to(torch.uint8)
+    if u.numel() % 2:
+        u = torch.cat([u, torch.full((1,), 8, dtype=torch.uint8, device=u.device)])
+    pairs = u.view(-1, 2)
+    return pairs[:, 0] | (pairs[:, 1] << 4)
+
+
+def unpack_int4(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """The flat int8 ``q`` of ``n`` values that :func:`pack_int4` packed into ``packed``."""
+    if packed.dtype != torch.uint8 or packed.dim() != 1 or packed.numel() != -(-n // 2):
+        raise ValueError(
+            f"packed must be flat uint8 of {-(-n // 2)} bytes for {n} values, got {packed.dtype} "
+            f"of shape {tuple(packed.shape)}"
+        )
+    pairs = torch.stack([packed & 15, packed >> 4], dim=1).reshape(-1)[:n]
+    return (pairs.to(torch.int16) - 8).to(torch.int8)
+
+
+def wire_bytes(n: int, block_size: int, bits: int) -> int:
+    """Bytes ``n`` values quantized to ``bits`` take on the wire: the values (int8: one byte each; 4 bits: two
+    per byte) and one fp32 scale per block."""
+    _check_bits(bits)
+    return (n if bits == 8 else -(-n // 2)) + 4 * num_blocks(n, block_size)

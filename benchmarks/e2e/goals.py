@@ -75,9 +75,8 @@ def goals(an: dict, results: dict) -> list:
     return g + ran_goal(results)
 
 
-def _packed(rows: dict) -> str | None:
-    """The compressed ACCO contender of a rate's rows: adaptive if it ran, else fixed."""
-    return next((c for c in ("acco-adaptive-int8", "acco-int8") if c in rows), None)
+PACKED = ("acco-adaptive-int8", "acco-int8", "acco-adaptive-int4", "acco-int4")
+"""Compressed ACCO's contenders, each judged on its own."""
 
 
 def compression_goals(an: dict) -> list:
@@ -87,20 +86,14 @@ def compression_goals(an: dict) -> list:
     (against the same ACCO uncompressed). A goal whose contenders did not run is left out."""
     tables, g = an["tables"], []
     for rate, rows in tables.items():
-        c = _packed(rows)
-        if (
-            c
-            and "zero1" in rows
-            and rows[c].get("wire_bytes_per_step")
-            and rows["zero1"].get("wire_bytes_per_step")
-        ):
-            x = rows[c]["wire_bytes_per_step"] / rows["zero1"]["wire_bytes_per_step"]
+        base = (rows.get("zero1") or {}).get("wire_bytes_per_step")
+        for c in [c for c in PACKED if c in rows and rows[c].get("wire_bytes_per_step") and base]:
+            x = rows[c]["wire_bytes_per_step"] / base
             a = (f"{c}: {x:.3f}x ZeRO-1's bytes per step per rank (counted)", verdict(x <= 1 / 3))
             g.append(goal(f"{c} bytes on the wire per step <= 1/3 of ZeRO-1 fp32's ({rate})", a, a))
     slow = an.get("slowest_rate")
     rows = tables.get(slow, {})
-    c = _packed(rows)
-    if c and "zero1" in rows:
+    for c in [c for c in PACKED if c in rows and "zero1" in rows]:
         p = rows[c]["paired"]
         x, xv = p.get("x_time_to_base_loss"), p.get("x_time_to_base_val")
         g.append(

@@ -61,6 +61,8 @@ ORDER = (
     "acco-adaptive",
     "acco-int8",
     "acco-adaptive-int8",
+    "acco-int4",
+    "acco-adaptive-int4",
     "acco-int8-noef",
     "acco-int8-exact-peek",
 )

@@ -60,8 +60,11 @@ CONTENDERS = {
     "acco-adaptive-int8": ("acco", "adaptive"),
     "acco-int8-noef": ("acco", "fixed"),
     "acco-int8-exact-peek": ("acco", "fixed"),
+    "acco-int4": ("acco", "fixed"),
+    "acco-adaptive-int4": ("acco", "adaptive"),
 }
 INT8 = {"commit": "int8", "peek": "int8", "all_gather": "int8"}
+INT4 = {"commit": "int8", "peek": "int4", "all_gather": "int4"}  # four bits where the error is fed back
 CONFIG_CHANGES = {
     # DeepSpeed's own lower-precision communication: its gradients all-reduced in bf16
     "zero1-bf16comm": {"communication_data_type": "bf16"},
@@ -72,6 +75,8 @@ CONFIG_CHANGES = {
     # ablations: without error feedback; the peek (the estimate's gradients) exact
     "acco-int8-noef": {"optimizer.params.compression": {**INT8, "error_feedback": False}},
     "acco-int8-exact-peek": {"optimizer.params.compression": {**INT8, "peek": "none"}},
+    "acco-int4": {"optimizer.params.compression": INT4},
+    "acco-adaptive-int4": {"optimizer.params.compression": INT4},
 }
 """What a contender changes in its mode's DeepSpeed config: a top-level key, or ``optimizer.params.<key>``."""
 

@@ -113,6 +113,12 @@ COMPRESSED["acco_bf16_int8_all_gather"] = (
     "bf16",
     {"commit": "int8", "peek": "int8", "all_gather": "int8", "block_size": 16},
 )
+# four bits where the estimate and the parameter differences tolerate it (two values per byte on the wire)
+COMPRESSED["acco_fp32_int4_peek_and_all_gather"] = (
+    "acco",
+    "fp32",
+    {"commit": "int8", "peek": "int4", "all_gather": "int4", "block_size": 16},
+)
 COMPRESSED["dpu_fp32_all_gather_only"] = (
     "dpu",
     "fp32",
@@ -134,14 +140,18 @@ LONG = (
 
 def ref_compression(spec: dict, precision: str) -> RefCompression:
     return RefCompression(
-        commit=spec.get("commit", "none") == "int8",
-        peek=spec.get("peek", "none") == "int8",
+        commit=spec.get("commit", "none") != "none",
+        peek=spec.get("peek", "none") != "none",
         block_size=spec["block_size"],
         # residuals exist where a gradient exchange is compressed
-        error_feedback=spec.get("error_feedback", True) and "int8" in (spec.get("commit"), spec.get("peek")),
+        error_feedback=spec.get("error_feedback", True)
+        and spec.get("commit", "none") + spec.get("peek", "none") != "nonenone",
         comm_dtype=DTYPES[precision],
         gas=GAS,
-        all_gather=spec.get("all_gather", "none") == "int8",
+        all_gather=spec.get("all_gather", "none") != "none",
+        commit_bits=4 if spec.get("commit") == "int4" else 8,
+        peek_bits=4 if spec.get("peek") == "int4" else 8,
+        all_gather_bits=4 if spec.get("all_gather") == "int4" else 8,
     )
 
 
@@ -375,14 +385,14 @@ def replay_step(mode: str, dtype: str, world: int, spec: RefCompression, t: int,
     out = {}
     if mode == "acco":
         per_rank, n_tilde = ex.accumulate([before["at"]], GAS // 2, compute, grad_fn, next_mb)
-        g_tilde = ex.reduce(per_rank, spec.peek, commit=False)
+        g_tilde = ex.reduce(per_rank, spec.peek, commit=False, bits=spec.peek_bits)
         out["estimate"] = adam.peek(_avg(g_tilde, n_tilde), hyper)[0]
         per_rank, n = ex.accumulate([before["theta_at"]], GAS // 2, compute, grad_fn, next_mb)
-        g = ex.reduce(per_rank, spec.commit)
+        g = ex.reduce(per_rank, spec.commit, bits=spec.commit_bits)
         adam.commit(_avg([g[0] + g_tilde[0]], n + n_tilde), hyper)
     else:
         per_rank, n = ex.accumulate([before["at"]], GAS, compute, grad_fn, next_mb)
-        adam.commit(_avg(ex.reduce(per_rank, spec.commit), n), hyper)
+        adam.commit(_avg(ex.reduce(per_rank, spec.commit, bits=spec.commit_bits), n), hyper)
     out.update(
         theta=adam.theta()[0],
         exp_avg=adam.moment("exp_avg")[0],
@@ -472,7 +482,9 @@ def test_compressed_steps_match_reference(run, name):
             held_est, exact = res["model_at_boundary"][t], want["estimate"].to(DTYPES[dtype]).float()
             slack = TOL[dtype]
             if spec.all_gather:  # within half a quantization step of the difference to theta^t's replicas
-                slack += est_quantization_bound(exact - held[t], world, comp["block_size"])
+                slack += est_quantization_bound(
+                    exact - held[t], world, comp["block_size"], spec.all_gather_bits
+                )
             d = (held_est - exact).abs() - slack
             assert d.max().item() <= 0, f"{where}: estimate off by {d.max().item():.3e} beyond {TOL[dtype]}"
     assert (res["traj"][-1] - res["traj"][0]).abs().max() > 10 * TOL[dtype]
@@ -481,7 +493,7 @@ def test_compressed_steps_match_reference(run, name):
         assert 0 < gap < 0.05 * (res["traj"][-1] - res["traj"][0]).abs().max().item(), f"{name}: gap {gap}"
 
 
-def est_quantization_bound(diff: torch.Tensor, world: int, block_size: int) -> torch.Tensor:
+def est_quantization_bound(diff: torch.Tensor, world: int, block_size: int, bits: int = 8) -> torch.Tensor:
     """Per element, half the quantization step of its block of ``diff`` laid out as the all-gather cuts it
     (chunks of the padded layout, blocks inside each chunk), plus fp32 rounding."""
     n = diff.numel()
@@ -489,7 +501,7 @@ def est_quantization_bound(diff: torch.Tensor, world: int, block_size: int) -> t
     full[:n] = diff
     steps = []
     for chunk in full.view(world, -1):
-        _, scales = quantize(chunk, block_size)
+        _, scales = quantize(chunk, block_size, bits=bits)
         steps.append(scales.repeat_interleave(block_size)[: chunk.numel()])
     return torch.cat(steps)[:n] * 0.5001 + 1e-7
 
@@ -575,6 +587,14 @@ def test_stats_count_bytes_per_round(run, mode):
                 assert st["bytes_received"] == st["rounds"] * want
         if world > 1:
             assert packed["stats"]["last_round_bytes_sent"] < plain["stats"]["last_round_bytes_sent"]
+    if mode == "acco":  # int8 commits, int4 peeks and parameter differences: two rounds of different sizes
+        shard = padded_numel(toy.flat(toy.trainable(toy.build())).numel(), world) // world
+        res = results["acco_fp32_int4_peek_and_all_gather"]
+        int4 = (shard + 1) // 2 + 4 * num_blocks(shard, 16)
+        commit, peek = (world - 1) * (shard + 4 * num_blocks(shard, 16) + int4), (world - 1) * 2 * int4
+        for st in res["stats_per_rank"]:
+            assert st["last_round_bytes_sent"] in (commit, peek)
+            assert st["bytes_sent"] == st["rounds"] // 2 * (commit + peek) + st["rounds"] % 2 * peek, st
     name = {"acco": "acco_bf16_int8_all_gather", "dpu": "dpu_fp32_all_gather_only"}.get(
         mode, "sync_fp32_int8_all_gather"
     )

@@ -192,3 +192,57 @@ def test_bad_arguments_are_refused():
         quantize_with_residual(torch.ones(4), torch.zeros(5), 4)
     with pytest.raises(ValueError, match="scales must be fp32"):
         dequantize(torch.zeros(4, dtype=torch.int8), torch.zeros(2), 4)
+
+
+# -- four bits (values in [-7, 7], two per byte on the wire; the torch reference serves them) -------------
+@pytest.mark.parametrize(("n", "block_size"), [(1, 16), (7, 4), (255, 16), (1000, 64)])
+def test_four_bits_bound_and_scale(n, block_size):
+    x = torch.randn(n, generator=torch.Generator().manual_seed(n)) * 3
+    q, scales = Q.quantize(x, block_size, bits=4)
+    assert q.abs().max() <= 7 and q.dtype == torch.int8
+    deq = Q.dequantize(q, scales, block_size)
+    for b, (block, absmax) in enumerate(ref_blocks(x, block_size)):
+        s = scales[b].item()
+        assert absmax / 7 <= s <= absmax / 7 * (1 + 2**-23) + 2**-149
+        for j, v in enumerate(block):
+            assert abs(v - deq[b * block_size + j].item()) <= s * (0.5 + 2**-16)
+    # four bits lose more than eight: the bound is 127/7 times wider
+    q8, s8 = Q.quantize(x, block_size)
+    assert (Q.dequantize(q8, s8, block_size) - x).abs().max() < (deq - x).abs().max()
+
+
+def test_four_bits_residual_telescopes():
+    g = torch.Generator().manual_seed(6)
+    residual, sent, exact = (
+        torch.zeros(97),
+        torch.zeros(97, dtype=torch.float64),
+        torch.zeros(97, dtype=torch.float64),
+    )
+    for _ in range(50):
+        x = torch.randn(97, generator=g)
+        exact += x.double()
+        q, s = Q.quantize_with_residual(x, residual, 16, bits=4)
+        assert q.abs().max() <= 7
+        sent += Q.dequantize(q, s, 16).double()
+    assert (sent + residual.double() - exact).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("n", [0, 1, 2, 7, 8, 255])
+def test_int4_packing_round_trips(n):
+    q = torch.randint(-7, 8, (n,), dtype=torch.int8, generator=torch.Generator().manual_seed(n))
+    packed = Q.pack_int4(q)
+    assert packed.dtype == torch.uint8 and packed.numel() == (n + 1) // 2
+    assert torch.equal(Q.unpack_int4(packed, n), q)
+    assert Q.wire_bytes(n, 16, 4) == (n + 1) // 2 + 4 * num_blocks(n, 16)
+    assert Q.wire_bytes(n, 16, 8) == n + 4 * num_blocks(n, 16)
+    if n >= 2:  # element 2i in the low nibble, 2i + 1 in the high one, each + 8
+        assert packed[0].item() == (q[0].item() + 8) | ((q[1].item() + 8) << 4)
+
+
+def test_bits_other_than_8_or_4_are_refused():
+    with pytest.raises(ValueError, match="bits must be 8 or 4"):
+        Q.quantize(torch.ones(4), 4, bits=2)
+    with pytest.raises(ValueError, match="bits must be 8 or 4"):
+        Q.quantize_with_residual(torch.ones(4), torch.zeros(4), 4, bits=16)
+    with pytest.raises(ValueError, match="packed must be flat uint8 of 2 bytes"):
+        Q.unpack_int4(torch.zeros(3, dtype=torch.uint8), 4)
