@@ -14,6 +14,9 @@ magnitudes): a scale rounded down could make ``|x_i| / scale_b`` exceed 127 and 
 Precisely: ``absmax_b / 127`` is divided in double, rounded to the nearest fp32, and moved one fp32 step
 up where that rounding went below the double quotient.
 
+Four bits (``bits=4``): the same rule with 7 in place of 127 (q in [-7, 7]); the values travel two per byte
+(:func:`pack_int4` / :func:`unpack_int4`); the torch reference computes them (the C++ kernel serves 8 bits).
+
 Non-finite input never hides inside a scale: a block holding an inf or a NaN gets ``scale_b = NaN``
 (its q are 0), so whatever dequantizes it is NaN there and the global gradient norm of the round is
 non-finite: the round job's skip path (``acco_ds.core.round_job``) skips the step on every rank.
