@@ -87,3 +87,19 @@ if os.environ.get("ACCO_DS_TEST_NO_LAUNCH") == "1":
         _popen_init(self, args, *a, **kw)
 
     subprocess.Popen.__init__ = _refuse_launchers
+
+
+def pytest_collection_modifyitems(config, items):
+    """Longest files first: the benchmarks' smoke runs, then the files that launch ranks, then the rest (a stable
+    sort: each file keeps its order). With parallel workers (``--dist loadfile``) a long file handed out last
+    would finish alone while the other worker idles."""
+
+    def weight(item) -> int:
+        path = str(item.fspath)
+        if os.sep + os.path.join("tests", "benchmarks") + os.sep in path and item.get_closest_marker(
+            "launcher"
+        ):
+            return 0
+        return 1 if item.get_closest_marker("launcher") else 2
+
+    items.sort(key=weight)
