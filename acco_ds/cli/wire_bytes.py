@@ -12,15 +12,18 @@ tensors; ``W`` the group's size, ``B`` the tensor's bytes):
 - ``send`` / ``isend``: ``B``; ``broadcast``: ``B`` from the source, 0 elsewhere (a tree or a ring moves
   at most that per rank).
 
-Receives are not counted (on a ring every rank receives what it sends). Threads: the calls may come from
-the communication thread; the counts are kept under a lock. ``install`` / ``uninstall`` are not thread-safe
-(call them while no collective runs).
+Receives are not counted (on a ring every rank receives what it sends). ``install(bound)`` also wraps the
+collectives a library holds bound under other names (DeepSpeed's backend keeps ``all_gather_into_tensor``
+and ``reduce_scatter_tensor`` so: ``acco_ds.deepspeed.bound_collectives``), counted as the function they are.
+Threads: the calls may come from the communication thread; the counts are kept under a lock. ``install`` /
+``uninstall`` are not thread-safe (call them while no collective runs).
 """
 
 from __future__ import annotations
 
 import functools
 import threading
+from typing import Sequence, Tuple
 
 import torch.distributed as dist
 
@@ -81,16 +84,21 @@ class WireCounter:
         self._lock = threading.Lock()
         self._originals: dict = {}
 
-    def install(self) -> WireCounter:
-        for name in _WRAPPED:
-            fn = getattr(dist, name)
-            self._originals[name] = fn
-            setattr(dist, name, self._wrap(name, fn))
+    def install(self, bound: Sequence[Tuple[object, str, str]] = ()) -> WireCounter:
+        """Wrap the ``torch.distributed`` functions, and each ``(holder, attribute, name)`` of ``bound`` (a
+        collective held under another name, counted as ``torch.distributed.<name>``)."""
+        targets = [(dist, name, name) for name in _WRAPPED] + list(bound)
+        for holder, attr, name in targets:
+            if name not in _WRAPPED:
+                raise ValueError(f"WireCounter: {name!r} is not counted; counted: {', '.join(_WRAPPED)}")
+            fn = getattr(holder, attr)
+            self._originals[(id(holder), attr)] = (holder, attr, fn)
+            setattr(holder, attr, self._wrap(name, fn))
         return self
 
     def uninstall(self) -> None:
-        for name, fn in self._originals.items():
-            setattr(dist, name, fn)
+        for holder, attr, fn in self._originals.values():
+            setattr(holder, attr, fn)
         self._originals = {}
 
     def _wrap(self, name: str, fn):

@@ -94,6 +94,7 @@ def run(spec) -> dict:
     from acco_ds.cli.steplog import StepLog
     from acco_ds.cli.wire_bytes import WireCounter
     from acco_ds.data import load_corpus, stream
+    from acco_ds.deepspeed.bound_collectives import bound_collectives
     from acco_ds.models import build_model
 
     torch.set_num_threads(spec.threads)
@@ -138,7 +139,8 @@ def run(spec) -> dict:
     dist.barrier()
     _wait_at_gate(spec, rank)
     marks["barrier"] = time.perf_counter()
-    wire = WireCounter().install()  # the bytes this rank sends while it trains (not set-up, not evaluation)
+    # the bytes this rank sends while it trains (not set-up, not evaluation), DeepSpeed's bound collectives too
+    wire = WireCounter().install(bound_collectives())
     bar = Progress(spec.steps, enabled=spec.progress and rank == 0, desc=spec.name)
     first_step_unix: list = []  # wall clock of this start's first optimizer step (a restart's recovery)
 

@@ -53,6 +53,40 @@ def test_counts_while_installed_and_restores(group):
     assert counter.calls == 2
 
 
+def test_collectives_held_under_other_names_are_counted(group):
+    """DeepSpeed's backend calls all_gather_into_tensor through an attribute bound at its start; wrapped through
+    ``bound``, the call is counted as the function it is, and put back afterwards."""
+
+    class Backend:
+        def __init__(self):
+            self.all_gather_function = dist.all_gather_into_tensor
+
+    backend = Backend()
+    original = backend.all_gather_function
+    counter = WireCounter().install([(backend, "all_gather_function", "all_gather_into_tensor")])
+    try:
+        out = torch.zeros(8)
+        backend.all_gather_function(output_tensor=out, input_tensor=torch.ones(8))
+        assert counter.calls == 1 and counter.sent == 0  # one rank: (W-1)/W of 32 bytes
+        assert torch.equal(out, torch.ones(8))
+    finally:
+        counter.uninstall()
+    assert backend.all_gather_function is original
+    with pytest.raises(ValueError, match="'barrier' is not counted"):
+        WireCounter().install([(backend, "all_gather_function", "barrier")])
+
+
+def test_deepspeeds_bound_collectives_are_found(group):
+    import deepspeed
+
+    from acco_ds.deepspeed.bound_collectives import bound_collectives
+
+    deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+    names = {(attr, name) for _, attr, name in bound_collectives()}
+    assert ("all_gather_function", "all_gather_into_tensor") in names
+    assert ("reduce_scatter_function", "reduce_scatter_tensor") in names
+
+
 def test_contender_configs():
     knobs = dsconfig.Knobs(micro_batch=2, grad_accum=4, world_size=2, num_params=1000)
     assert runs.contender_config("zero1", knobs) == dsconfig.build_config("zero1", knobs)
