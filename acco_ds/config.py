@@ -228,7 +228,7 @@ class ACCOConfig(BaseModel):
     def _max_mb(cls, v):
         if v is None:
             return None
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or v != int(v) or not math.isfinite(v):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v != int(v):
             raise ValueError("must be an integer")
         if int(v) < 1:
             raise ValueError("must be >= 1")

@@ -68,6 +68,12 @@ BAD_PARAMS = [
         ALLOWED["max_micro_batches_per_round"],
     ),
     ({"max_micro_batches_per_round": 4}, "max_micro_batches_per_round", "4", "accumulation='adaptive'"),
+    (
+        {"accumulation": "adaptive", "max_micro_batches_per_round": float("inf")},
+        "max_micro_batches_per_round",
+        "inf",
+        ALLOWED["max_micro_batches_per_round"],
+    ),
     ({"mode": "sync", "accumulation": "adaptive"}, "accumulation", "'adaptive'", "'fixed' with mode='sync'"),
     ({"compression": {"commit": "fp8"}}, "compression.commit", "'fp8'", ALLOWED["compression.commit"]),
     ({"compression": {"commit": True}}, "compression.commit", "True", ALLOWED["compression.commit"]),
