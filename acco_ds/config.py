@@ -23,7 +23,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 MODES = ("acco", "dpu", "sync")
 ACCUMULATIONS = ("fixed", "adaptive")
 COMM_DTYPES = ("auto", "bf16", "fp32")
-COMPRESSIONS = ("none", "int8", "int4")
 MAX_BLOCK_SIZE = 1 << 20
 MIN_TIMEOUT_S = 1.0
 """Shortest comm_timeout_s accepted: below it a loaded machine would time out healthy rounds."""
