@@ -104,6 +104,12 @@ def parse(argv=None) -> argparse.Namespace:
         help="skip adaptive ACCO's runs at the token budget (framing b then shows no adaptive row)",
     )
     ap.add_argument(
+        "--probe-reps",
+        type=int,
+        default=None,
+        help="calls per timing window of the comm-only probe (default 5, quick 2)",
+    )
+    ap.add_argument(
         "--nice",
         type=int,
         default=0,
@@ -116,6 +122,7 @@ def parse(argv=None) -> argparse.Namespace:
     named = {"all": ALL, "compression": COMPRESSION_CONTENDERS}
     a.contenders = named.get(a.contenders, a.contenders or default_c).split(",")
     a.hetero_contenders = a.hetero_contenders.split(",")
+    a.probe_reps = a.probe_reps or (2 if a.quick else 5)
     if a.quick and a.hetero_contenders == ["zero1", "acco", "acco-adaptive"]:
         a.hetero_contenders = ["zero1", "acco-adaptive"]
     for c in a.contenders + a.hetero_contenders:
@@ -189,7 +196,7 @@ def run_all(a) -> dict:
     if not results["compute"]:
         return results  # nothing to measure against; main reports the failure
     for rate in a.rates:
-        comm, err = sweep.attempt(lambda rate=rate: runs.run_comm_probe(setup, rate), _log)
+        comm, err = sweep.attempt(lambda rate=rate: runs.run_comm_probe(setup, rate, a.probe_reps), _log)
         if comm is None:
             why = (
                 f"the comm-only probe at {rate} failed twice ({err}; see {setup.work}): not run at this rate"

@@ -65,6 +65,7 @@ ORDER = (
     "acco-adaptive-int4",
     "acco-int8-noef",
     "acco-int8-exact-peek",
+    "acco-int8-peek-int4",
 )
 
 

@@ -60,6 +60,7 @@ CONTENDERS = {
     "acco-adaptive-int8": ("acco", "adaptive"),
     "acco-int8-noef": ("acco", "fixed"),
     "acco-int8-exact-peek": ("acco", "fixed"),
+    "acco-int8-peek-int4": ("acco", "fixed"),
     "acco-int4": ("acco", "fixed"),
     "acco-adaptive-int4": ("acco", "adaptive"),
 }
@@ -75,6 +76,7 @@ CONFIG_CHANGES = {
     # ablations: without error feedback; the peek (the estimate's gradients) exact
     "acco-int8-noef": {"optimizer.params.compression": {**INT8, "error_feedback": False}},
     "acco-int8-exact-peek": {"optimizer.params.compression": {**INT8, "peek": "none"}},
+    "acco-int8-peek-int4": {"optimizer.params.compression": {**INT8, "peek": "int4"}},
     "acco-int4": {"optimizer.params.compression": INT4},
     "acco-adaptive-int4": {"optimizer.params.compression": INT4},
 }

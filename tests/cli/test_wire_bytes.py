@@ -98,6 +98,7 @@ def test_contender_configs():
         ("sync-int8", {"commit": "int8", "all_gather": "int8"}),
         ("acco-int8-noef", {"commit": "int8", "peek": "int8", "all_gather": "int8", "error_feedback": False}),
         ("acco-int8-exact-peek", {"commit": "int8", "peek": "none", "all_gather": "int8"}),
+        ("acco-int8-peek-int4", {"commit": "int8", "peek": "int4", "all_gather": "int8"}),
     ):
         mode, acc = runs.CONTENDERS[label]
         cfg = runs.contender_config(label, dsconfig.Knobs(**{**knobs.__dict__, "accumulation": acc}))

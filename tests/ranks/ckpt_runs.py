@@ -1,5 +1,5 @@
 """The launches shared by tests/checkpoint/test_reshard.py and tests/checkpoint/test_universal.py (run once
-per pytest process, see :func:`runs`): five ``deepspeed`` launches of ``ckpt_reshard_worker.py`` on 1, 3,
+per test session, see :func:`runs`): five ``deepspeed`` launches of ``ckpt_reshard_worker.py`` on 1, 3,
 2, 1 and 3 ranks, and two ``ds_to_universal.py`` conversions between them.
 
 Re-sharding (``CASES``): each case saves an ACCO checkpoint on its ``source`` world size after
@@ -17,11 +17,13 @@ ZeRO-1 AdamW and ACCO:
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import torch
+from filelock import FileLock
 
 from tests.ranks.launch import REPO, rank_env, run_deepspeed
 
@@ -127,14 +129,37 @@ def to_universal(folder: Path, tag: str, inject: bool) -> subprocess.CompletedPr
 _RUNS: dict = {}
 
 
+def shared_base(base: Path) -> Path:
+    """The folder the runs go in: ``base`` (pytest's temporary folder of this process), or, under pytest-xdist
+    workers (``PYTEST_XDIST_WORKER`` set; ``base`` is then ``<session root>/popen-gw<N>``), the session root
+    every worker shares, so the two test files that read the runs launch them once between them."""
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
 def runs(base: Path) -> dict:
-    """Run everything once (under ``base``); returns {"out": folder, "jobs": {name: [record per rank]},
+    """Run everything once per test session (under ``shared_base(base)``; a file lock makes the other workers
+    wait for the first and then read its records); returns {"out": folder, "jobs": {name: [record per rank]},
     "cases": CASES, "world": {name: world size}}."""
     if _RUNS:
         return _RUNS
-    out = base / "ckpt_runs"
+    out = shared_base(base) / "ckpt_runs"
     out.mkdir(parents=True, exist_ok=True)
     all_jobs = jobs(out)
+    done = out / "records.pt"
+    with FileLock(str(out / ".lock")):
+        if done.exists():
+            records = torch.load(done, weights_only=False)
+        else:
+            records = _launch_all(out, all_jobs)
+            torch.save(records, out / "records.pt.tmp")
+            (out / "records.pt.tmp").replace(done)
+    world = {j["name"]: WORLD_OF_LAUNCH[j["launch"]] for j in all_jobs}
+    _RUNS.update(out=out, jobs=records, cases=CASES, world=world, spec={j["name"]: j for j in all_jobs})
+    return _RUNS
+
+
+def _launch_all(out: Path, all_jobs: list) -> dict:
+    """The five launches and the two conversions; {job name: [record per rank]}."""
     spec = out / "jobs.json"
     spec.write_text(json.dumps(all_jobs))
     records: dict = {}
@@ -147,6 +172,4 @@ def runs(base: Path) -> dict:
             to_universal(out / "uni_z1", "z1", inject=True)
         if launch == 1:
             to_universal(out / "uni_a3", "a3", inject=False)
-    world = {j["name"]: WORLD_OF_LAUNCH[j["launch"]] for j in all_jobs}
-    _RUNS.update(out=out, jobs=records, cases=CASES, world=world, spec={j["name"]: j for j in all_jobs})
-    return _RUNS
+    return records
