@@ -34,13 +34,15 @@ import time
 from pathlib import Path
 
 from acco_ds.plan import units
-from acco_ds.plan.model import CONTENDERS, PlanInputs, predict
+from acco_ds.plan.model import COMPRESSED_CONTENDERS, CONTENDERS, PlanInputs, predict
 from benchmarks.harness import analysis
 from benchmarks.harness.cli import parser
 from benchmarks.harness.records import results_dir
 from benchmarks.plan_validation.paper import validate_paper
 from benchmarks.plan_validation.report import render
 
+PREDICTED = CONTENDERS + COMPRESSED_CONTENDERS
+"""The contenders acco-plan has a row for (the compressed ones: every exchange int8)."""
 DEFAULT_STREAM_BW = 30e9  # only if kernels_cpu.md is missing; the optimizer step is < 0.5% of a step here
 
 
@@ -48,6 +50,11 @@ def parse(argv=None) -> argparse.Namespace:
     ap = parser("plan_validation", __doc__)
     ap.add_argument(
         "--e2e", default=str(results_dir("e2e") / "e2e.json"), help="the e2e benchmark's raw JSON"
+    )
+    ap.add_argument(
+        "--e2e-compression",
+        default=str(results_dir("e2e") / "e2e_compression.json"),
+        help="the e2e benchmark's raw JSON of the compressed contenders (skipped if absent)",
     )
     ap.add_argument(
         "--memory",
@@ -147,7 +154,7 @@ def _measured_runs(block: dict, ds: dict, default_bucket: float):
     """``(label, run, reduce bucket)`` for each contender's run of one rate's ``block`` that has a step time;
     the bucket: the one DeepSpeed's settings ``ds`` name for it, else ``default_bucket``."""
     for label, run in block["runs"].items():
-        if label not in CONTENDERS or not isinstance(run, dict) or "step_time_s" not in run:
+        if label not in PREDICTED or not isinstance(run, dict) or "step_time_s" not in run:
             continue
         yield label, run, (ds.get(label) or {}).get("reduce_bucket_size") or default_bucket
 
@@ -320,7 +327,7 @@ def main(argv=None) -> int:
         v["notes"] = v.get("notes", []) + a.note
     else:
         hbm, hbm_source = stream_bw(Path(a.kernels))
-        mem_path, topo_path = Path(a.memory), Path(a.topology)
+        mem_path, topo_path, comp_path = Path(a.memory), Path(a.topology), Path(a.e2e_compression)
         v = {
             "meta": {
                 "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
@@ -329,6 +336,9 @@ def main(argv=None) -> int:
                 "hbm_source": hbm_source,
             },
             "e2e": validate_e2e(json.loads(Path(a.e2e).read_text()), hbm),
+            "e2e_compression": validate_e2e(json.loads(comp_path.read_text()), hbm)
+            if comp_path.is_file()
+            else None,
             "topology": validate_topology(json.loads(topo_path.read_text()), hbm)
             if topo_path.is_file()
             else None,

@@ -34,7 +34,7 @@ def step_table(rows: list) -> list:
 
     def cells(r):
         mbs = ""
-        if r["contender"] == "acco-adaptive":
+        if "adaptive" in r["contender"]:
             mbs = f"{r['measured_mb_per_step']:.2f} / {r['predicted_mb_per_step']:g}"
         return [
             r["rate"],
@@ -54,6 +54,27 @@ def step_table(rows: list) -> list:
         "| error | micro-batches/step/rank measured / predicted |",
         map(cells, rows),
     )
+
+
+def compression_section(c: dict | None) -> list:
+    """The compressed contenders' step times (bench_e2e ``--contenders compression``) against acco-plan's int8 rows,
+    calibrated by that sweep's own compute-only bound and comm-only probe (uncompressed: the plan scales the
+    bytes)."""
+    L = ["", "## Step time, compressed rounds (bench_e2e, every exchange int8)", ""]
+    if not c:
+        return L + ["No bench_e2e results of the compressed contenders were found: not compared."]
+    rows = c["rows"]
+    within = [r for r in rows if r["step_err"] is not None and abs(r["step_err"]) <= TOLERANCE]
+    cal = ", ".join(f"{x['rate']} {_bw(x['bw'])}" for x in c["calibration"])
+    L += [
+        f"Sweep of {c['source']['date']} (`{c['source']['command']}`). Calibration from the same sweep: one "
+        f"micro-batch {1e3 * c['t_mb_s']:.1f} ms (compute-only bound), bus bandwidth per rank {cal} (comm-only "
+        f"probe, fp32); acco-plan's int8 rows send n (1 + 4/B) bytes per exchange and add the quantize passes. "
+        f"Contenders it has no row for (int4, the ablations) are not predicted. {len(within)} of {len(rows)} "
+        f"within +-{100 * TOLERANCE:.0f}%.",
+        "",
+    ]
+    return L + step_table(rows)
 
 
 def render(v: dict) -> str:
@@ -120,6 +141,7 @@ def render(v: dict) -> str:
                 for r in e["hetero"]
             ),
         )
+    L += compression_section(v.get("e2e_compression"))
     t = v.get("topology")
     L += ["", "## Step time, bench_topology (two nodes, tensor parallelism inside a node)", ""]
     if not t:
