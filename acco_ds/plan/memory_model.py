@@ -23,6 +23,9 @@ from dataclasses import dataclass
 from typing import List
 
 CONTENDERS = ("zero1", "zero2", "sync", "dpu", "acco")
+COMPRESSED = ("acco-int8",)
+"""ACCO with every exchange int8 (``optimizer.params.compression`` commit, peek and all-gather int8)."""
+COMPRESSION_BLOCK = 256  # the default block_size: one fp32 scale per block of int8 values
 ACCO_MODES = ("sync", "dpu", "acco")
 DTYPE_SIZE = {"bf16": 2, "fp32": 4}
 FP32 = 4
@@ -164,8 +167,29 @@ def buffers(
         return _zero2(D, W, 0.25 if bucket_frac is None else bucket_frac)
     if contender in ACCO_MODES:
         return _acco(contender, D, W, largest_frac, comm_D or D)
-    allowed = ", ".join(CONTENDERS + ("zero1-overlap",))
+    if contender.endswith("-int8") and contender.removesuffix("-int8") in ACCO_MODES:
+        mode = contender.removesuffix("-int8")
+        return _acco(mode, D, W, largest_frac, comm_D or D) + compression_buffers(D, comm_D or D, W)
+    allowed = ", ".join(CONTENDERS + ("zero1-overlap",) + COMPRESSED)
     raise ValueError(f"unknown contender {contender!r}; choose from {allowed}")
+
+
+def compression_buffers(D: int, comm_D: int, W: int, block: int = COMPRESSION_BLOCK) -> List[Buffer]:
+    """What int8 compression adds to an acco_ds mode (``acco_ds.core.compressed_comm``): the error-feedback
+    residual, held (one full buffer in the comm dtype: the most compression may cost over the same mode
+    uncompressed, in held memory); while a round exchanges, the whole buffer's int8 values and fp32 scales and
+    one fp32 shard-sized chunk being quantized or summed."""
+    c = "D" if comm_D == D else "C"
+    return [
+        Buffer("error-feedback residual (full, comm dtype)", comm_D, "held", c),
+        Buffer(
+            "int8 values + fp32 scales of the buffer (a round's exchange)",
+            1 + 4 / block,
+            "transient",
+            "1 + 4/B",
+        ),
+        Buffer("fp32 chunk quantized or summed (one shard)", FP32 / W, "transient", "4/W"),
+    ]
 
 
 def held(bufs: List[Buffer]) -> float:

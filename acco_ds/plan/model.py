@@ -24,7 +24,8 @@ Compressed rounds (``optimizer.params.compression``, every exchange int8: commit
 docs/ALGORITHM.md "Compressed rounds"): the rows ``sync-int8``, ``acco-int8`` and ``acco-adaptive-int8`` are
 the rules above with ``C_round8 = T_rs(n (1 + 4/B)) + T_opt + T_ag(n (1 + 4/B)) + T_q`` (int8 plus one fp32
 scale per block of B; ``T_q`` the quantize / dequantize passes at ``hbm_bw``, ``quant_bytes_per_param``) and
-one more full buffer held (the error-feedback residual, in the comm dtype).
+one more full buffer held (the error-feedback residual, in the comm dtype) plus a round's int8 values and one fp32
+chunk while it exchanges (``memory_model.compression_buffers``).
 """
 
 from __future__ import annotations
@@ -226,13 +227,9 @@ def memory_buffers(contender: str, i: PlanInputs, d: dict) -> list:
     """What one GPU holds at its peak (memory_model, the formulas bench_memory prints), per parameter
     of the GPU: DeepSpeed's buckets at ``--reduce-bucket-size``, the world the data-parallel one."""
     D, C = DTYPE_SIZE[i.param_dtype], DTYPE_SIZE[i.comm_dtype]
-    name = contender.removesuffix("-int8")
-    name = "acco" if name == "acco-adaptive" else name
+    name = contender.replace("acco-adaptive", "acco")
     bucket = d["bucket_frac"] if name.startswith("zero") else None
-    bufs = memory_model.buffers(name, D, d["dp_world"], i.largest_frac, C, bucket_frac=bucket)
-    if contender.endswith("-int8"):
-        bufs.append(memory_model.Buffer("error-feedback residual (full, comm dtype)", C, "held", "C"))
-    return bufs
+    return memory_model.buffers(name, D, d["dp_world"], i.largest_frac, C, bucket_frac=bucket)
 
 
 def _rows(i: PlanInputs, d: dict) -> Dict[str, dict]:

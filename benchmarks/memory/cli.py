@@ -62,7 +62,8 @@ def parse(argv=None) -> argparse.Namespace:
     ap.add_argument(
         "--contenders",
         default=None,
-        help=f"comma-separated of {','.join(memory_model.CONTENDERS)} (default all; quick zero1,acco)",
+        help=f"comma-separated of {','.join(memory_model.CONTENDERS + memory_model.COMPRESSED)} (default "
+        f"{','.join(memory_model.CONTENDERS)}; quick zero1,acco)",
     )
     ap.add_argument(
         "--cases",
@@ -114,7 +115,7 @@ def parse(argv=None) -> argparse.Namespace:
         ("--archs", a.archs, ARCHS),
         ("--sizes", a.sizes, tuple(SIZES)),
         ("--dtypes", a.dtypes, tuple(memory_model.DTYPE_SIZE)),
-        ("--contenders", a.contenders, memory_model.CONTENDERS),
+        ("--contenders", a.contenders, memory_model.CONTENDERS + memory_model.COMPRESSED),
     ):
         for v in values:
             if v not in allowed:
@@ -127,7 +128,7 @@ def parse(argv=None) -> argparse.Namespace:
     for name in ("steps", "micro_batch", "grad_accum", "context", "threads"):
         if getattr(a, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
-    if "acco" in a.contenders and a.grad_accum % 2:
+    if {"acco", "acco-int8"} & set(a.contenders) and a.grad_accum % 2:
         ap.error(f"acco needs an even --grad-accum (two rounds of GAS/2 per step), got {a.grad_accum}")
     for kv in a.rank_env:
         if "=" not in kv or not kv.split("=", 1)[0]:

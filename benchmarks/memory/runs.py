@@ -16,14 +16,18 @@ from pathlib import Path
 
 from acco_ds.cli import dsconfig
 from acco_ds.cli.launch import free_port, launch_command, run_ranks
+from acco_ds.plan.memory_model import COMPRESSED
 
 RANK_MODULE = "benchmarks.ranks.memory"
+COMPRESSION = {"commit": "int8", "peek": "int8", "all_gather": "int8"}
+"""The compression of the ``acco-int8`` contender (``acco_ds.plan.memory_model.COMPRESSED``)."""
 
 
 def ds_config(
     contender: str, world: int, dtype: str, n_params: int, micro_batch: int, grad_accum: int, steps: int
 ):
-    """The contender's DeepSpeed config: acco-train's (``acco_ds.cli.dsconfig``) for these knobs."""
+    """The contender's DeepSpeed config: acco-train's (``acco_ds.cli.dsconfig``) for these knobs; ``acco-int8``:
+    acco's with every exchange int8 (``optimizer.params.compression``)."""
     knobs = dsconfig.Knobs(
         micro_batch=micro_batch,
         grad_accum=grad_accum,
@@ -33,6 +37,10 @@ def ds_config(
         bf16=dtype == "bf16",
         num_params=n_params,
     )
+    if contender in COMPRESSED:
+        cfg = dsconfig.build_config(contender.removesuffix("-int8"), knobs)
+        cfg["optimizer"]["params"]["compression"] = dict(COMPRESSION)
+        return cfg
     return dsconfig.build_config(contender, knobs)
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 from acco_ds.plan import memory_model as mm
 
 MIB = 2**20
-ORDER = mm.CONTENDERS
+ORDER = mm.CONTENDERS + mm.COMPRESSED
 
 
 def _measured(run: dict | None) -> bool:
@@ -73,9 +73,13 @@ def analyse(results: dict) -> dict:
                 )
                 held = run.get("held")
                 if held:
-                    row["code_held"] = (held["full"] + held["shards"]) / n
-                    want = mm.acco_held_bytes(contender, D, D, W, held["padded_numel"])
-                    row["code_matches_formula"] = want == {"full": held["full"], "shards": held["shards"]}
+                    row["code_held"] = (held["full"] + held["shards"] + held.get("residuals", 0)) / n
+                    mode = contender.removesuffix("-int8")
+                    want = mm.acco_held_bytes(mode, D, D, W, held["padded_numel"])
+                    ok = want == {"full": held["full"], "shards": held["shards"]}
+                    if contender in mm.COMPRESSED:  # plus exactly one full buffer: the residual
+                        ok = ok and held.get("residuals") == held["padded_numel"] * D
+                    row["code_matches_formula"] = ok
             rows.append(row)
         goals += _case_goals(case, rows, D, W)
     return {"rows": rows, "goals": goals}
@@ -102,6 +106,19 @@ def _case_goals(case: dict, rows: list, D: int, W: int) -> list:
                     "met" if acco["extra"] <= 3.3 else "**missed**",
                 )
             )
+    packed = mine.get("acco-int8")
+    if packed and acco and packed.get("code_held") and acco.get("code_held"):
+        extra_held = packed["code_held"] - acco["code_held"]
+        out.append(
+            (
+                f"{case['key']}: acco-int8 holds at most one buffer in the comm dtype ({D} B/param) over acco",
+                f"{extra_held:+.3f} B/param held (the residual, counted in the code); at the peak "
+                f"{(packed['peak'] - acco['peak']) / case['params']:+.2f} B/param measured "
+                f"(analytic {packed['analytic_peak'] - acco['analytic_peak']:+.2f}: the residual and a round's "
+                "int8 values and fp32 chunk)",
+                "met" if extra_held <= D + 1e-9 else "**missed**",
+            )
+        )
     if sync and z1 and sync.get("peak") is not None and z1.get("peak") is not None:
         out.append(
             (
@@ -157,7 +174,8 @@ def _goals(an: dict) -> list:
 
 
 def _summary(results: dict, an: dict) -> list:
-    others = [c for c in ORDER if c != "zero1"]
+    ran = {c for case in results["cases"] for c in case["runs"]}
+    others = [c for c in ORDER if c != "zero1" and (c in mm.CONTENDERS or c in ran)]
     head = (
         "| model | params | dtype | W | baseline MiB | ZeRO-1 peak MiB | "
         + " | ".join(f"{c} extra B/param (analytic)" for c in others)

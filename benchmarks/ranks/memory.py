@@ -110,13 +110,17 @@ def live_tensor_bytes(device_type: str) -> int:
 
 
 def held_by_acco(engine) -> dict | None:
-    """Sum of ``GroupBuffers.held_bytes()`` over the ACCO pipeline's groups, with the element counts
+    """Sum of ``GroupBuffers.held_bytes()`` over the ACCO pipeline's groups (and, with compression, the bytes of
+    its error-feedback residuals: ``residuals``), with the element counts
     the analytic formula needs; None for a DeepSpeed optimizer (and for an acco_ds older than
     ``held_bytes``: the code before the rotating in-place buffers, which a comparison sweep ran)."""
     pipe = getattr(engine.optimizer, "pipeline", None)
     if pipe is None or not all(hasattr(g, "held_bytes") for g in pipe.groups):
         return None
     out = {"full": 0, "shards": 0, "padded_numel": 0, "numel": 0, "groups": []}
+    residuals = [r for r in getattr(pipe, "residuals", []) if r is not None]
+    if residuals:  # compression's error-feedback residuals (one full buffer per group, comm dtype)
+        out["residuals"] = sum(r.numel() * r.element_size() for r in residuals)
     for g in pipe.groups:
         held = g.held_bytes()
         out["full"] += held["full"]

@@ -49,6 +49,28 @@ def test_analytic_bytes_are_what_a_pipeline_holds(mode, param_dtype, comm):
         pipe.close()
 
 
+@pytest.mark.parametrize("param_dtype,comm", [(torch.bfloat16, "bf16"), (torch.float32, "fp32")])
+def test_compression_holds_one_residual_buffer(param_dtype, comm):
+    """acco with every exchange int8 holds acco's buffers plus one residual per group, full size, comm dtype:
+    what the ``acco-int8`` row of the analytic model adds to acco's held bytes."""
+    ensure_single_rank_group()
+    model = torch.nn.Sequential(torch.nn.Linear(37, 53), torch.nn.Linear(53, 11)).to(param_dtype)
+    groups = [list(model[0].parameters()), list(model[1].parameters())]
+    comp = {"commit": "int8", "peek": "int8", "all_gather": "int8"}
+    cfg = ACCOConfig(mode="acco", comm_dtype=comm, compression=comp)
+    pipe = ACCOPipeline(groups, lambda: [Hyper(1e-3, 0.9, 0.999, 1e-8, 0.0)] * 2, cfg, 2, 0.0)
+    try:
+        D = SIZE[param_dtype]
+        for g, r in zip(pipe.groups, pipe.residuals):
+            assert r.numel() * r.element_size() == g.layout.padded_numel * D
+            assert g.held_bytes() == memory_model.acco_held_bytes("acco", D, D, 1, g.layout.padded_numel)
+    finally:
+        pipe.close()
+    plain, packed = memory_model.buffers("acco", D, 2, 0.0), memory_model.buffers("acco-int8", D, 2, 0.0)
+    assert memory_model.held(packed) == memory_model.held(plain) + D
+    assert memory_model.peak(packed) == pytest.approx(memory_model.peak(plain) + D + 1 + 4 / 256 + 4 / 2)
+
+
 def test_goal_bound_and_buffers():
     assert memory_model.goal_bound(2, 2) == pytest.approx(3.3)
     assert memory_model.goal_bound(4, 4) == pytest.approx(5.5)
