@@ -20,7 +20,8 @@ What the engine calls and what happens:
 - ``zero_grad()``: nothing to do: the round's gradients live in ACCO's buffer, zeroed at each
   round end; the ``.grad`` views into it stay (or are put back by the next ``backward_prologue``).
 - ``param_groups`` / ``optimizer``: those of a real ``torch.optim.AdamW`` over the fp32 master
-  shards (never stepped itself), so DeepSpeed, HF and torch LR schedulers drive lr/betas/wd.
+  shards (never stepped itself; ``param_groups.ParamGroupHolder``), so DeepSpeed, HF and torch LR schedulers
+  drive lr/betas/wd.
 - ``state`` (= ``optimizer.state``): per fp32 master shard, as DeepSpeed's ZeRO-1 exposes its inner
   optimizer's: ``exp_avg`` and ``exp_avg_sq`` are ACCO's moment shards themselves (views, not copies),
   ``step`` a 0-dim fp32 tensor, the applied commits (``ShardState``).
@@ -47,6 +48,7 @@ from acco_ds.deepspeed import checkpoint
 from acco_ds.deepspeed.accessors import link_accessors
 from acco_ds.deepspeed.evaluation import EvaluationView
 from acco_ds.deepspeed.monitor import ACCOMonitor
+from acco_ds.deepspeed.param_groups import ParamGroupHolder
 from acco_ds.ops.adamw_settings import AdamWSettings
 
 
@@ -149,7 +151,7 @@ class ACCOZeroOptimizer(ZeROOptimizer):
         torch_groups = []
         for g, b in zip(groups, self.pipeline.groups):
             torch_groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": [b.master]})
-        self.optimizer = torch.optim.AdamW(torch_groups)  # holds param_groups for schedulers; never stepped
+        self.optimizer = ParamGroupHolder(torch_groups)  # holds param_groups for schedulers; never stepped
         self._link_state()
         self.single_partition_of_fp32_groups = [b.master for b in self.pipeline.groups]
         self.overflow = False
