@@ -114,7 +114,9 @@ def fake_runs(monkeypatch):
     monkeypatch.setattr(link, "throttle_unavailable", lambda: None)
     monkeypatch.setattr(runs, "run_contender", contender)
     monkeypatch.setattr(runs, "run_compute_only", compute)
-    monkeypatch.setattr(runs, "run_comm_probe", lambda setup, rate, reps: {"t_comm_s": 0.1, "t_reduce_s": 0.05})
+    monkeypatch.setattr(
+        runs, "run_comm_probe", lambda setup, rate, reps: {"t_comm_s": 0.1, "t_reduce_s": 0.05}
+    )
     return launched, failing
 
 
