@@ -13,12 +13,10 @@ digest=$( { echo "$PY"; cat pyproject.toml setup.py; find csrc -type f | LC_ALL=
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$digest" ] && "$PY" -c "import acco_ds, deepspeed, torch" 2>/dev/null; then
   exit 0
 fi
-# --no-compile: Python compiles each module's bytecode when it is first imported (into the environment, once);
-# compiling every file of torch, triton and transformers at install time took a third of the set-up.
 if ! "$PY" -c "import torch" 2>/dev/null; then
-  "$PY" -m pip install --quiet --no-compile "torch==${ACCO_DS_TORCH_VERSION:-2.13.0}"
+  "$PY" -m pip install --quiet "torch==${ACCO_DS_TORCH_VERSION:-2.13.0}"
 fi
 TORCH_PIN="torch==$("$PY" -c 'import torch; print(torch.__version__)')"
-"$PY" -m pip install --quiet --no-compile -e ".[dev]" "$TORCH_PIN"
+"$PY" -m pip install --quiet -e ".[dev]" "$TORCH_PIN"
 echo "$digest" >"$STAMP"
 echo "acco_ds installed into $("$PY" -c 'import sys; print(sys.prefix)')"
