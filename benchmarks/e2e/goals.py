@@ -89,10 +89,10 @@ PACKED = ("acco-adaptive-int8", "acco-int8", "acco-adaptive-int4", "acco-int4")
 
 def compression_goals(an: dict) -> list:
     """The compressed rounds' goals (docs/BENCHMARKS.md, "Compressed rounds"), where their contenders ran:
-        bytes per step against ZeRO-1 fp32's, time to ZeRO-1's final loss at the slowest rate, steps/s against
-        acco_ds sync with the same compression there, and the cost of the quantize passes where the link is fast
-        (against the same ACCO uncompressed, at 400 Mbit/s and faster), and the loss after enough unthrottled steps
-    (``quality_goals``). A goal whose contenders did not run is left out."""
+    bytes per step against ZeRO-1 fp32's, time to ZeRO-1's final loss at the slowest rate, steps/s against
+    acco_ds sync with the same compression there, and the cost of the quantize passes where the link is fast
+    (against the same ACCO uncompressed, at 400 Mbit/s and faster; the loss: ``quality_goals``). A goal whose
+    contenders did not run is left out."""
     tables, g = an["tables"], []
     for rate, rows in tables.items():
         base = (rows.get("zero1") or {}).get("wire_bytes_per_step")

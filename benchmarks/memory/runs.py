@@ -17,10 +17,9 @@ from pathlib import Path
 from acco_ds.cli import dsconfig
 from acco_ds.cli.launch import free_port, launch_command, run_ranks
 from acco_ds.plan.memory_model import COMPRESSED
+from acco_ds.plan.model import COMPRESSION_CONFIG
 
 RANK_MODULE = "benchmarks.ranks.memory"
-COMPRESSION = {"commit": "int8", "peek": "int8", "all_gather": "int8"}
-"""The compression of the ``acco-int8`` contender (``acco_ds.plan.memory_model.COMPRESSED``)."""
 
 
 def ds_config(
@@ -39,7 +38,7 @@ def ds_config(
     )
     if contender in COMPRESSED:
         cfg = dsconfig.build_config(contender.removesuffix("-int8"), knobs)
-        cfg["optimizer"]["params"]["compression"] = dict(COMPRESSION)
+        cfg["optimizer"]["params"]["compression"] = dict(COMPRESSION_CONFIG)
         return cfg
     return dsconfig.build_config(contender, knobs)
 
