@@ -40,6 +40,7 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from setuptools import Extension, setup
@@ -191,16 +192,24 @@ class AccoBuildExt(build_ext):
         if mode == "0":
             _log("ACCO_DS_BUILD_EXT=0: pure-Python install, no compiled kernels.")
             return
-        for ext in self.extensions:
-            built = False
-            try:
-                built = self.build_extension(ext)
-            except Exception as e:  # noqa: BLE001 - reported, then re-raised in forced mode
+        # The modules build side by side (each its own ninja; nvcc's long compile of the CUDA module overlaps
+        # the g++ ones); a forced mode's failure is raised once every build has ended.
+        with ThreadPoolExecutor(max_workers=max(1, len(self.extensions))) as pool:
+            outcomes = list(pool.map(self._build_one, self.extensions))
+        for ext, (built, error) in zip(self.extensions, outcomes):
+            if error is not None:
                 if mode == "1" or (ext.name.endswith("cuda") and _mode("ACCO_DS_BUILD_CUDA") == "1"):
-                    raise
-                _log(f"building {ext.name} failed ({type(e).__name__}: {e}); installing without it.")
+                    raise error
+                _log(f"building {ext.name} failed ({type(error).__name__}: {error}); installing without it.")
             if not built:
                 self._drop_stale_output(ext)
+
+    def _build_one(self, ext: Extension) -> tuple:
+        """(built, the exception that stopped the build or None)."""
+        try:
+            return self.build_extension(ext), None
+        except Exception as e:  # noqa: BLE001 - handed back to build_extensions, which reports or re-raises it
+            return False, e
 
     def build_extension(self, ext: Extension) -> bool:
         """Build ``ext``; False when it was skipped (its module is then not installed)."""

@@ -8,7 +8,7 @@ visible to this process: the GPU kernel tests use it directly.
 
 ``make test-fast`` (``scripts/run_tests.sh --fast``) deselects the tests marked ``launcher`` and sets
 ``ACCO_DS_TEST_NO_LAUNCH=1``: then a launcher started from this process anyway (the ``deepspeed`` runner,
-``torchrun``, ``accelerate launch``) raises, so a launching test without the marker shows up at once.
+``torchrun``, ``accelerate launch``; ``tests/ranks/launch.run_local`` checks it too) raises, so a launching test without the marker shows up at once.
 """
 
 import os

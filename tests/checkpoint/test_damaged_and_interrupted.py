@@ -1,7 +1,7 @@
 """A save killed half-way, and checkpoints that cannot be loaded (docs/RELIABILITY.md, "Interrupted
 save").
 
-Multi-rank part (2 ranks, the ``deepspeed`` launcher): a job saves ``step2``, trains on and dies while
+Multi-rank part (2 ranks, started as the ``deepspeed`` launcher starts them): a job saves ``step2``, trains on and dies while
 rank 1 writes its optimizer file of ``step4`` (half the bytes written, SIGKILL; rank 0 went on with
 its own save meanwhile). Through acco_ds's save, ``latest`` still names ``step2``, the partial save
 is a ``step4.acco-partial`` folder, and a new job resumes from ``step2`` with exactly the parameters
@@ -31,7 +31,7 @@ from acco_ds.deepspeed.checkpoint.guard import STAGING_SUFFIX
 from tests.checkpoint.common import acco_engine
 from tests.ranks import toy
 from tests.ranks.inproc import ensure_single_rank_group
-from tests.ranks.launch import REPO, deepspeed_cmd, free_port, rank_env
+from tests.ranks.launch import REPO, run_local
 
 pytestmark = pytest.mark.launcher  # starts ranks through a launcher (left out by make test-fast)
 
@@ -39,19 +39,8 @@ WORKER = REPO / "tests" / "ranks" / "ckpt_kill_worker.py"
 
 
 def _launch(args: list, expect_ok: bool) -> subprocess.CompletedProcess:
-    cmd = deepspeed_cmd() + [
-        "--num_gpus",
-        "2",
-        "--master_addr",
-        "127.0.0.1",
-        "--master_port",
-        str(free_port()),
-        str(WORKER),
-        *map(str, args),
-    ]
-    proc = subprocess.run(cmd, env=rank_env(), cwd=REPO, capture_output=True, text=True, timeout=300)
-    out = proc.stdout + proc.stderr
-    assert (proc.returncode == 0) == expect_ok, f"rc={proc.returncode}\n{out[-4000:]}"
+    proc = run_local(WORKER, 2, args, timeout=300, check=False)
+    assert (proc.returncode == 0) == expect_ok, f"rc={proc.returncode}\n{proc.stdout[-4000:]}"
     return proc
 
 

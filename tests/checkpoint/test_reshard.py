@@ -1,5 +1,5 @@
 """An ACCO checkpoint resumed on another world size (docs/CHECKPOINTS.md "Changing the
-world size"), ranks started by the deepspeed launcher on CPU (the runs: tests/ranks/ckpt_runs.py).
+world size"), ranks started as the deepspeed launcher starts them, on CPU (the runs: tests/ranks/ckpt_runs.py).
 
 Pairs 2 -> 1, 2 -> 3, 3 -> 2, 1 -> 2 in sync, dpu and acco (fp32), plus acco in bf16, saves inside a step
 (a commit or a peek in flight, micro-batches accumulated), a resume with another

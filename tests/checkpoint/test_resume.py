@@ -1,5 +1,5 @@
 """Checkpoints through ``engine.save_checkpoint`` / ``engine.load_checkpoint`` (docs/ALGORITHM.md,
-properties 5 and 6), ranks started by the deepspeed launcher on CPU with gloo.
+properties 5 and 6), ranks started as the deepspeed launcher starts them, on CPU with gloo.
 
 One launch saves mid-run in every mode (sync, dpu, acco; fp32 and bf16; at an accumulation boundary,
 and inside a step with a peek in flight and gradients half accumulated; adaptive accumulation with a
@@ -18,7 +18,7 @@ import torch
 
 from tests.ranks import toy
 from tests.ranks.ckpt_worker import linear_vector
-from tests.ranks.launch import REPO, run_deepspeed
+from tests.ranks.launch import REPO, run_local
 
 pytestmark = pytest.mark.launcher  # starts ranks through a launcher (left out by make test-fast)
 
@@ -136,7 +136,7 @@ def runs(tmp_path_factory):
     worker = REPO / "tests" / "ranks" / "ckpt_worker.py"
     res = {}
     for phase, world in (("first", WORLD), ("resume", WORLD), ("other_world", 1)):
-        run_deepspeed(worker, world, ["--scenarios", spec, "--out", out, "--phase", phase])
+        run_local(worker, world, ["--scenarios", spec, "--out", out, "--phase", phase])
         res[phase] = torch.load(out / f"{phase}.pt", weights_only=False)
     return out, res
 

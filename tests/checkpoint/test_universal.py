@@ -1,5 +1,5 @@
 """DeepSpeed universal checkpoints both ways between DeepSpeed's ZeRO-1 AdamW and ACCO,
-ranks started by the deepspeed launcher on CPU (the runs: tests/ranks/ckpt_runs.py):
+ranks started as the deepspeed launcher starts them, on CPU (the runs: tests/ranks/ckpt_runs.py):
 
 ZeRO-1 AdamW (1 rank) saves -> ``ds_to_universal.py --inject_missing_state`` -> ACCO (3 ranks,
 ``"checkpoint": {"load_universal": true}``) continues and saves -> ``ds_to_universal.py`` (no flag needed) ->

@@ -17,7 +17,7 @@ import torch
 
 from acco_ds.core.reference import RefHyper, reference_rounds
 from tests.ranks.adaptive_worker import DIM, LR, WD, vector
-from tests.ranks.launch import REPO, run_deepspeed
+from tests.ranks.launch import REPO, run_local
 
 pytestmark = pytest.mark.launcher  # starts ranks through a launcher (left out by make test-fast)
 
@@ -31,7 +31,7 @@ RUNS = [f"clip{c}" for c in CLIPS] + [f"cap{CAP}"]
 @pytest.fixture(scope="module", params=["acco", "dpu"])
 def run(request, tmp_path_factory):
     out = tmp_path_factory.mktemp(f"adaptive_{request.param}")
-    run_deepspeed(
+    run_local(
         REPO / "tests" / "ranks" / "adaptive_worker.py",
         2,
         [

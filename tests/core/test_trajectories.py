@@ -1,4 +1,4 @@
-"""docs/ALGORITHM.md properties 1-4 on real DeepSpeed engines, ranks started by the deepspeed launcher:
+"""docs/ALGORITHM.md properties 1-4 on real DeepSpeed engines, ranks started as the deepspeed launcher starts them:
 sync/dpu/acco trajectories equal the single-process reference (W = 1, 2, 3; fp32 and bf16; tied
 weights, a frozen parameter, a parameter count divisible by neither 2 nor 3; an LR warm-up), with
 gradient clipping off and with clipping that acts at every step; sync equals DeepSpeed's own ZeRO-1;

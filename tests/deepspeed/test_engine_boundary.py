@@ -17,7 +17,7 @@ import torch
 
 from acco_ds.core.reference import RefHyper, reference_run
 from tests.ranks import toy
-from tests.ranks.launch import REPO, rank_env, run_deepspeed
+from tests.ranks.launch import REPO, rank_env, run_local
 
 pytestmark = pytest.mark.launcher  # starts ranks through a launcher (left out by make test-fast)
 
@@ -80,7 +80,7 @@ def results(tmp_path_factory):
     ]
     (tmp / "scenarios.json").write_text(json.dumps(scenarios))
     args = ["--scenarios", tmp / "scenarios.json", "--out", tmp]
-    run_deepspeed(REPO / "tests" / "ranks" / "boundary_worker.py", WORLD, args, env=rank_env())
+    run_local(REPO / "tests" / "ranks" / "boundary_worker.py", WORLD, args, env=rank_env())
     return torch.load(tmp / "results.pt", weights_only=False)
 
 

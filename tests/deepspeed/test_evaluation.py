@@ -3,7 +3,7 @@
 ``safe_get_full_fp32_param`` hold, never acco's estimate or dpu's previous commit, at every point of
 the pipeline (prologue, a peek in flight, a commit in flight, twice in a row); and training after an
 evaluation ends bit for bit where the run without it does. acco and dpu, fixed and adaptive
-accumulation, fp32 and bf16; 2 ranks through the deepspeed launcher."""
+accumulation, fp32 and bf16; 2 ranks started as the deepspeed launcher starts them (tests/ranks/launch.py, run_local)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.ranks import toy
-from tests.ranks.launch import REPO, run_deepspeed
+from tests.ranks.launch import REPO, run_local
 
 pytestmark = pytest.mark.launcher  # starts ranks through a launcher (left out by make test-fast)
 
@@ -67,7 +67,7 @@ def results(tmp_path_factory):
             )
     spec = tmp / "scenarios.json"
     spec.write_text(json.dumps(scenarios))
-    run_deepspeed(REPO / "tests" / "ranks" / "eval_worker.py", 2, ["--scenarios", spec, "--out", tmp])
+    run_local(REPO / "tests" / "ranks" / "eval_worker.py", 2, ["--scenarios", spec, "--out", tmp])
     return torch.load(tmp / "results.pt", weights_only=False)
 
 

@@ -18,7 +18,7 @@ import json
 import pytest
 import torch
 
-from tests.ranks.launch import REPO, run_deepspeed
+from tests.ranks.launch import REPO, run_local
 
 pytestmark = pytest.mark.launcher  # starts ranks through a launcher (left out by make test-fast)
 
@@ -57,7 +57,7 @@ def launch(tmp, world: int, scenarios: list) -> dict:
     spec.write_text(json.dumps(scenarios))
     out = tmp / f"w{world}"
     out.mkdir()
-    run_deepspeed(REPO / "tests" / "ranks" / "tp_worker.py", world, ["--scenarios", spec, "--out", out])
+    run_local(REPO / "tests" / "ranks" / "tp_worker.py", world, ["--scenarios", spec, "--out", out])
     return torch.load(out / "results.pt", weights_only=False)
 
 

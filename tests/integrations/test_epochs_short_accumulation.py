@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tests.integrations.trainer_config import AUTO, trainer_ds_config
-from tests.ranks.launch import REPO, run_deepspeed
+from tests.ranks.launch import REPO, run_local
 
 pytestmark = pytest.mark.launcher  # starts ranks through a launcher (left out by make test-fast)
 
@@ -61,7 +61,7 @@ def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("epochs")
     (tmp / "configs.json").write_text(json.dumps(CONFIGS))
     args = ["--output_dir", tmp, "--configs", tmp / "configs.json", "--samples", SAMPLES, "--epochs", EPOCHS]
-    run_deepspeed(
+    run_local(
         REPO / "tests" / "ranks" / "epochs_worker.py", WORLD, args + ["--gradient_accumulation_steps", GAS]
     )
     return torch.load(tmp / "result.pt", weights_only=False)

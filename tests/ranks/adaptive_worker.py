@@ -1,4 +1,4 @@
-"""Adaptive accumulation with one slow rank (started by the deepspeed launcher).
+"""Adaptive accumulation with one slow rank (started as the deepspeed launcher starts ranks).
 
 The model is linear, loss = <w, c>, so a micro-batch's gradient is its own vector c, whatever w
 is: the gradient of every peek and commit can be rebuilt exactly from which micro-batches entered

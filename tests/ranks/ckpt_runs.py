@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from filelock import FileLock
 
-from tests.ranks.launch import REPO, rank_env, run_deepspeed
+from tests.ranks.launch import REPO, rank_env, run_local
 
 GAS, STEPS, SAVE = 4, 5, 2
 PAIRS = ((2, 1), (2, 3), (3, 2), (1, 2))
@@ -164,7 +164,7 @@ def _launch_all(out: Path, all_jobs: list) -> dict:
     spec.write_text(json.dumps(all_jobs))
     records: dict = {}
     for launch, world in enumerate(WORLD_OF_LAUNCH):
-        run_deepspeed(WORKER, world, ["--jobs", spec, "--out", out, "--launch_index", launch])
+        run_local(WORKER, world, ["--jobs", spec, "--out", out, "--launch_index", launch])
         per_rank = torch.load(out / f"launch{launch}.pt", weights_only=False)
         for name in per_rank[0]:
             records[name] = [r[name] for r in per_rank]

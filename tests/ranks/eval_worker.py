@@ -1,4 +1,4 @@
-"""Per-rank worker for the evaluation tests (tests/deepspeed/test_evaluation.py), started by the deepspeed launcher.
+"""Per-rank worker for the evaluation tests (tests/deepspeed/test_evaluation.py), started as the deepspeed launcher starts ranks.
 
 Each scenario trains the toy model for ``steps`` engine steps of GAS micro-batches and, after the
 micro-batches listed in ``eval_at`` (``[step, micro]`` pairs; a pair listed twice evaluates twice in a

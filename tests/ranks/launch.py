@@ -1,5 +1,14 @@
-"""Start ranks the way users do: DeepSpeed's launcher on 127.0.0.1, through ``acco_ds.cli.launch`` (the
-launcher command and environment ``acco-train`` uses), plus what the tests need on top.
+"""Start the ranks of a test: W processes on 127.0.0.1 with the environment a launcher gives them.
+
+Two ways, the same ranks: ``run_deepspeed`` goes through DeepSpeed's launcher exactly as users do (its runner, then
+its per-node launcher, through ``acco_ds.cli.launch``: the command and environment ``acco-train`` uses), for the
+tests about launching; ``run_local`` starts the W rank processes itself with what that per-node launcher gives
+each of them (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_SIZE``, ``CROSS_RANK``, ``CROSS_SIZE``,
+``MASTER_ADDR``/``MASTER_PORT``, ``--local_rank=<r>`` first on the command line, ``python -u``), and, like it,
+stops the others when one fails. The rank scripts of the algorithm, checkpoint and integration tests use
+``run_local``: the launcher's two extra interpreters (each imports torch and DeepSpeed, about 5 CPU-seconds
+per launch) test nothing there, and the DeepSpeed launcher keeps its own tests (tests/ranks/test_cpu_ranks.py,
+tests/integrations/, tests/cli/, tests/reliability/test_peer_loss.py, the benchmarks' quick runs).
 
 The ranks of the CPU tests run on the CPU also on a machine with GPUs (``rank_env()``): the same suite passes
 unchanged there. ``accelerator="cuda"`` (the GPU tests, NCCL) leaves the GPUs visible. Rank scripts live in this
@@ -7,8 +16,14 @@ folder and are launched by path; the repository root reaches them through PYTHON
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 import subprocess
+import sys
+import tempfile
+import time
 from pathlib import Path
 
 from acco_ds.cli import launch as cli_launch
@@ -28,6 +43,7 @@ __all__ = [
     "free_port",
     "rank_env",
     "run_deepspeed",
+    "run_local",
 ]
 
 
@@ -76,6 +92,87 @@ def run_deepspeed(script: Path, world: int, args: list, timeout: float = 600, en
     return proc
 
 
+def run_local(
+    script: Path, world: int, args: list, timeout: float = 600, env: dict | None = None, check: bool = True
+):
+    """Start ``world`` ranks of ``script`` on 127.0.0.1 (``python -u script --local_rank=<r> args``, the environment
+    DeepSpeed's per-node launcher gives rank r) and wait for them; returns a CompletedProcess whose stdout holds
+    every rank's output (stdout and stderr), rank by rank. When a rank exits non-zero the others are terminated
+    (SIGTERM, then SIGKILL after 10 s) as DeepSpeed's launcher does. After ``timeout`` seconds, or on a failure
+    when ``check``, it raises AssertionError with the end of each rank's output; with ``check=False`` a failed run
+    returns with the first failed rank's status as ``returncode``. Removes the ranks' DeepSpeed shm buffers
+    after."""
+    if os.environ.get("ACCO_DS_TEST_NO_LAUNCH") == "1":
+        raise RuntimeError(
+            f"ACCO_DS_TEST_NO_LAUNCH=1 (make test-fast) but this test starts ranks of {script}. Mark it "
+            "@pytest.mark.launcher (or the module with pytestmark = pytest.mark.launcher)."
+        )
+    port = free_port()
+    base = dict(env or rank_env())
+    base.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        WORLD_SIZE=str(world),
+        LOCAL_SIZE=str(world),
+        CROSS_RANK="0",
+        CROSS_SIZE="1",
+    )
+    cmds = [[sys.executable, "-u", str(script), f"--local_rank={r}", *map(str, args)] for r in range(world)]
+    with tempfile.TemporaryDirectory(prefix="ranks_") as logs, contextlib.ExitStack() as files:
+        outs = [files.enter_context(open(Path(logs) / f"rank{r}.log", "w+")) for r in range(world)]
+        procs = [
+            subprocess.Popen(
+                cmds[r], env={**base, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=outs[r],
+                stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True,
+            )
+            for r in range(world)
+        ]  # fmt: skip
+        why, rc = _wait_all(procs, time.monotonic() + timeout, timeout)
+        cli_launch.cleanup_shm(port, world)
+        text = []
+        for r, fh in enumerate(outs):
+            fh.seek(0)
+            text.append(f"--- rank {r} (exit {procs[r].returncode}) ---\n{fh.read()}")
+    if why and (check or why.startswith("did not finish")):
+        tails = "\n".join(t[-3000:] for t in text)
+        raise AssertionError(f"ranks of {script} (world {world}) {why}: {' '.join(cmds[0])}\n{tails}")
+    return subprocess.CompletedProcess(cmds[0], rc, stdout="\n".join(text), stderr="")
+
+
+def _wait_all(procs: list, deadline: float, timeout: float) -> tuple:
+    """Wait for every rank; ("", 0) when all exited 0, else (what went wrong, the status of the first rank seen
+    failing, or -9 after a timeout); the others are then stopped."""
+    while None in [
+        p.poll() for p in procs
+    ]:  # a list: every rank polled, not only up to the first one running
+        failed = [(r, p.returncode) for r, p in enumerate(procs) if p.returncode not in (None, 0)]
+        if failed:
+            _stop(procs)
+            return "failed: " + ", ".join(f"rank {r} exited with status {rc}" for r, rc in failed), failed[0][
+                1
+            ]
+        if time.monotonic() > deadline:
+            _stop(procs)
+            return f"did not finish in {timeout:.0f} s", -9
+        time.sleep(0.05)
+    failed = [(r, p.returncode) for r, p in enumerate(procs) if p.returncode != 0]
+    if failed:
+        return "failed: " + ", ".join(f"rank {r} exited with status {rc}" for r, rc in failed), failed[0][1]
+    return "", 0
+
+
+def _stop(procs: list) -> None:
+    """SIGTERM to every rank still running (its whole process group), SIGKILL to those alive 10 s later."""
+    for sig, grace in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
+        alive = [p for p in procs if p.poll() is None]
+        for p in alive:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, sig)
+        end = time.monotonic() + grace
+        while any(p.poll() is None for p in alive) and time.monotonic() < end:
+            time.sleep(0.05)
+
+
 def run_scenarios(world: int, scenarios: list, tmp: Path, backend: str = "gloo") -> dict:
     """Run the toy-model scenarios on ``world`` ranks; returns rank 0's results (see tests/ranks/worker.py)."""
     import torch
@@ -84,5 +181,5 @@ def run_scenarios(world: int, scenarios: list, tmp: Path, backend: str = "gloo")
     spec.write_text(json.dumps(scenarios))
     args = ["--scenarios", spec, "--out", tmp, "--backend", backend]
     env = rank_env(accelerator="cuda" if backend == "nccl" else "cpu")
-    run_deepspeed(REPO / "tests" / "ranks" / "worker.py", world, args, env=env)
+    run_local(REPO / "tests" / "ranks" / "worker.py", world, args, env=env)
     return torch.load(tmp / "results.pt", weights_only=False)

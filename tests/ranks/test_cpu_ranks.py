@@ -8,10 +8,11 @@ be empty in the rank when torch is imported, and DeepSpeed's accelerator must be
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
-from tests.ranks.launch import CPU_RANKS_HOOK, HIDE_CUDA_ENV, rank_env, run_deepspeed
+from tests.ranks.launch import CPU_RANKS_HOOK, HIDE_CUDA_ENV, rank_env, run_deepspeed, run_local
 
 RANK_SCRIPT = """
 import json, os, sys
@@ -73,3 +74,50 @@ def test_ds_accelerator_cpu_makes_a_cpu_run_on_a_gpu_machine(monkeypatch):
     assert a.world_size == 2 and a.dtype == "fp32"
     monkeypatch.delenv("DS_ACCELERATOR")
     assert launch._cuda_device_count() == 1 and launch.default_world_size() == 1
+
+
+LOCAL_SCRIPT = """
+import json, os, sys, time
+keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "CROSS_RANK", "CROSS_SIZE", "MASTER_ADDR", "CUDA_VISIBLE_DEVICES")
+rank = int(os.environ["RANK"])
+print(f"rank {rank} says hello", flush=True)
+if sys.argv[-1] == "fail":
+    if rank == 1:
+        sys.exit(3)
+    time.sleep(120)
+with open(os.path.join(sys.argv[-1], f"rank{rank}.json"), "w") as f:
+    json.dump({"env": {k: os.environ.get(k) for k in keys}, "argv": sys.argv[1:]}, f)
+"""
+
+
+@pytest.mark.launcher
+def test_run_local_gives_each_rank_what_the_deepspeed_launcher_gives(tmp_path):
+    """The environment and ``--local_rank`` of each rank as DeepSpeed's per-node launcher sets them, CUDA hidden;
+    every rank's output comes back."""
+    script = tmp_path / "rank.py"
+    script.write_text(LOCAL_SCRIPT)
+    proc = run_local(script, 3, [tmp_path], timeout=120)
+    assert proc.returncode == 0 and all(f"rank {r} says hello" in proc.stdout for r in range(3))
+    ports = set()
+    for r in range(3):
+        seen = json.loads((tmp_path / f"rank{r}.json").read_text())
+        env = seen.pop("env")
+        ports.add(env.pop("MASTER_ADDR"))
+        assert seen == {"argv": [f"--local_rank={r}", str(tmp_path)]}
+        assert env == {"RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "3", "LOCAL_SIZE": "3",
+                       "CROSS_RANK": "0", "CROSS_SIZE": "1", "CUDA_VISIBLE_DEVICES": ""}  # fmt: skip
+    assert ports == {"127.0.0.1"}
+
+
+@pytest.mark.launcher
+def test_run_local_stops_the_other_ranks_when_one_fails(tmp_path):
+    """Rank 1 exits 3 at once while rank 0 would sleep 2 minutes: rank 0 is stopped within seconds, the error
+    names rank 1 and its status and quotes the ranks' output; ``check=False`` returns that status instead."""
+    script = tmp_path / "rank.py"
+    script.write_text(LOCAL_SCRIPT)
+    t0 = time.monotonic()
+    with pytest.raises(AssertionError, match="rank 1 exited with status 3") as err:
+        run_local(script, 2, ["fail"], timeout=120)
+    assert time.monotonic() - t0 < 60 and "rank 0 says hello" in str(err.value)
+    proc = run_local(script, 2, ["fail"], timeout=120, check=False)
+    assert proc.returncode == 3 and "rank 1 says hello" in proc.stdout

@@ -30,7 +30,7 @@ import torch
 
 from acco_ds.core.reference import RefHyper, reference_trajectory
 from tests.ranks import toy
-from tests.ranks.launch import REPO, run_deepspeed
+from tests.ranks.launch import REPO, run_local
 
 pytestmark = pytest.mark.launcher  # starts ranks through a launcher (left out by make test-fast)
 
@@ -133,7 +133,7 @@ def results(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("nonfinite")
     spec = tmp / "scenarios.json"
     spec.write_text(json.dumps(scenarios()))
-    run_deepspeed(REPO / "tests" / "ranks" / "faults_worker.py", WORLD, ["--scenarios", spec, "--out", tmp])
+    run_local(REPO / "tests" / "ranks" / "faults_worker.py", WORLD, ["--scenarios", spec, "--out", tmp])
     return torch.load(tmp / "results.pt", weights_only=False)
 
 
