@@ -147,7 +147,7 @@ pytest_step() {  # pytest_step SUITE FILE...
 step_install() {
   env ACCO_DS_BUILD_EXT=0 "$PY" -m pip install --no-index --no-deps --no-build-isolation --no-warn-script-location -e .
 }
-step_kernels() { pytest_step kernels tests/gpu/test_kernels_gpu.py; }
+step_kernels() { pytest_step kernels tests/gpu/test_kernels_gpu.py tests/gpu/test_quantize_gpu.py; }
 step_pipeline() { pytest_step pipeline tests/gpu/test_pipeline_gpu.py; }
 step_stress() { pytest_step stress tests/gpu/test_stress_gpu.py; }
 step_bench_kernels() {
@@ -165,12 +165,12 @@ STEPS=(
   "gpu 10 gpu_present"
   "bundle 40 bundle_install"
   "install 25 step_install"
-  "build 90 build"
-  "kernels 60 step_kernels"
-  "bench_kernels 90 step_bench_kernels"
-  "pipeline 50 step_pipeline"
-  "overlap 80 step_overlap"
-  "stress 40 step_stress"
+  "build 80 build"
+  "kernels 85 step_kernels"
+  "bench_kernels 75 step_bench_kernels"
+  "pipeline 70 step_pipeline"
+  "overlap 65 step_overlap"
+  "stress 35 step_stress"
 )
 
 if [ "${1:-}" = "--step" ]; then  # run_step's child: one step, in its own time limit

@@ -27,6 +27,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 BYTES = {"commit": 28, "peek": 16}  # as benchmarks/kernels/table.py's BYTES
+QUANT_BYTES = {"qres_fp32": 13 + 4 / 256, "qres_bf16": 7 + 4 / 256, "deq_add": 9 + 4 / 256}  # its QUANT_BYTES
 BIG = 10_000_000
 STALL_THRESHOLD_US = (
     100.0  # as benchmarks/gpu_overlap/timeline.py (this script imports nothing of the project)
@@ -90,10 +91,11 @@ def kernel_goals(results: Path) -> list:
         return [
             _row("commit/peek >= 85% of the copy bandwidth", "kernels_cuda.json missing", None),
             _row("peek >= 3x clone/step/restore", "kernels_cuda.json missing", None),
+            _row("quantize/dequantize-add >= 80% of the copy bandwidth", "kernels_cuda.json missing", None),
         ]
     res = json.loads(path.read_text())
     copy = res["stream"]["probes"]["copy"]["gbs"]
-    fractions, speedups = [], []
+    fractions, speedups, quant = [], [], []
     for entry in res["results"]:
         n, t = entry["params"], entry["median_s"]
         if n < BIG:
@@ -102,8 +104,10 @@ def kernel_goals(results: Path) -> list:
             fractions.append((n, key, BYTES[key] * n / t[key] / 1e9 / copy))
         if "clone_step_restore" in t:
             speedups.append((n, t["clone_step_restore"] / t["peek"]))
+        quant += [(n, key, b * n / t[key] / 1e9 / copy) for key, b in QUANT_BYTES.items() if key in t]
     frac = ", ".join(f"{k} {n / 1e6:g}M {100 * f:.0f}%" for n, k, f in fractions)
     spd = ", ".join(f"{n / 1e6:g}M {s:.1f}x" for n, s in speedups)
+    qfrac = ", ".join(f"{k} {n / 1e6:g}M {100 * f:.0f}%" for n, k, f in quant)
     return [
         _row(
             "commit/peek >= 85% of the copy bandwidth",
@@ -112,6 +116,11 @@ def kernel_goals(results: Path) -> list:
         ),
         _row("peek >= 3x clone/step/restore", spd or "no clone/step/restore timing", bool(speedups) and all(
             s >= 3 for _, s in speedups)),
+        _row(
+            "quantize/dequantize-add >= 80% of the copy bandwidth",
+            qfrac or "no quantize timing at a size >= 10M",
+            bool(quant) and all(f >= 0.80 for *_, f in quant) if quant else None,
+        ),
     ]  # fmt: skip
 
 

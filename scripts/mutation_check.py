@@ -296,6 +296,23 @@ MUTANTS = [
         "    if me != 0:\n        chunks[me].copy_(_plus_dequantized(own_base, q, scales, block_size))\n",
         ("tests/core/test_trajectories.py::test_compressed_replicas_are_bitwise_identical",),
     ),
+    Mutant(
+        "M31",
+        "compressed exchange in its collective (NCCL) form: the owner sums the peers' chunks in another order "
+        "than the point-to-point form (other bits at W = 3)",
+        "acco_ds/core/compressed_comm.py",
+        "            src = (me - k) % world\n            dequantize_add(total, _from_wire(got_q[src]",
+        "            src = (me + k) % world\n            dequantize_add(total, _from_wire(got_q[src]",
+        ("tests/core/test_trajectories.py::test_collective_exchange_gives_the_point_to_point_bits",),
+    ),
+    Mutant(
+        "M32",
+        "Triton quantizer: the scale rounded to the nearest fp32 instead of up (|x| / scale may pass 127)",
+        "acco_ds/ops/triton_kernels/quantize.py",
+        "    scale = tl.where(scale.to(tl.float64) < wide, up, scale)\n",
+        "    scale = tl.where(scale.to(tl.float64) < wide, scale, scale)\n",
+        ("tests/ops/test_quantize_triton.py::test_triton_kernels_under_interpreter",),
+    ),
 ]
 
 

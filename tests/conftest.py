@@ -7,8 +7,9 @@ environment from ``tests/ranks/launch.rank_env`` (CPU, or CUDA for the GPU tests
 visible to this process: the GPU kernel tests use it directly.
 
 ``make test-fast`` (``scripts/run_tests.sh --fast``) deselects the tests marked ``launcher`` and sets
-``ACCO_DS_TEST_NO_LAUNCH=1``: then a launcher started from this process anyway (the ``deepspeed`` runner,
-``torchrun``, ``accelerate launch``; ``tests/ranks/launch.run_local`` checks it too) raises, so a launching test without the marker shows up at once.
+``ACCO_DS_TEST_NO_LAUNCH=1``: then a launcher started from this process anyway (the ``deepspeed`` runner or its
+per-node launcher, ``torchrun``, ``accelerate launch``; ``tests/ranks/launch.run_local`` checks it too) raises,
+so a launching test without the marker shows up at once.
 """
 
 import os
@@ -62,7 +63,7 @@ def _remove_deepspeed_shm_buffers():
                 os.unlink(path)
 
 
-_LAUNCHER_MODULES = ("deepspeed.launcher.runner", "torch.distributed.run")
+_LAUNCHER_MODULES = ("deepspeed.launcher.runner", "deepspeed.launcher.launch", "torch.distributed.run")
 _LAUNCHER_PROGRAMS = ("deepspeed", "torchrun", "accelerate")
 
 

@@ -1,12 +1,16 @@
 """Starting the ranks of a run through DeepSpeed's launcher.
 
-Contract: ``launch_command(spec_path, world, port)`` is the argv of
-``python -m deepspeed.launcher.runner --num_gpus W --master_addr 127.0.0.1 --master_port P
---module acco_ds.cli.worker --spec SPEC``: one node, W ranks, every socket on 127.0.0.1 (gloo on
-CPU, NCCL on GPUs). ``run_ranks`` runs it (optionally wrapped, e.g. in a throttled network
-namespace by the benchmark), with ``OMP_NUM_THREADS`` set to the threads per rank and the
-package importable by the ranks, removes the shared-memory buffers DeepSpeed leaves behind on
-CPU (``cleanup_shm``), and raises ``LaunchError`` with the tail of the output when a rank fails.
+Contract: ``launch_command(spec_path, world, port)`` is the argv of DeepSpeed's per-node launcher for one node
+(``python -u -m deepspeed.launcher.launch --world_info=<localhost: 0..W-1> --master_addr=127.0.0.1
+--master_port=P --module acco_ds.cli.worker --spec SPEC``): exactly the command the ``deepspeed`` command's
+runner builds and starts for a job on one machine, started without the runner, an interpreter that imports torch
+and DeepSpeed only to start it (about 2.5 s of CPU and of start-up per run). W ranks, every socket on 127.0.0.1
+(gloo on CPU, NCCL on GPUs); the per-node launcher sets each rank's environment, passes ``--local_rank`` and
+stops every rank when one fails, as under ``deepspeed``. ``runner_command`` is the ``deepspeed`` command
+itself (what users type; the tests of that path use it). ``run_ranks`` runs either (optionally wrapped, e.g. in
+a throttled network namespace by the benchmark), with ``OMP_NUM_THREADS`` set to the threads per rank and the
+package importable by the ranks, removes the shared-memory buffers DeepSpeed leaves behind on CPU
+(``cleanup_shm``), and raises ``LaunchError`` with the tail of the output when a rank fails.
 
 Where the ranks run (``rank_env``): on GPUs with NCCL when there is one GPU per rank; otherwise on the CPU
 with gloo (``DS_ACCELERATOR=cpu``), also on a machine with fewer GPUs than ranks (NCCL refuses two ranks on
@@ -16,6 +20,8 @@ run (default world size 2) on a machine with GPUs too.
 
 from __future__ import annotations
 
+import base64
+import json
 import os
 import shlex
 import socket
@@ -65,8 +71,19 @@ def default_world_size() -> int:
 
 
 def launcher_prefix() -> List[str]:
-    """DeepSpeed's launcher (what the ``deepspeed`` command runs), with this interpreter, unbuffered."""
+    """The ``deepspeed`` command (DeepSpeed's runner), with this interpreter, unbuffered."""
     return [sys.executable, "-u", "-m", "deepspeed.launcher.runner"]
+
+
+def _target(target: str) -> List[str]:
+    """A module is run as ``python -m`` (``--module``), a ``.py`` path as a script."""
+    return [target] if target.endswith(".py") else ["--module", target]
+
+
+def world_info(world: int) -> str:
+    """``--world_info`` of a one-node job of ``world`` ranks, encoded as DeepSpeed's runner encodes it
+    (``encode_world_info``: URL-safe base64 of the JSON ``{"localhost": [0, ..., W-1]}``)."""
+    return base64.urlsafe_b64encode(json.dumps({"localhost": list(range(world))}).encode()).decode()
 
 
 def launch_command(
@@ -76,14 +93,36 @@ def launch_command(
     target: str = "acco_ds.cli.worker",
     extra: List[str] | None = None,
 ) -> List[str]:
-    """The launcher argv. ``target`` is a module (run as ``python -m``) or a ``.py`` script path;
-    ``--spec spec_path`` (when given) and ``extra`` are passed to every rank."""
-    cmd = launcher_prefix() + ["--num_gpus", str(world)]
-    cmd += ["--master_addr", "127.0.0.1", "--master_port", str(port), "--log_level", "warning"]
-    cmd += [target] if target.endswith(".py") else ["--module", target]
+    """The per-node launcher argv (see the module docstring). ``target`` is a module (run as ``python -m``) or a
+    ``.py`` script path; ``--spec spec_path`` (when given) and ``extra`` are passed to every rank."""
+    cmd = [sys.executable, "-u", "-m", "deepspeed.launcher.launch", f"--world_info={world_info(world)}"]
+    cmd += ["--master_addr=127.0.0.1", f"--master_port={port}", "--log_level=warning", *_target(target)]
     if spec_path:
         cmd += ["--spec", str(spec_path)]
     return cmd + list(extra or [])
+
+
+def runner_command(world: int, port: int, target: str, extra: List[str] | None = None) -> List[str]:
+    """The ``deepspeed`` command's argv for ``world`` ranks on 127.0.0.1 (``deepspeed --num_gpus W
+    --master_addr 127.0.0.1 --master_port P [--module] target extra``), as users start a job."""
+    cmd = launcher_prefix() + ["--num_gpus", str(world)]
+    cmd += ["--master_addr", "127.0.0.1", "--master_port", str(port), "--log_level", "warning"]
+    return cmd + _target(target) + list(extra or [])
+
+
+def launched_world_and_port(cmd: List[str]) -> tuple:
+    """(world size, master port) of a ``launch_command`` or ``runner_command`` argv; None where absent."""
+    world = port = None
+    for i, arg in enumerate(cmd):
+        if arg.startswith("--world_info="):
+            world = sum(len(v) for v in json.loads(base64.urlsafe_b64decode(arg.split("=", 1)[1])).values())
+        elif arg.startswith("--master_port="):
+            port = int(arg.split("=", 1)[1])
+        elif arg == "--num_gpus" and i + 1 < len(cmd):
+            world = int(cmd[i + 1])
+        elif arg == "--master_port" and i + 1 < len(cmd):
+            port = int(cmd[i + 1])
+    return world, port
 
 
 def rank_env(threads: int, world: int | None = None) -> dict:
@@ -129,10 +168,6 @@ def cleanup_shm(port: int, world: int, addr: str = "127.0.0.1") -> int:
     return removed
 
 
-def _flag(cmd: List[str], name: str) -> str | None:
-    return cmd[cmd.index(name) + 1] if name in cmd[:-1] else None
-
-
 def run_ranks(
     cmd: List[str],
     threads: int,
@@ -149,8 +184,8 @@ def run_ranks(
     to ``log_path`` and stderr too, unless ``show_stderr`` keeps it on the terminal (the progress
     bar and any traceback). Raises LaunchError, quoting the end of the log, on a non-zero exit."""
     full = wrap(shlex.join(cmd)) if wrap else cmd
-    world = _flag(cmd, "--num_gpus")
-    env = rank_env(threads, int(world) if world else None)
+    world, port = launched_world_and_port(cmd)
+    env = rank_env(threads, world)
     env.update(env_extra or {})
     tail = ""
     try:
@@ -162,9 +197,8 @@ def run_ranks(
                 proc = subprocess.run(full, env=env, stdout=fh, stderr=err, timeout=timeout)
             tail = "\n".join(Path(log_path).read_text(errors="replace").splitlines()[-40:])
     finally:
-        port, world = _flag(cmd, "--master_port"), _flag(cmd, "--num_gpus")
         if port and world:
-            cleanup_shm(int(port), int(world), _flag(cmd, "--master_addr") or "127.0.0.1")
+            cleanup_shm(port, world)
     if proc.returncode != 0:
         where = f" (log: {log_path})" if log_path else ""
         raise LaunchError(

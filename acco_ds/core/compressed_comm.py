@@ -5,28 +5,32 @@ reduce-scatter and the parameter all-gather, and the byte counts of a round's co
 is compressed: each rank quantizes its WHOLE flat gradient buffer (``acco_ds.ops.quantize``, blockwise
 int8 with one fp32 scale per block; the blocks are cut inside each rank's shard-sized chunk, the last
 block of a chunk short), adding its error-feedback residual first and keeping what quantization lost
-in it; it sends chunk r's int8 values and scales to rank r (point-to-point, one peer at a time, as the
-uncompressed gloo path; gloo has no int8 reduction); the owner dequantizes every rank's chunk of its
-shard (its own included) and sums them in fp32, in the order own, me-1, me-2, ... (mod W), and writes
-the sum into its own slice of the buffer, in the buffer's dtype. From there the round goes on exactly
-as an uncompressed one (average, norm, clipping, AdamW, all-gather).
+in it; it sends chunk r's int8 values and scales to rank r (no backend sums int8: on gloo point-to-point,
+one peer at a time, as the uncompressed gloo path; on NCCL one ``all_to_all_single`` of the values and one of
+the scales); the owner dequantizes every rank's chunk of its shard (its own included) and sums them in fp32,
+in the order own, me-1, me-2, ... (mod W) on every backend, and writes the sum into its own slice of the
+buffer, in the buffer's dtype. From there the round goes on exactly as an uncompressed one (average, norm,
+clipping, AdamW, all-gather).
 
-Threads and ownership: called on the communication side (the executor's worker thread) with the job's
-gradient buffer and the pipeline's residual of that group (full size, the buffer's dtype), which only
-jobs touch while training runs (the compute side reads and writes it only when drained: snapshot,
-restart). CPU tensors (gloo); the quantizer is ``acco_ds.ops.quantize`` (its C++ kernel where built, else
-the torch reference: the same bits).
+Threads, streams and ownership: called on the communication side (CPU: the executor's worker thread, gloo;
+CUDA: the executor's side stream, NCCL, everything queued on it) with the job's gradient buffer and the
+pipeline's residual of that group (full size, the buffer's dtype), which only jobs touch while training runs
+(the compute side reads and writes it only when drained: snapshot, restart). The quantizer is
+``acco_ds.ops.quantize``: on CPU its C++ kernel where built, on CUDA its Triton kernels, else the torch
+reference (the same bits).
 
 :func:`compressed_all_gather_inplace` replaces the parameter all-gather when ``all_gather`` is compressed:
 rather than its new parameters, each rank sends the int8 blocks of their difference to what every replica
 already holds (the MODEL buffer at the job's launch, identical on every rank), and every rank, the owner
 included, writes ``base + dequantized difference`` into each slice: the replicas stay bitwise identical and
 what quantization withheld is part of the next round's difference (the fp32 master is exact; the replicas
-trail it by at most half a quantization step per element).
+trail it by at most half a quantization step per element). gloo: point-to-point to every peer; NCCL: one
+``all_gather_into_tensor`` of the values and one of the scales.
 
 :class:`Traffic` counts the bytes a rank hands to (``sent``) and takes from (``received``) the network
 in one job, counted at each send/receive call (point-to-point: the tensor's bytes; NCCL's collectives:
-what the call moves per rank, (W-1)/W of the buffer each way). The scalar all-reduce of the norm and the
+what the call moves per rank, (W-1)/W of the buffer each way; an all-to-all or all-gather of W chunks: the
+W-1 chunks of the peers each way). The scalar all-reduce of the norm and the
 adaptive counts' all-gather (8 bytes per rank) are not counted.
 """
 
@@ -66,6 +70,14 @@ class Traffic:
     def collective(self, sent: int, received: int) -> None:
         self.sent += sent
         self.received += received
+
+
+def point_to_point(group) -> bool:
+    """How the compressed exchanges move the quantized chunks over ``group``: point-to-point, one peer at a
+    time (True: gloo, whose collectives would move twice the bytes), else as collectives (NCCL: one
+    all-to-all or all-gather of the values and one of the scales). Both give the same bits: the owner sums the
+    same chunks in the same order."""
+    return dist.get_backend(group) == "gloo"
 
 
 @dataclass(frozen=True)
@@ -108,7 +120,7 @@ def compressed_reduce_scatter_inplace(
         else:
             q[r], scales[r] = quantize_with_residual(chunks[r], rests[r], block_size, bits=bits)
     total = dequantize(q[me], scales[me], block_size)
-    if world > 1:
+    if world > 1 and point_to_point(group):
         got_q = _wire_buffer(shard, bits, full.device)
         got_s = torch.empty(nb, dtype=torch.float32, device=full.device)
         for k in range(1, world):
@@ -122,6 +134,16 @@ def compressed_reduce_scatter_inplace(
             for req in reqs:
                 req.wait()
             dequantize_add(total, _from_wire(got_q, shard, bits), got_s, block_size)
+    elif world > 1:
+        wire = torch.stack([_to_wire(q[r], bits) for r in range(world)]) if bits == 4 else q
+        got_q, got_s = torch.empty_like(wire), torch.empty_like(scales)
+        chunk_bytes = wire[0].numel() * wire.element_size() + nb * scales.element_size()
+        traffic.collective((world - 1) * chunk_bytes, (world - 1) * chunk_bytes)
+        dist.all_to_all_single(got_q, wire, group=group)
+        dist.all_to_all_single(got_s, scales, group=group)
+        for k in range(1, world):
+            src = (me - k) % world
+            dequantize_add(total, _from_wire(got_q[src], shard, bits), got_s[src], block_size)
     chunks[me].copy_(total)
 
 
@@ -175,15 +197,23 @@ def compressed_all_gather_inplace(
     if world == 1:
         return
     wire = _to_wire(q, bits)
-    got_q = [_wire_buffer(shard, bits, target.device) for _ in range(world)]
     got_s = torch.empty((world, num_blocks(shard, block_size)), dtype=torch.float32, device=target.device)
-    reqs = []
-    for k in range(1, world):
-        dst, src = (me + k) % world, (me - k) % world
-        reqs += [traffic.send(wire, group, dst), traffic.send(scales, group, dst)]
-        reqs += [traffic.recv(got_q[src], group, src), traffic.recv(got_s[src], group, src)]
-    for req in reqs:
-        req.wait()
+    if point_to_point(group):
+        got_q = [_wire_buffer(shard, bits, target.device) for _ in range(world)]
+        reqs = []
+        for k in range(1, world):
+            dst, src = (me + k) % world, (me - k) % world
+            reqs += [traffic.send(wire, group, dst), traffic.send(scales, group, dst)]
+            reqs += [traffic.recv(got_q[src], group, src), traffic.recv(got_s[src], group, src)]
+        for req in reqs:
+            req.wait()
+    else:  # flat outputs, the W inputs one after the other (the form every backend takes)
+        gathered = torch.empty(world * wire.numel(), dtype=wire.dtype, device=target.device)
+        moved = (world - 1) * (wire.numel() * wire.element_size() + scales.numel() * scales.element_size())
+        traffic.collective(moved, moved)
+        dist.all_gather_into_tensor(gathered, wire, group=group)
+        dist.all_gather_into_tensor(got_s.view(-1), scales, group=group)
+        got_q = list(gathered.view(world, -1))
     for c in range(world):
         if c != me:
             q_c = _from_wire(got_q[c], shard, bits)

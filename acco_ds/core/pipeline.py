@@ -148,12 +148,12 @@ class ACCOPipeline:
         comm_dtype = dtype_of(cfg.comm_dtype, first.dtype)
         check_dtypes(first.dtype, comm_dtype, cfg.comm_dtype)
         comp = cfg.compression
-        if comp.enabled and self.device.type != "cpu":
+        if comp.enabled and self.device.type not in ("cpu", "cuda"):
             raise ACCOConfigError(
                 f"optimizer.params.compression={{'commit': {comp.commit!r}, 'peek': {comp.peek!r}, "
                 f"'all_gather': {comp.all_gather!r}}} on a "
-                f"{self.device.type} device: compressed rounds are built for CPU (gloo) ranks only so far (the "
-                "GPU kernels and NCCL path are not built yet). Allowed here: 'none' for commit, peek and all_gather."
+                f"{self.device.type} device: compressed rounds are built for CPU (gloo) and CUDA (NCCL) ranks. "
+                "Allowed here: 'none' for commit, peek and all_gather."
             )
         self.groups = [
             GroupBuffers(

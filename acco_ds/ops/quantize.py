@@ -32,21 +32,25 @@ Backends (``backend=`` of every public function; the ``*_ref`` functions are the
 
 - ``"cpp"``: the CPU extension ``acco_ds._quantize_cpu`` (csrc/quantize; OpenMP over blocks,
   ``torch.get_num_threads()`` threads; the call returns when done), for CPU tensors that are contiguous,
-  aligned to their element size and do not overlap one another. It reproduces the reference bit for bit
-  (q, scales, residual, dequantized values, NaN bits included): tests/ops/test_quantize_kernel.py.
+  aligned to their element size and do not overlap one another; 8 bits (4 bits take the reference, the same
+  bits). It reproduces the reference bit for bit (q, scales, residual, dequantized values, NaN bits included):
+  tests/ops/test_quantize_kernel.py.
+- ``"triton"``: ``acco_ds.ops.triton_kernels.quantize`` (one program per block; 8 and 4 bits), for contiguous
+  tensors that do not overlap one another; the default for CUDA tensors, launched on the current CUDA stream
+  (the call returns once queued). On CPU tensors it runs only under ``TRITON_INTERPRET=1``, where
+  tests/ops/test_quantize_triton.py checks it bit for bit against the reference.
 - ``"ref"``: pure torch (any device; no host read of device values).
-- ``None``/``"auto"``: ``"cpp"`` where its conditions hold and the extension loads, else ``"ref"`` (the
-  choice is logged once per device type and backend). ``"cpp"`` named explicitly raises instead of
-  falling back.
+- ``None``/``"auto"``: on CPU ``"cpp"``, on CUDA ``"triton"``, where its conditions hold and it is there (the
+  extension loads, triton is installed), else ``"ref"`` (the choice is logged once per device type and
+  backend). A backend named explicitly raises instead of falling back.
 
-Fused Triton / CUDA kernels are NOT built yet: CUDA tensors take the torch reference, whose functions
-define the semantics such kernels must reproduce bit for bit. Outputs are new tensors on x's (q's)
-device; ``residual`` and ``out`` are the caller's, written in place.
+Outputs are new tensors on x's (q's) device; ``residual`` and ``out`` are the caller's, written in place.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from typing import Tuple
 
 import torch
@@ -71,7 +75,7 @@ SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
 
 _DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1}
 _NO_RESIDUAL = -1
-_BACKENDS = (None, "auto", "ref", "cpp")
+_BACKENDS = (None, "auto", "ref", "cpp", "triton")
 _logged: set = set()
 
 
@@ -203,11 +207,9 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
 
 
-def _cpp_obstacle(tensors: dict) -> str:
-    """Why the CPU extension cannot run on ``tensors`` ({argument name: tensor}); "" when it can."""
+def _layout_obstacle(tensors: dict) -> str:
+    """Why a kernel cannot take ``tensors`` ({argument name: tensor}) as they lie in memory; "" when it can."""
     for name, t in tensors.items():
-        if t.device.type != "cpu":
-            return f"{name} is on {t.device}, the CPU extension takes CPU tensors only"
         if not t.is_contiguous():
             return f"{name} is not contiguous (stride {t.stride()})"
         if t.numel() and t.data_ptr() % t.element_size():
@@ -217,31 +219,72 @@ def _cpp_obstacle(tensors: dict) -> str:
         for b in names[i + 1 :]:
             if _overlap(tensors[a], tensors[b]):
                 return f"{a} and {b} overlap in memory"
-    return _build.why_missing("quantize_cpu")
+    return ""
 
 
-def _use_cpp(fn: str, backend: str | None, **tensors: torch.Tensor) -> bool:
-    """True to run ``fn`` on the CPU extension, False for the torch reference (see the module docstring)."""
+def _cpp_obstacle(tensors: dict) -> str:
+    """Why the CPU extension cannot run on ``tensors``; "" when it can."""
+    for name, t in tensors.items():
+        if t.device.type != "cpu":
+            return f"{name} is on {t.device}, the CPU extension takes CPU tensors only"
+    return _layout_obstacle(tensors) or _build.why_missing("quantize_cpu")
+
+
+def _triton_obstacle(tensors: dict) -> str:
+    """Why the Triton kernels cannot run on ``tensors``; "" when they can."""
+    device = next(iter(tensors.values())).device
+    if any(t.device != device for t in tensors.values()):
+        return "the tensors are on different devices"
+    if device.type not in ("cuda", "cpu"):
+        return f"no Triton kernel for device type {device.type}"
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        return (
+            "CPU tensors need TRITON_INTERPRET=1 in the environment before triton is first imported (the Triton "
+            "interpreter)"
+        )
+    if not _triton_available():
+        return "triton is not installed"
+    return _layout_obstacle(tensors)
+
+
+def _triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _pick(fn: str, backend: str | None, bits: int, **tensors: torch.Tensor) -> str:
+    """The backend that runs ``fn``: "cpp", "triton" or "ref" (see the module docstring)."""
     if backend not in _BACKENDS:
         raise ValueError(f"{fn}: backend must be one of {_BACKENDS}, got {backend!r}.")
     if backend == "ref":
-        return False
-    why = _cpp_obstacle(tensors)
+        return "ref"
+    if backend == "triton":
+        why = _triton_obstacle(tensors)
+        if why:
+            raise ValueError(f"{fn}: backend='triton' cannot run: {why}.")
+        return "triton"
     if backend == "cpp":
         if not _build.available("quantize_cpu"):
             raise RuntimeError(f"{fn}: backend='cpp' requested but {_build.why_missing('quantize_cpu')}")
+        why = _cpp_obstacle(tensors)
         if why:
             raise ValueError(f"{fn}: backend='cpp' cannot run: {why}.")
-        return True
+        return "cpp" if bits == 8 else "ref"
     device = next(iter(tensors.values())).device.type
-    chosen = "torch reference" if why else "CPU extension"
+    kernel, why = (
+        ("cpp", _cpp_obstacle(tensors)) if device == "cpu" else ("triton", _triton_obstacle(tensors))
+    )
+    chosen = "ref" if why or (kernel == "cpp" and bits != 8) else kernel
     if (device, chosen) not in _logged:
         _logged.add((device, chosen))
         missing = device == "cpu" and not _build.available("quantize_cpu")
         (logger.warning if missing else logger.info)(
-            "acco_ds quantize on %s: using the %s%s", device, chosen, f" ({why})" if why else ""
+            "acco_ds quantize on %s: using the %s backend%s", device, chosen, f" ({why})" if why else ""
         )
-    return not why
+    return chosen
 
 
 def _quantize_cpp(x: torch.Tensor, residual: torch.Tensor | None, block_size: int):
@@ -277,29 +320,77 @@ def _dequantize_cpp(out: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bl
         )
 
 
+def _tile(block_size: int) -> int:
+    """Elements a Triton program handles per step: the block size rounded up to a power of two, 16 to 1024."""
+    return min(1024, max(16, 1 << (block_size - 1).bit_length()))
+
+
+def _quantize_triton(x: torch.Tensor, residual: torch.Tensor | None, block_size: int, bits: int):
+    """(q, scales) from the Triton kernel, queued on x's device; ``residual`` (or None) updated in place."""
+    from acco_ds.ops.triton_kernels import quantize as kernels  # imports triton: only once a launch is due
+
+    q = torch.empty(x.numel(), dtype=torch.int8, device=x.device)
+    nb = num_blocks(x.numel(), block_size)
+    scales = torch.empty(nb, dtype=torch.float32, device=x.device)
+    if nb:
+        kernels.quantize_blocks[(nb,)](
+            x,
+            x if residual is None else residual,
+            q,
+            scales,
+            x.numel(),
+            block_size,
+            QMAX=QMAX_OF[bits],
+            TILE=_tile(block_size),
+            X_BF16=x.dtype == torch.bfloat16,
+            HAS_RES=residual is not None,
+            RES_BF16=residual is not None and residual.dtype == torch.bfloat16,
+            enable_fp_fusion=False,  # v - q * scale rounded twice, as the reference (no FMA): the same bits
+        )
+    return q, scales
+
+
+def _dequantize_triton(out: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, block_size: int, add: bool):
+    """``out (+)= q * scale`` by the Triton kernel, queued on q's device."""
+    from acco_ds.ops.triton_kernels import quantize as kernels
+
+    nb = num_blocks(q.numel(), block_size)
+    if nb:
+        kernels.dequantize_blocks[(nb,)](
+            q, scales, out, q.numel(), block_size, TILE=_tile(block_size), ADD=add, enable_fp_fusion=False
+        )
+
+
 # -- the public functions ----------------------------------------------------------------------------------
 def quantize(
     x: torch.Tensor, block_size: int, *, bits: int = 8, backend: str | None = None
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Quantize the flat fp32/bf16 tensor ``x``: returns ``(q, scales)``, q int8 of x's length (values in
     [-qmax, qmax] of ``bits``: 8 or 4), scales fp32 of ``num_blocks(len(x), block_size)``, both new tensors on
-    x's device (see the module docstring; 4 bits: the torch reference only)."""
+    x's device (see the module docstring)."""
     _check(x, block_size)
     _check_bits(bits)
-    if bits != 8 or not _use_cpp("quantize", backend, x=x):
-        return quantize_ref(x, block_size, bits)
-    return _quantize_cpp(x, None, block_size)
+    how = _pick("quantize", backend, bits, x=x)
+    if how == "cpp":
+        return _quantize_cpp(x, None, block_size)
+    if how == "triton":
+        return _quantize_triton(x, None, block_size, bits)
+    return quantize_ref(x, block_size, bits)
 
 
 def dequantize(
     q: torch.Tensor, scales: torch.Tensor, block_size: int, *, backend: str | None = None
 ) -> torch.Tensor:
-    """fp32 ``q * scale`` of its block, per element (a new tensor of q's length)."""
+    """fp32 ``q * scale`` of its block, per element (a new tensor of q's length, on q's device)."""
     _check_q(q, scales, block_size)
-    if not _use_cpp("dequantize", backend, q=q, scales=scales):
+    how = _pick("dequantize", backend, 8, q=q, scales=scales)
+    if how == "ref":
         return dequantize_ref(q, scales, block_size)
-    out = torch.empty(q.numel(), dtype=torch.float32)
-    _dequantize_cpp(out, q, scales, block_size, add=False)
+    out = torch.empty(q.numel(), dtype=torch.float32, device=q.device)
+    if how == "cpp":
+        _dequantize_cpp(out, q, scales, block_size, add=False)
+    else:
+        _dequantize_triton(out, q, scales, block_size, add=False)
     return out
 
 
@@ -310,10 +401,13 @@ def dequantize_add(
     q's device, not overlapping q or scales (each product and each sum rounded to fp32)."""
     _check_q(q, scales, block_size)
     _check_out(out, q)
-    if not _use_cpp("dequantize_add", backend, out=out, q=q, scales=scales):
+    how = _pick("dequantize_add", backend, 8, out=out, q=q, scales=scales)
+    if how == "cpp":
+        _dequantize_cpp(out, q, scales, block_size, add=True)
+    elif how == "triton":
+        _dequantize_triton(out, q, scales, block_size, add=True)
+    else:
         dequantize_add_ref(out, q, scales, block_size)
-        return
-    _dequantize_cpp(out, q, scales, block_size, add=True)
 
 
 def quantize_with_residual(
@@ -325,9 +419,12 @@ def quantize_with_residual(
     aliasing x (an overlap takes the torch reference). Returns ``(q, scales)`` as :func:`quantize`."""
     _check_residual(x, residual, block_size)
     _check_bits(bits)
-    if bits != 8 or not _use_cpp("quantize_with_residual", backend, x=x, residual=residual):
-        return quantize_with_residual_ref(x, residual, block_size, bits)
-    return _quantize_cpp(x, residual, block_size)
+    how = _pick("quantize_with_residual", backend, bits, x=x, residual=residual)
+    if how == "cpp":
+        return _quantize_cpp(x, residual, block_size)
+    if how == "triton":
+        return _quantize_triton(x, residual, block_size, bits)
+    return quantize_with_residual_ref(x, residual, block_size, bits)
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:

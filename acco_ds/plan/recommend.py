@@ -13,8 +13,8 @@ paragraph with the figures) and ``alternative`` (or None). The rules (docs/PLAN.
 4. Compression (``compression``: the ``optimizer.params.compression`` to add, or None): only where the
    uncompressed round does not fit in half a step's compute (the link is the bottleneck). If the int8 round
    fits, fixed ACCO with compression hides it at the user's GAS; otherwise adaptive ACCO with compression,
-   whose steps grow less. acco_ds compresses on CPU (gloo) ranks only so far: with ``--accelerator gpu`` the
-   reason gives the figure and says so, and ``compression`` stays None.
+   whose steps grow less. With ``--accelerator gpu`` the reason gives the figure and says why not
+   (``GPU_COMPRESSION_NOTE``: the GPU path has not run on a GPU yet), and ``compression`` stays None.
 DPU is never recommended: it is the stale-gradient baseline ACCO corrects (docs/ALGORITHM.md).
 """
 
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 
-from acco_ds.plan.model import COMPRESSION_CONFIG, Plan, PlanInputs
+from acco_ds.plan.model import COMPRESSION_CONFIG, GPU_COMPRESSION_NOTE, Plan, PlanInputs
 
 MIN_GAIN = 1.05
 
@@ -105,7 +105,7 @@ def recommend(plan: Plan, i: PlanInputs) -> dict:
                 "alternative": "adaptive ACCO without compression (exact communication, larger steps)",
                 "compression": dict(COMPRESSION_CONFIG),
             }
-        packed += " acco_ds compresses on CPU (gloo) ranks only so far, not on GPUs."
+        packed += f" Not recommended on GPUs: {GPU_COMPRESSION_NOTE}."
     else:
         ad8 = plan.row("acco-adaptive-int8")
         packed = (
@@ -113,7 +113,7 @@ def recommend(plan: Plan, i: PlanInputs) -> dict:
             f"{ad8.micro_batches_per_step:g} micro-batches instead of {adaptive.micro_batches_per_step:g}."
         )
         if not on_cpu:
-            packed += " acco_ds compresses on CPU (gloo) ranks only so far, not on GPUs."
+            packed += f" Not recommended on GPUs: {GPU_COMPRESSION_NOTE}."
     steps, round_s = adaptive, d["comm_round_s"]
     if on_cpu and c8 < d["comm_round_s"]:
         steps, round_s = plan.row("acco-adaptive-int8"), c8

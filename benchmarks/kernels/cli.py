@@ -9,7 +9,7 @@ benchmarks.kernels.table.STREAM), and the speed ratio to anchors measured in the
 CPU: torch.optim.AdamW(fused=True), AdamW(foreach=True), DeepSpeedCPUAdam; GPU: torch AdamW fused (+ the bf16
 copy it needs), DeepSpeed FusedAdam, and the clone/step/restore way of computing ACCO's estimate. The CPU
 quantize kernels (quantize_with_residual with fp32 and bf16 x and residual, dequantize_add into fp32; blocks of
-256) are measured against their torch reference (CPU only: there is no GPU quantize kernel yet).
+256; the C++ kernels on the CPU, the Triton ones on a GPU) are measured against their torch reference.
 
     python -m benchmarks.kernels                      # CPU, 1 thread, 1M/10M/100M/10_000_019
     python -m benchmarks.kernels --threads 2 --quick
@@ -223,14 +223,20 @@ def quant_contenders(device: str, notes: list) -> dict:
 
     from acco_ds.ops import _build
 
-    if device != "cpu":
-        notes.append("quantize rows: CPU only (no GPU quantize kernel is built yet)")
-        return {}
-    if not _build.available("quantize_cpu"):
+    if device == "cpu" and not _build.available("quantize_cpu"):
         notes.append(f"quantize rows skipped: {_build.why_missing('quantize_cpu')}")
         return {}
+    if device != "cpu":
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            notes.append(
+                "quantize rows skipped: triton is not installed (the GPU quantize kernels are Triton)"
+            )
+            return {}
+    compiled = "cpp" if device == "cpu" else "triton"
     out = {}
-    for backend, suffix in (("cpp", ""), ("ref", "_ref")):
+    for backend, suffix in ((compiled, ""), ("ref", "_ref")):
         out[f"qres_fp32{suffix}"] = quant_residual(torch.float32, backend)
         out[f"qres_bf16{suffix}"] = quant_residual(torch.bfloat16, backend)
         out[f"deq_add{suffix}"] = quant_dequantize_add(backend)

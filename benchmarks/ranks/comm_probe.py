@@ -2,7 +2,7 @@
 the current link.
 
 Launched like a training run (DeepSpeed launcher, W ranks, inside the throttled namespace):
-``python -m deepspeed.launcher.runner --num_gpus W ... --module benchmarks.ranks.comm_probe --numel N
+``python -m deepspeed.launcher.launch --world_info=<W ranks> ... --module benchmarks.ranks.comm_probe --numel N
 --dtype fp32 --out FILE``. Every round of every contender moves one full gradient (reduced) and one
 full set of parameters (gathered), so T_comm of a round is measured as the time per call of
 ``--reps`` back-to-back calls (``benchmarks.harness.timing``: barrier to barrier, median of 3

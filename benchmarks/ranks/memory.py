@@ -1,6 +1,6 @@
 """One rank of a memory benchmark run (started by the DeepSpeed launcher, one process per rank):
 
-    python -m deepspeed.launcher.runner --num_gpus W ... --module benchmarks.ranks.memory --spec RUN/spec.json
+    python -m deepspeed.launcher.launch --world_info=<W ranks> ... --module benchmarks.ranks.memory --spec RUN/spec.json
 
 Contract: reads the run's spec (model dict, DeepSpeed config, steps, micro-batch, accumulation,
 dtype, seed, device), then, in this order: imports torch, DeepSpeed, acco_ds and the model's code

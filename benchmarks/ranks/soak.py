@@ -1,6 +1,6 @@
 """One rank of the soak run (``benchmarks.soak``), started by the DeepSpeed launcher:
 
-    python -m deepspeed.launcher.runner --num_gpus W ... --module benchmarks.ranks.soak <the driver's options> --out DIR
+    python -m deepspeed.launcher.launch --world_info=<W ranks> ... --module benchmarks.ranks.soak <the driver's options> --out DIR
 
 Trains the soak's model with ACCO in adaptive accumulation (``worker``), its speed changed every
 ``--phase`` steps by real extra compute, until every rank has ``--steps`` commits; samples its RSS,

@@ -129,6 +129,12 @@ COMPRESSED["sync_fp32_int8_all_gather"] = (
     "fp32",
     {"commit": "int8", "all_gather": "int8", "block_size": 16},
 )
+# The collective form of the compressed exchanges (NCCL's: all-to-all / all-gather of the values and the
+# scales) run on gloo: the same bits as the point-to-point form the twin took (compressed_comm.point_to_point)
+COLLECTIVE_TWINS = {
+    "acco_fp32_int8_collective": "acco_fp32_int8",
+    "acco_fp32_int4_peek_and_all_gather_collective": "acco_fp32_int4_peek_and_all_gather",
+}
 LONG_STEPS = 40  # the replicas after many compressed steps
 LONG = (
     "acco_bf16_int8_long",
@@ -175,6 +181,12 @@ def scenarios(world: int) -> list:
         opt = acco_opt(m)
         opt["params"]["compression"] = comp
         out.append({"name": name, "steps": STEPS, "config": ds_config(opt, d, "noclip")})
+    for name, twin in COLLECTIVE_TWINS.items():
+        m, d, comp = COMPRESSED[twin]
+        opt = acco_opt(m)
+        opt["params"]["compression"] = comp
+        config = ds_config(opt, d, "noclip")
+        out.append({"name": name, "steps": STEPS, "config": config, "collective_exchange": True})
     name, m, d, comp = LONG
     opt = acco_opt(m)
     opt["params"]["compression"] = comp
@@ -603,3 +615,27 @@ def test_stats_count_bytes_per_round(run, mode):
     want = wire_bytes(world, dtype, block if comp.get("commit") == "int8" else None, block)
     for st in results[name]["stats_per_rank"]:
         assert st["last_round_bytes_sent"] == want == st["last_round_bytes_received"], (name, st, want)
+
+
+@pytest.mark.parametrize("name", COLLECTIVE_TWINS)
+def test_collective_exchange_gives_the_point_to_point_bits(run, name):
+    """The compressed exchanges in their collective form (NCCL's all-to-all / all-gather, here on gloo) give the
+    point-to-point form's run bit for bit: parameters, moments, norms, every rank's residual and replica, and
+    the same bytes counted."""
+    world, results = run
+    got, want = results[name], results[COLLECTIVE_TWINS[name]]
+    for key in ("traj", "norms", "residuals_per_rank", "final_model_per_rank"):
+        assert _same(got[key], want[key]), f"{name} W={world}: {key} differs from the point-to-point run"
+    for key in ("exp_avg", "exp_avg_sq"):
+        assert _same(got["moments"][key], want["moments"][key]), f"{name} W={world}: {key} differs"
+    for a, b in zip(got["stats_per_rank"], want["stats_per_rank"]):
+        assert (a["bytes_sent"], a["bytes_received"]) == (b["bytes_sent"], b["bytes_received"]), (a, b)
+
+
+def _same(a, b) -> bool:
+    """Equal, bit for bit, through nested lists (tensors compared with torch.equal)."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b

@@ -113,7 +113,7 @@ def test_merged_junit_and_test_goal(tmp_path):
 
 
 def test_kernel_and_overlap_goals(tmp_path):
-    assert gpu_goals.goals(tmp_path).count("| no result |") == 5  # nothing measured: nothing is met
+    assert gpu_goals.goals(tmp_path).count("| no result |") == 6  # nothing measured: nothing is met
     n = 100_000_000
     copy_gbs = 3000.0
     kernels = {
@@ -121,13 +121,18 @@ def test_kernel_and_overlap_goals(tmp_path):
         "results": [
             {"params": 1_000_000, "median_s": {"commit": 1.0, "peek": 1.0}},  # small: not judged
             {"params": n, "median_s": {"commit": 28 * n / (0.9 * copy_gbs * 1e9),
-                                       "peek": 16 * n / (0.8 * copy_gbs * 1e9), "clone_step_restore": 1.0}},
+                                       "peek": 16 * n / (0.8 * copy_gbs * 1e9), "clone_step_restore": 1.0,
+                                       "qres_fp32": (13 + 4 / 256) * n / (0.85 * copy_gbs * 1e9),
+                                       "deq_add": (9 + 4 / 256) * n / (0.75 * copy_gbs * 1e9)}},
         ],
     }  # fmt: skip
     (tmp_path / "kernels_cuda.json").write_text(json.dumps(kernels))
     rows = gpu_goals.kernel_goals(tmp_path)
     assert "commit 100M 90%" in rows[0] and "peek 100M 80%" in rows[0] and rows[0].endswith("| NOT met |")
     assert rows[1].endswith("| met |")
+    assert (
+        "qres_fp32 100M 85%" in rows[2] and "deq_add 100M 75%" in rows[2] and rows[2].endswith("| NOT met |")
+    )
     settings = [{"mode": "acco", "factor": f, "efficiency": e, "host_syncs_per_step": 2.0, "host_ahead": 1.0,
                  "host_gaps_us": gaps, "profiled_steps": 1}
                 for f, e, gaps in ((0.25, 0.95, [12.0, 40.0]), (2.0, 0.91, [99.0]))]  # fmt: skip

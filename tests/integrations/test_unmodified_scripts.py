@@ -108,7 +108,7 @@ def deepspeed_runs(tmp_path_factory):
     for name, config in configs.items():
         port = free_port()
         args = script_args(tmp / name, SYNC_STEPS, "--deepspeed", config, "--save_strategy", "no")
-        cmd = cli_launch.launch_command(None, WORLD, port, target="acco_ds.run", extra=[str(a) for a in args])
+        cmd = cli_launch.runner_command(WORLD, port, target="acco_ds.run", extra=[str(a) for a in args])
         run(cmd, f"deepspeed --module acco_ds.run ({name})", port=port)
     return SimpleNamespace(tmp=tmp, adamw=steps_logged(tmp / "adamw"), sync=steps_logged(tmp / "sync"))
 

@@ -144,7 +144,7 @@ def test_compressed_rounds_against_a_hand_computed_case():
     assert plan.row("acco-int8").memory_held_bytes_per_param == pytest.approx(
         plan.row("acco").memory_held_bytes_per_param + 2
     )
-    assert "CPU (gloo) ranks only" in plan.row("acco-int8").note
+    assert "has not run on a GPU yet" in plan.row("acco-int8").note
 
 
 def test_latency_terms_and_a_compute_bound_case():
@@ -318,8 +318,8 @@ def test_recommendation_follows_the_rules():
 
 
 def test_recommendation_of_compression():
-    """Compression only where the round does not fit in half a step, and only on CPU ranks (what acco_ds
-    compresses so far); on GPUs the reason gives the figure and says why not."""
+    """Compression only where the round does not fit in half a step, and only on CPU ranks (acco_ds's GPU
+    compression has not run on a GPU yet); on GPUs the reason gives the figure and says why not."""
     assert (
         _rec(t_micro_batch=0.5, accelerator="cpu")["compression"] is None
     )  # the round fits: nothing to gain
@@ -328,7 +328,7 @@ def test_recommendation_of_compression():
     assert (r["mode"], r["accumulation"], r["compression"]) == ("acco", "fixed", COMPRESSION_CONFIG)
     gpu = _rec(t_micro_batch=0.15)
     assert (gpu["accumulation"], gpu["compression"]) == ("adaptive", None)
-    assert "CPU (gloo) ranks only" in gpu["reason"] and "258.2 ms" in gpu["reason"]
+    assert "has not run on a GPU yet" in gpu["reason"] and "258.2 ms" in gpu["reason"]
     # neither fits: adaptive, whose steps shrink from 18 to 12 micro-batches with int8
     r = _rec(accelerator="cpu")
     assert (r["accumulation"], r["compression"]) == ("adaptive", COMPRESSION_CONFIG)

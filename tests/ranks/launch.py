@@ -79,7 +79,7 @@ def run_deepspeed(script: Path, world: int, args: list, timeout: float = 600, en
     """Run ``deepspeed --num_gpus world script args`` on 127.0.0.1 and return the CompletedProcess (raises
     on failure with the ranks' output in the message); removes the ranks' DeepSpeed shm buffers after."""
     port = free_port()
-    cmd = cli_launch.launch_command(None, world, port, target=str(script), extra=[str(a) for a in args])
+    cmd = cli_launch.runner_command(world, port, target=str(script), extra=[str(a) for a in args])
     try:
         proc = subprocess.run(
             cmd, env=env or rank_env(), capture_output=True, text=True, timeout=timeout, cwd=REPO

@@ -1,10 +1,12 @@
 """The Triton kernels of acco_ds. Importing any module of this package imports triton.
 
 Nothing imports this package at ``import acco_ds`` or ``import acco_ds.ops.*`` time: the Python fronts
-(``acco_ds.ops.accumulate``) import it on their first Triton launch, so acco_ds runs where triton is absent.
+(``acco_ds.ops.accumulate``, ``acco_ds.ops.quantize``) import it on their first Triton launch, so acco_ds runs where triton is absent.
 
 - :mod:`.bf16`: the bf16 <-> fp32 conversions every Triton kernel uses (csrc/common/bf16.h's rule).
 - :mod:`.accumulate`: ``accumulate_chunks``, the accumulate / cast-copy kernel over a chunk table.
+- :mod:`.quantize`: ``quantize_blocks`` (blockwise int8/int4, with the error-feedback residual) and
+  ``dequantize_blocks`` (write or add into fp32), one program per block.
 
 On CPU tensors the kernels run under ``TRITON_INTERPRET=1`` (set before triton is first imported): the tests
 check them there bit for bit against the ``*_ref`` functions.

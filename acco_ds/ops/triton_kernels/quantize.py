@@ -1,0 +1,127 @@
+"""The Triton blockwise quantize / dequantize kernels behind ``acco_ds.ops.quantize``'s "triton" backend.
+
+One program per quantization block (``block_size`` consecutive elements, the last block short), in tiles of
+``TILE`` elements (a power of two; a block longer than a tile is walked tile by tile, twice: the block's absmax and
+finiteness first, then its values). The rules are ``acco_ds.ops.quantize``'s (docs/ALGORITHM.md, "Compressed
+rounds"), bit for bit:
+
+- ``scale = absmax / qmax`` divided in fp64, rounded to the nearest fp32 and moved one fp32 step up where that went
+  below the fp64 quotient; NaN for a block holding an inf or a NaN;
+- ``q = clamp(rne(v / scale), -qmax, qmax)``: an IEEE fp32 division (``div_rn``, not the fast approximate one),
+  rounded half to even by adding and subtracting 1.5 * 2**23 (exact for |v / scale| <= 2**22, and the quotient is at
+  most qmax here); 0 where the scale is 0 or NaN;
+- dequantized ``q * scale`` (one fp32 product), added into fp32 ``out`` with one more rounding;
+- error feedback: ``v = x + residual`` (one fp32 sum), the residual rewritten as ``v - q * scale`` (each operation
+  rounded to fp32), cast to its dtype with :mod:`.bf16`'s rule, zeroed in a non-finite block.
+
+Launch with ``enable_fp_fusion=False`` (no FMA: the product and the sum round separately, as the reference does).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from acco_ds.ops.triton_kernels.bf16 import bf16_to_f32, f32_to_bf16
+
+_RNE_SHIFT = tl.constexpr(
+    12582912.0
+)  # 1.5 * 2**23: x + this - this rounds x to an integer, ties to even (fp32)
+
+
+@triton.jit
+def _load_f32(ptr, idx, mask, IS_BF16: tl.constexpr):
+    v = tl.load(ptr + idx, mask=mask, other=0)
+    if IS_BF16:
+        v = bf16_to_f32(v)
+    return v
+
+
+@triton.jit
+def _store_as(ptr, idx, v, mask, IS_BF16: tl.constexpr):
+    if IS_BF16:
+        tl.store(ptr + idx, f32_to_bf16(v), mask=mask)
+    else:
+        tl.store(ptr + idx, v, mask=mask)
+
+
+@triton.jit
+def _nonfinite(v):
+    """1 where the fp32 ``v`` is an inf or a NaN (exponent bits all ones), else 0 (int32)."""
+    return ((v.to(tl.uint32, bitcast=True) & 0x7F800000) == 0x7F800000).to(tl.int32)
+
+
+@triton.jit
+def quantize_blocks(
+    x_ptr,
+    res_ptr,
+    q_ptr,
+    scale_ptr,
+    n,
+    block_size,
+    QMAX: tl.constexpr,
+    TILE: tl.constexpr,
+    X_BF16: tl.constexpr,
+    HAS_RES: tl.constexpr,
+    RES_BF16: tl.constexpr,
+):
+    """Program b quantizes block b of ``x`` (fp32, or bf16 when X_BF16; n elements): ``v = x`` (+ ``residual`` at
+    ``res_ptr`` when HAS_RES, fp32 or bf16 by RES_BF16), writes int8 ``q`` and fp32 ``scale[b]``, and with HAS_RES
+    rewrites the residual as what quantization lost (zero in a non-finite block). QMAX: 127 (8 bits) or 7 (4)."""
+    b = tl.program_id(0).to(tl.int64)
+    start = b * block_size
+    end = tl.minimum(start + block_size, n)
+    lanes = tl.arange(0, TILE)
+    amax = tl.zeros([TILE], dtype=tl.float32)
+    bad = tl.zeros([TILE], dtype=tl.int32)
+    for k in range(start, end, TILE):
+        idx = k + lanes
+        mask = idx < end
+        v = _load_f32(x_ptr, idx, mask, X_BF16)
+        if HAS_RES:
+            v = v + _load_f32(res_ptr, idx, mask, RES_BF16)
+        bad = tl.maximum(bad, _nonfinite(v))
+        amax = tl.maximum(amax, tl.where(_nonfinite(v) == 1, 0.0, tl.abs(v)))
+    absmax = tl.max(amax, axis=0)
+    finite = tl.max(bad, axis=0) == 0
+    wide = absmax.to(tl.float64) / QMAX
+    scale = wide.to(tl.float32)
+    up = (scale.to(tl.uint32, bitcast=True) + 1).to(
+        tl.float32, bitcast=True
+    )  # next fp32 above a positive scale
+    scale = tl.where(scale.to(tl.float64) < wide, up, scale)
+    usable = (scale > 0) & finite
+    div = tl.where(usable, scale, 1.0)
+    nan = tl.full([], 0x7FC00000, tl.uint32).to(tl.float32, bitcast=True)  # torch's NaN bits
+    tl.store(scale_ptr + b, tl.where(finite, scale, nan))
+    for k in range(start, end, TILE):
+        idx = k + lanes
+        mask = idx < end
+        v = _load_f32(x_ptr, idx, mask, X_BF16)
+        if HAS_RES:
+            v = v + _load_f32(res_ptr, idx, mask, RES_BF16)
+        t = tl.math.div_rn(v, div)
+        t = tl.minimum(tl.maximum(t, -QMAX), QMAX)  # a no-op (the scale is rounded up); rne and clamp commute
+        t = (t + _RNE_SHIFT) - _RNE_SHIFT
+        q = tl.where(usable, t, 0.0).to(tl.int8)
+        tl.store(q_ptr + idx, q, mask=mask)
+        if HAS_RES:
+            lost = v - q.to(tl.float32) * scale  # from the int8 value, as the reference (no -0.0 from q)
+            _store_as(res_ptr, idx, tl.where(finite, lost, 0.0), mask, RES_BF16)
+
+
+@triton.jit
+def dequantize_blocks(q_ptr, scale_ptr, out_ptr, n, block_size, TILE: tl.constexpr, ADD: tl.constexpr):
+    """Program b writes ``q * scale[b]`` (fp32) into block b of ``out`` (fp32), or adds it there when ADD."""
+    b = tl.program_id(0).to(tl.int64)
+    start = b * block_size
+    end = tl.minimum(start + block_size, n)
+    scale = tl.load(scale_ptr + b)
+    lanes = tl.arange(0, TILE)
+    for k in range(start, end, TILE):
+        idx = k + lanes
+        mask = idx < end
+        d = tl.load(q_ptr + idx, mask=mask, other=0).to(tl.float32) * scale
+        if ADD:
+            d = tl.load(out_ptr + idx, mask=mask, other=0.0) + d
+        tl.store(out_ptr + idx, d, mask=mask)

@@ -1,0 +1,173 @@
+"""The Triton quantize kernels (``backend="triton"``, acco_ds/ops/triton_kernels/quantize.py) against the torch
+reference, bit for bit, under the Triton interpreter (``TRITON_INTERPRET=1``, in a subprocess: it must be set before
+triton is imported).
+
+The same cases as the CPU kernel's (tests/ops/test_quantize_kernel.py: its inputs and bit comparison): fp32 and bf16
+inputs and residuals, 8 and 4 bits, odd lengths (short last blocks), block sizes from 1 to 4096 (a block longer
+than a program's 1024-element tile is walked tile by tile), all-zero and negative-zero blocks, huge and subnormal
+magnitudes, +-inf and NaN, exact ties, rounds of error feedback summed as a chunk's owner sums them. The
+interpreter runs one program at a time in Python, so the lengths stay small where the blocks are.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from acco_ds.ops.quantize import (
+    dequantize,
+    dequantize_add,
+    dequantize_add_ref,
+    dequantize_ref,
+    quantize,
+    quantize_ref,
+    quantize_with_residual,
+    quantize_with_residual_ref,
+)
+from tests.ops.test_quantize_kernel import DTYPES, MAGNITUDES, assert_same, gen, small, special
+
+ROOT = Path(__file__).resolve().parents[2]
+# (length, block size): short inputs with every block size (one element per block on the shortest), longer ones
+# with blocks the interpreter can afford (it runs each program, one per block, in Python)
+CASES = [(n, b) for n in (0, 1, 7, 255, 257) for b in (7, 16, 256, 4096)] + [(1, 1), (7, 1)]
+CASES += [(4099, 256), (4099, 4096), (20_011, 4096), (20_011, 1000)]
+
+
+def test_triton_backend_on_cpu_needs_the_interpreter(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+        quantize(torch.ones(10), 4, backend="triton")
+
+
+def test_importing_the_quantizer_does_not_import_triton():
+    code = "import sys, acco_ds.ops.quantize, acco_ds.core.compressed_comm; print('triton' in sys.modules)"
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "False", r.stdout + r.stderr
+
+
+def test_triton_kernels_under_interpreter():
+    """Runs this file's checks in a subprocess with TRITON_INTERPRET=1 (set before triton is imported)."""
+    pytest.importorskip("triton")
+    path = os.pathsep.join(x for x in (str(ROOT), os.environ.get("PYTHONPATH", "")) if x)
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path)
+    code = (
+        f"import runpy, sys; sys.argv = [{__file__!r}, '--triton-interpret']; "
+        "runpy.run_path(sys.argv[0], run_name='__main__')"
+    )
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=900)  # fmt: skip
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert f"triton quantize checks: {_expected_checks()} passed" in r.stdout, r.stdout[-2000:]
+
+
+def _expected_checks() -> int:
+    per_case = (
+        2 * 2 + 2 * 2 * 2 + 1
+    )  # quantize (2 dtypes x 2 bit widths), with residual (x 2 residual dtypes), deq
+    return len(CASES) * per_case + 4 + 1  # + 4 error-feedback runs + the exact edge cases
+
+
+def _interpret_checks() -> int:
+
+    assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
+    count = 0
+    for n, block in CASES:
+        for dtype in DTYPES.values():
+            x = special(n, block, dtype, "triton")
+            for nbits in (8, 4):
+                q, s = quantize(x, block, bits=nbits, backend="triton")
+                q_ref, s_ref = quantize_ref(x, block, nbits)
+                assert_same(q, q_ref, f"q ({n}, {block}, {dtype}, {nbits} bits)")
+                assert_same(s, s_ref, f"scales ({n}, {block}, {dtype}, {nbits} bits)")
+                count += 1
+                for rdtype in DTYPES.values():
+                    residual = small(n, rdtype, "triton")
+                    residual_ref = residual.clone()
+                    q, s = quantize_with_residual(x, residual, block, bits=nbits, backend="triton")
+                    q_ref, s_ref = quantize_with_residual_ref(x, residual_ref, block, nbits)
+                    what = f"({n}, {block}, {dtype}, residual {rdtype}, {nbits} bits)"
+                    assert_same(q, q_ref, f"q {what}")
+                    assert_same(s, s_ref, f"scales {what}")
+                    assert_same(residual, residual_ref, f"residual {what}")
+                    count += 1
+        g = gen("triton-deq", n, block)
+        q = torch.randint(-128, 128, (n,), generator=g, dtype=torch.int8)
+        nb = -(-n // block)
+        s = (
+            torch.rand(nb, generator=g)
+            * torch.tensor(MAGNITUDES)[torch.randint(0, len(MAGNITUDES), (nb,), generator=g)]
+        )
+        s[::11] = 0.0
+        s[3::13] = float("nan")
+        s[5::17] = 3e37
+        out = special(n, 64, torch.float32, "triton-acc")
+        out_ref = out.clone()
+        dequantize_add(out, q, s, block, backend="triton")
+        dequantize_add_ref(out_ref, q, s, block)
+        assert_same(out, out_ref, f"dequantize_add ({n}, {block})")
+        assert_same(
+            dequantize(q, s, block, backend="triton"), dequantize_ref(q, s, block), f"deq ({n}, {block})"
+        )
+        count += 1
+    for dtype in DTYPES.values():
+        for rdtype in DTYPES.values():
+            count += _rounds(dtype, rdtype)
+    count += _edge_cases()
+    return count
+
+
+def _rounds(dtype: torch.dtype, rdtype: torch.dtype) -> int:
+    """12 rounds of error feedback summed into an fp32 accumulator, now and then a non-finite or huge block."""
+
+    n, block = 1001, 256
+    residual = torch.zeros(n, dtype=rdtype)
+    residual_ref = residual.clone()
+    total, total_ref = torch.zeros(n), torch.zeros(n)
+    for step in range(12):
+        g = gen("triton-round", step, dtype, rdtype)
+        x = (torch.randn(n, generator=g) * float(torch.rand(1, generator=g)) * 10).to(dtype)
+        if step % 5 == 3:
+            x = special(n, block, dtype, "triton-round", step)
+        q, s = quantize_with_residual(x, residual, block, backend="triton")
+        q_ref, s_ref = quantize_with_residual_ref(x, residual_ref, block)
+        assert_same(q, q_ref, f"q, round {step}")
+        assert_same(s, s_ref, f"scales, round {step}")
+        assert_same(residual, residual_ref, f"residual, round {step}")
+        dequantize_add(total, q, s, block, backend="triton")
+        dequantize_add_ref(total_ref, q_ref, s_ref, block)
+        assert_same(total, total_ref, f"sum of the dequantized rounds, round {step}")
+        total.nan_to_num_(0.0)
+        total_ref.nan_to_num_(0.0)
+    assert residual.abs().max() > 0
+    return 1
+
+
+def _edge_cases() -> int:
+    """Ties to even, the smallest subnormal scale, negative zeros kept in the residual, a residual that overflows
+    v, and the NaN bits of a non-finite block's scale."""
+
+    tiny = 2.0**-149
+    fmax = torch.finfo(torch.float32).max
+    x = torch.tensor(
+        [127.0, 2.5, 3.5, -2.5, tiny, -tiny, 0.0, 3 * tiny, -0.0, -0.0, -0.0, -0.0, fmax, 1.0, 0, 0]
+    )
+    residual = torch.tensor([0.0] * 8 + [-0.0] * 4 + [fmax, 0.25, 0.0, 0.0])
+    residual_ref = residual.clone()
+    q, s = quantize_with_residual(x, residual, 4, backend="triton")
+    q_ref, s_ref = quantize_with_residual_ref(x, residual_ref, 4)
+    assert q.tolist() == [127, 2, 4, -2, 1, -1, 0, 3, 0, 0, 0, 0, 0, 0, 0, 0], q.tolist()
+    assert s[:3].tolist() == [1.0, tiny, 0.0] and s[3].isnan()
+    assert residual[8:12].signbit().all() and residual[12:].tolist() == [0.0] * 4
+    assert_same(q, q_ref, "q")
+    assert_same(s, s_ref, "scales")
+    assert_same(residual, residual_ref, "residual")
+    return 1
+
+
+if __name__ == "__main__" and "--triton-interpret" in sys.argv:
+    print(f"triton quantize checks: {_interpret_checks()} passed")
