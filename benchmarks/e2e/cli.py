@@ -54,6 +54,16 @@ DS_LABELS = ("zero1", "zero1-overlap", "zero2", "zero1-bf16comm")
 _log = sweep.logger("benchmarks.e2e")
 
 
+def ds_settings(contenders: list, knobs: dict) -> dict:
+    """{DeepSpeed contender: its zero_optimization block as run} (a contender's mode from runs.CONTENDERS:
+    ``zero1-bf16comm`` is ZeRO-1 with bf16 communication)."""
+    return {
+        c: build_config(runs.CONTENDERS[c][0], knobs)["zero_optimization"]
+        for c in DS_LABELS
+        if c in contenders
+    }
+
+
 def parse(argv=None) -> argparse.Namespace:
     ap = parser("e2e", __doc__)
     ap.add_argument(
@@ -176,11 +186,7 @@ def run_all(a) -> dict:
         "seeds": a.seeds,
         "repeats": len(a.seeds),
         "bound_loop": " ".join(runs.BOUND_LOOP),
-        "ds_settings": {
-            c: build_config(c, setup.knobs("fixed"))["zero_optimization"]
-            for c in DS_LABELS
-            if c in a.contenders + a.hetero_contenders
-        },
+        "ds_settings": ds_settings(a.contenders + a.hetero_contenders, setup.knobs("fixed")),
         "rates": {},
         "compute": [],
         "failed": failed,

@@ -339,3 +339,15 @@ def test_quick_benchmark_runs(tmp_path):
     assert mb[0] > mb[1], (
         f"adaptive micro-batches per rank {mb}; samples/s per rank {het['acco-adaptive']['rank_samples_per_s']}"
     )
+
+
+def test_ds_settings_of_every_deepspeed_contender():
+    """The DeepSpeed settings printed for each DeepSpeed contender run, ZeRO-1 with bf16 communication (a
+    contender whose label is not a mode) included; acco_ds contenders have none."""
+    setup = runs.Setup(
+        work=Path("w"), model={}, n_params=1000, steps=4, warmup=1, micro_batch=8, grad_accum=4, world=2,
+        threads=1, seed=0, bf16=False,
+    )  # fmt: skip
+    got = cli.ds_settings(cli.COMPRESSION_CONTENDERS.split(","), setup.knobs("fixed"))
+    assert set(got) == {"zero1", "zero1-bf16comm"}
+    assert got["zero1"]["stage"] == got["zero1-bf16comm"]["stage"] == 1
