@@ -1,8 +1,8 @@
 """Start the ranks of a test: W processes on 127.0.0.1 with the environment a launcher gives them.
 
-Two ways, the same ranks: ``run_deepspeed`` goes through DeepSpeed's launcher exactly as users do (its runner, then
-its per-node launcher, through ``acco_ds.cli.launch``: the command and environment ``acco-train`` uses), for the
-tests about launching; ``run_local`` starts the W rank processes itself with what that per-node launcher gives
+Two ways, the same ranks: ``run_deepspeed`` goes through the ``deepspeed`` command exactly as users type it (its
+runner, then its per-node launcher: ``acco_ds.cli.launch.runner_command``, with the ranks' environment
+``acco-train`` uses), for the tests about launching; ``run_local`` starts the W rank processes itself with what that per-node launcher gives
 each of them (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_SIZE``, ``CROSS_RANK``, ``CROSS_SIZE``,
 ``MASTER_ADDR``/``MASTER_PORT``, ``--local_rank=<r>`` first on the command line, ``python -u``), and, like it,
 stops the others when one fails. The rank scripts of the algorithm, checkpoint and integration tests use
