@@ -23,7 +23,7 @@ from acco_ds.ops.quantize import (
     quantize_with_residual,
     quantize_with_residual_ref,
 )
-from tests.ops.test_quantize_kernel import DTYPES, MAGNITUDES, assert_same, gen, small, special
+from tests.ops.test_quantize_kernel import DTYPES, assert_same, deq_case, gen, small, special
 
 pytestmark = [
     pytest.mark.gpu,
@@ -65,15 +65,7 @@ def test_quantize_on_the_gpu_matches_the_reference(dtype, n, block_size, nbits):
 @pytest.mark.parametrize("block_size", BLOCKS)
 @pytest.mark.parametrize("n", SIZES)
 def test_dequantize_on_the_gpu_matches_the_reference(n, block_size):
-    g = gen("gpu-deq", n, block_size)
-    q = torch.randint(-128, 128, (n,), generator=g, dtype=torch.int8)
-    nb = -(-n // block_size)
-    s = (
-        torch.rand(nb, generator=g)
-        * torch.tensor(MAGNITUDES)[torch.randint(0, len(MAGNITUDES), (nb,), generator=g)]
-    )
-    s[::11] = 0.0
-    s[3::13] = float("nan")
+    q, s = deq_case(n, block_size, "gpu-deq")
     out = special(n, 64, torch.float32, "gpu-acc")
     out_ref = out.clone()
     on_gpu = out.cuda()

@@ -83,6 +83,22 @@ def special(n: int, block_size: int, dtype: torch.dtype, *key) -> torch.Tensor:
     return x.reshape(-1)[:n].to(dtype).contiguous()
 
 
+def deq_case(n: int, block_size: int, *key) -> tuple:
+    """(q, scales): arbitrary int8 values (-128 included) and scales of every size per block (0, subnormal,
+    huge: products overflow, NaN)."""
+    g = gen(n, block_size, *key)
+    q = torch.randint(-128, 128, (n,), generator=g, dtype=torch.int8)
+    nb = -(-n // block_size)
+    s = (
+        torch.rand(nb, generator=g)
+        * torch.tensor(MAGNITUDES)[torch.randint(0, len(MAGNITUDES), (nb,), generator=g)]
+    )
+    s[::11] = 0.0
+    s[3::13] = float("nan")
+    s[5::17] = 3e37
+    return q, s
+
+
 def small(n: int, dtype: torch.dtype, *key) -> torch.Tensor:
     """A residual-like tensor: small values (and some subnormal ones)."""
     g = gen("small", n, dtype, *key)
@@ -123,16 +139,7 @@ def test_quantize_with_residual_matches_the_reference(dtype, n, block_size, rdty
 def test_dequantize_add_matches_the_reference(n, block_size):
     """Arbitrary int8 values (-128 included) and scales (0, subnormal, huge: products overflow, NaN) into an
     accumulator holding values of every size."""
-    g = gen("deq", n, block_size)
-    q = torch.randint(-128, 128, (n,), generator=g, dtype=torch.int8)
-    nb = -(-n // block_size)
-    s = (
-        torch.rand(nb, generator=g)
-        * torch.tensor(MAGNITUDES)[torch.randint(0, len(MAGNITUDES), (nb,), generator=g)]
-    )
-    s[::11] = 0.0
-    s[3::13] = float("nan")
-    s[5::17] = 3e37
+    q, s = deq_case(n, block_size, "deq")
     out = special(n, 64, torch.float32, "acc")
     out_ref = out.clone()
     dequantize_add(out, q, s, block_size, backend="cpp")

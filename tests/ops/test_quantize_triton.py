@@ -29,7 +29,7 @@ from acco_ds.ops.quantize import (
     quantize_with_residual,
     quantize_with_residual_ref,
 )
-from tests.ops.test_quantize_kernel import DTYPES, MAGNITUDES, assert_same, gen, small, special
+from tests.ops.test_quantize_kernel import DTYPES, assert_same, deq_case, gen, small, special
 
 ROOT = Path(__file__).resolve().parents[2]
 # (length, block size): short inputs with every block size (one element per block on the shortest), longer ones
@@ -99,16 +99,7 @@ def _interpret_checks() -> int:
                     assert_same(s, s_ref, f"scales {what}")
                     assert_same(residual, residual_ref, f"residual {what}")
                     count += 1
-        g = gen("triton-deq", n, block)
-        q = torch.randint(-128, 128, (n,), generator=g, dtype=torch.int8)
-        nb = -(-n // block)
-        s = (
-            torch.rand(nb, generator=g)
-            * torch.tensor(MAGNITUDES)[torch.randint(0, len(MAGNITUDES), (nb,), generator=g)]
-        )
-        s[::11] = 0.0
-        s[3::13] = float("nan")
-        s[5::17] = 3e37
+        q, s = deq_case(n, block, "triton-deq")
         out = special(n, 64, torch.float32, "triton-acc")
         out_ref = out.clone()
         dequantize_add(out, q, s, block, backend="triton")

@@ -38,6 +38,15 @@ def _load_f32(ptr, idx, mask, IS_BF16: tl.constexpr):
 
 
 @triton.jit
+def _load_v(x_ptr, res_ptr, idx, mask, X_BF16: tl.constexpr, HAS_RES: tl.constexpr, RES_BF16: tl.constexpr):
+    """fp32 ``v = x`` (+ the residual when HAS_RES, one fp32 sum): what a block quantizes."""
+    v = _load_f32(x_ptr, idx, mask, X_BF16)
+    if HAS_RES:
+        v = v + _load_f32(res_ptr, idx, mask, RES_BF16)
+    return v
+
+
+@triton.jit
 def _store_as(ptr, idx, v, mask, IS_BF16: tl.constexpr):
     if IS_BF16:
         tl.store(ptr + idx, f32_to_bf16(v), mask=mask)
@@ -77,9 +86,7 @@ def quantize_blocks(
     for k in range(start, end, TILE):
         idx = k + lanes
         mask = idx < end
-        v = _load_f32(x_ptr, idx, mask, X_BF16)
-        if HAS_RES:
-            v = v + _load_f32(res_ptr, idx, mask, RES_BF16)
+        v = _load_v(x_ptr, res_ptr, idx, mask, X_BF16, HAS_RES, RES_BF16)
         bad = tl.maximum(bad, _nonfinite(v))
         amax = tl.maximum(amax, tl.where(_nonfinite(v) == 1, 0.0, tl.abs(v)))
     absmax = tl.max(amax, axis=0)
@@ -97,9 +104,7 @@ def quantize_blocks(
     for k in range(start, end, TILE):
         idx = k + lanes
         mask = idx < end
-        v = _load_f32(x_ptr, idx, mask, X_BF16)
-        if HAS_RES:
-            v = v + _load_f32(res_ptr, idx, mask, RES_BF16)
+        v = _load_v(x_ptr, res_ptr, idx, mask, X_BF16, HAS_RES, RES_BF16)
         t = tl.math.div_rn(v, div)
         t = tl.minimum(tl.maximum(t, -QMAX), QMAX)  # a no-op (the scale is rounded up); rne and clamp commute
         t = (t + _RNE_SHIFT) - _RNE_SHIFT
