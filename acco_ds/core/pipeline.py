@@ -35,8 +35,9 @@ stream (``RoundResult``). With ``defer_host_reads`` (the default on CUDA) a summ
 later, at the round end after the one that swapped the job in: by then the compute stream has waited
 for that job a round ago, so the read finds it complete unless the host runs more than a round ahead
 of the device (then it waits, with a round of work queued on the GPU). The bookkeeping that depends
-on those figures (committed/applied steps, skips, stats, the reported grad norm) is done at that
-read. What the next job needs from them, the AdamW step count and the settings of the LR schedule at
+on those figures (committed/applied steps, skips, stats) is done at that read. The reported grad norm
+is not: it is selected on the device when a commit is swapped in, so a step reports the norm of the
+commit it waited for (sync: its own) on every device. What the next job needs from them, the AdamW step count and the settings of the LR schedule at
 that count, is decided on the device: the pipeline keeps the applied-commit count as the side stream
 sees it (``applied_dev``) and hands each job a table of AdamW scalars for every count the unread
 commits could have left; the job picks its row on the device (``round_job``). ``stats.comm_wait_s``
@@ -444,9 +445,26 @@ class ACCOPipeline:
             b.point_params()
         self.viewing_committed = False
         self.model_holds = "theta" if result.job is Job.COMMIT else "estimate"
+        if result.job is Job.COMMIT:
+            self._report_norm(result)
         self._unread.append(result)
         self._read_summaries(keep=1 if self.defer_host_reads else 0)
         return result
+
+    def _report_norm(self, result: RoundResult) -> None:
+        """``last_grad_norm`` once a commit is swapped in (the compute stream has waited for its job): the
+        commit's global gradient norm (inf/NaN for a skipped one), or the previous norm when the commit was
+        empty. Selected on the device, never read on the host, so the norm of the commit a step waited for is
+        reported at that step, as DeepSpeed's ZeRO-1 reports it, even while the summary is read a job later."""
+        norm = result.grad_norm
+        if self.last_grad_norm is None:
+            self.last_grad_norm = norm.clone()
+            return
+        if result.empty_flag is not None:
+            empty = result.empty_flag
+        else:  # restored from a checkpoint: the summary is on the host and complete
+            empty = torch.tensor([result.empty], device=norm.device)
+        self.last_grad_norm = torch.where(empty, self.last_grad_norm.reshape(norm.shape), norm)
 
     def _read_summaries(self, keep: int = 0) -> None:
         """Read the summaries of the swapped-in jobs, oldest first, all but the newest ``keep``, and do
@@ -472,11 +490,9 @@ class ACCOPipeline:
             if empty:  # nothing to commit: state and parameters unchanged
                 self.stats.empty_commits += 1
             elif skipped:
-                self.last_grad_norm = result.grad_norm
                 self.stats.skipped_steps += 1
                 self.stats.micro_batches_discarded += count
             else:
-                self.last_grad_norm = result.grad_norm
                 self.state_step += 1
                 self.stats.micro_batches_committed += count
         else:

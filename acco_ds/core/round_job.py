@@ -62,6 +62,9 @@ class RoundResult:
     summary: torch.Tensor
     summary_ready: Any = None
     traffic: Traffic | None = None  # bytes this rank sent and received in this job (compressed_comm.Traffic)
+    # bool [1] on the device, written by the job: no rank had a micro-batch. The compute side selects the norm to
+    # report with it once its stream has waited for the job, without reading the summary on the host.
+    empty_flag: torch.Tensor | None = None
 
     def wait_summary(self) -> None:
         if self.summary_ready is not None:
@@ -321,4 +324,4 @@ def run_round_job(
         ready.record(torch.cuda.current_stream(dev))
     else:
         host = summary.clone()
-    return RoundResult(job, commit_index, grad_norm, host, ready, traffic)
+    return RoundResult(job, commit_index, grad_norm, host, ready, traffic, empty.reshape(1))

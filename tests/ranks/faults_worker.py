@@ -48,7 +48,8 @@ def run_scenario(sc: dict, rank: int) -> dict:
         engine.optimizer.pipeline.defer_host_reads = True
     fault = sc.get("fault")
     skip = set(sc.get("skip_steps", []))
-    out = {k: [] for k in ("lrs", "traj", "exp_avg", "exp_avg_sq", "overflow", "skipped_steps", "data_steps")}
+    keys = ("lrs", "traj", "exp_avg", "exp_avg_sq", "overflow", "skipped_steps", "data_steps", "norms")
+    out = {k: [] for k in keys}
     for data_step in range(sc["steps"]):
         if data_step in skip:
             continue
@@ -66,6 +67,8 @@ def run_scenario(sc: dict, rank: int) -> dict:
                 handle.remove()
         out["overflow"].append(bool(engine.optimizer.overflow))
         out["skipped_steps"].append(int(engine.skipped_steps))
+        norm = engine.get_global_grad_norm()
+        out["norms"].append(None if norm is None else float(norm))
         out["data_steps"].append(data_step)
         out["traj"].append(toy.flat(safe_get_full_fp32_param(p) for p in params))
         for key in ("exp_avg", "exp_avg_sq"):
