@@ -35,7 +35,8 @@ Backends (``backend=`` of every public function; the ``*_ref`` functions are the
   aligned to their element size and do not overlap one another; 8 bits (4 bits take the reference, the same
   bits). It reproduces the reference bit for bit (q, scales, residual, dequantized values, NaN bits included):
   tests/ops/test_quantize_kernel.py.
-- ``"triton"``: ``acco_ds.ops.triton_kernels.quantize`` (one program per block; 8 and 4 bits), for contiguous
+- ``"triton"``: ``acco_ds.ops.triton_kernels.quantize`` (several blocks per program up to 1024 elements a
+  block, one per program beyond; 8 and 4 bits), for contiguous
   tensors that do not overlap one another; the default for CUDA tensors, launched on the current CUDA stream
   (the call returns once queued). On CPU tensors it runs only under ``TRITON_INTERPRET=1``, where
   tests/ops/test_quantize_triton.py checks it bit for bit against the reference.
@@ -325,6 +326,15 @@ def _tile(block_size: int) -> int:
     return min(1024, max(16, 1 << (block_size - 1).bit_length()))
 
 
+_ROW_TILE_ELEMS = 2048  # elements a program of the row kernels handles: blocks of <= 1024, several a program
+
+
+def _rows(block_size: int) -> int:
+    """Blocks per program of the row kernels (a power of two), 0 for blocks longer than a tile (one a program)."""
+    tile = _tile(block_size)
+    return _ROW_TILE_ELEMS // tile if block_size <= tile else 0
+
+
 def _quantize_triton(x: torch.Tensor, residual: torch.Tensor | None, block_size: int, bits: int):
     """(q, scales) from the Triton kernel, queued on x's device; ``residual`` (or None) updated in place."""
     from acco_ds.ops.triton_kernels import quantize as kernels  # imports triton: only once a launch is due
@@ -333,13 +343,7 @@ def _quantize_triton(x: torch.Tensor, residual: torch.Tensor | None, block_size:
     nb = num_blocks(x.numel(), block_size)
     scales = torch.empty(nb, dtype=torch.float32, device=x.device)
     if nb:
-        kernels.quantize_blocks[(nb,)](
-            x,
-            x if residual is None else residual,
-            q,
-            scales,
-            x.numel(),
-            block_size,
+        flags = dict(
             QMAX=QMAX_OF[bits],
             TILE=_tile(block_size),
             X_BF16=x.dtype == torch.bfloat16,
@@ -347,6 +351,12 @@ def _quantize_triton(x: torch.Tensor, residual: torch.Tensor | None, block_size:
             RES_BF16=residual is not None and residual.dtype == torch.bfloat16,
             enable_fp_fusion=False,  # v - q * scale rounded twice, as the reference (no FMA): the same bits
         )
+        args = (x, x if residual is None else residual, q, scales, x.numel())
+        rows = _rows(block_size)
+        if rows:
+            kernels.quantize_rows[(-(-nb // rows),)](*args, nb, block_size, ROWS=rows, **flags)
+        else:
+            kernels.quantize_blocks[(nb,)](*args, block_size, **flags)
     return q, scales
 
 
@@ -355,9 +365,16 @@ def _dequantize_triton(out: torch.Tensor, q: torch.Tensor, scales: torch.Tensor,
     from acco_ds.ops.triton_kernels import quantize as kernels
 
     nb = num_blocks(q.numel(), block_size)
-    if nb:
+    if not nb:
+        return
+    tile, rows = _tile(block_size), _rows(block_size)
+    if rows:
+        kernels.dequantize_rows[(-(-nb // rows),)](
+            q, scales, out, q.numel(), nb, block_size, TILE=tile, ROWS=rows, ADD=add, enable_fp_fusion=False
+        )
+    else:
         kernels.dequantize_blocks[(nb,)](
-            q, scales, out, q.numel(), block_size, TILE=_tile(block_size), ADD=add, enable_fp_fusion=False
+            q, scales, out, q.numel(), block_size, TILE=tile, ADD=add, enable_fp_fusion=False
         )
 
 

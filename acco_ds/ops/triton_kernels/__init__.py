@@ -5,8 +5,9 @@ Nothing imports this package at ``import acco_ds`` or ``import acco_ds.ops.*`` t
 
 - :mod:`.bf16`: the bf16 <-> fp32 conversions every Triton kernel uses (csrc/common/bf16.h's rule).
 - :mod:`.accumulate`: ``accumulate_chunks``, the accumulate / cast-copy kernel over a chunk table.
-- :mod:`.quantize`: ``quantize_blocks`` (blockwise int8/int4, with the error-feedback residual) and
-  ``dequantize_blocks`` (write or add into fp32), one program per block.
+- :mod:`.quantize`: ``quantize_rows`` / ``quantize_blocks`` (blockwise int8/int4, with the error-feedback
+  residual) and ``dequantize_rows`` / ``dequantize_blocks`` (write or add into fp32): several blocks per program
+  (blocks of up to 1024 elements), or one block per program.
 
 On CPU tensors the kernels run under ``TRITON_INTERPRET=1`` (set before triton is first imported): the tests
 check them there bit for bit against the ``*_ref`` functions.

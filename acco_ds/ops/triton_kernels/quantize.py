@@ -1,8 +1,10 @@
 """The Triton blockwise quantize / dequantize kernels behind ``acco_ds.ops.quantize``'s "triton" backend.
 
-One program per quantization block (``block_size`` consecutive elements, the last block short), in tiles of
-``TILE`` elements (a power of two; a block longer than a tile is walked tile by tile, twice: the block's absmax and
-finiteness first, then its values). The rules are ``acco_ds.ops.quantize``'s (docs/ALGORITHM.md, "Compressed
+Blocks of at most 1024 elements (the default is 256): ``quantize_rows`` / ``dequantize_rows``, several blocks per
+program, one a row of a [ROWS, TILE] tile, each value loaded once. Longer blocks: ``quantize_blocks`` /
+``dequantize_blocks``, one program per quantization block (``block_size`` consecutive elements, the last block
+short), in tiles of ``TILE`` elements (a power of two), walked tile by tile twice: the block's absmax and finiteness
+first, then its values. The rules are ``acco_ds.ops.quantize``'s (docs/ALGORITHM.md, "Compressed
 rounds"), bit for bit:
 
 - ``scale = absmax / qmax`` divided in fp64, rounded to the nearest fp32 and moved one fp32 step up where that went
@@ -61,6 +63,85 @@ def _nonfinite(v):
 
 
 @triton.jit
+def _block_scale(absmax, finite, QMAX: tl.constexpr):
+    """(scale, usable, divisor, stored) of blocks with these absmax (finite part) and finiteness: ``absmax / QMAX``
+    divided in fp64, rounded to the nearest fp32 and moved one fp32 step up where that went below the quotient;
+    usable where the scale is > 0 and the block finite; the divisor 1 elsewhere; stored: the scale, or torch's NaN
+    for a non-finite block."""
+    wide = absmax.to(tl.float64) / QMAX
+    scale = wide.to(tl.float32)
+    up = (scale.to(tl.uint32, bitcast=True) + 1).to(
+        tl.float32, bitcast=True
+    )  # next fp32 above a positive scale
+    scale = tl.where(scale.to(tl.float64) < wide, up, scale)
+    usable = (scale > 0) & finite
+    div = tl.where(usable, scale, 1.0)
+    nan = tl.full(scale.shape, 0x7FC00000, tl.uint32).to(tl.float32, bitcast=True)  # torch's NaN bits
+    return scale, usable, div, tl.where(finite, scale, nan)
+
+
+@triton.jit
+def _quantize_values(v, div, usable, QMAX: tl.constexpr):
+    """int8 ``q = clamp(rne(v / div), -QMAX, QMAX)`` where usable, else 0 (fp32 ``v``, IEEE division)."""
+    t = tl.math.div_rn(v, div)
+    t = tl.minimum(tl.maximum(t, -QMAX), QMAX)  # a no-op (the scale is rounded up); rne and clamp commute
+    t = (t + _RNE_SHIFT) - _RNE_SHIFT
+    return tl.where(usable, t, 0.0).to(tl.int8)
+
+
+@triton.jit
+def quantize_rows(
+    x_ptr,
+    res_ptr,
+    q_ptr,
+    scale_ptr,
+    n,
+    nb,
+    block_size,
+    QMAX: tl.constexpr,
+    TILE: tl.constexpr,
+    ROWS: tl.constexpr,
+    X_BF16: tl.constexpr,
+    HAS_RES: tl.constexpr,
+    RES_BF16: tl.constexpr,
+):
+    """:func:`quantize_blocks` for blocks of at most TILE elements, ROWS blocks per program (a [ROWS, TILE] tile,
+    one block a row): each value is loaded once and kept in registers between the block's absmax and its
+    quantization, and a program moves ROWS * TILE elements in wide loads instead of one block's few."""
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    lanes = tl.arange(0, TILE)
+    idx = rows[:, None] * block_size + lanes[None, :]
+    mask = (lanes[None, :] < block_size) & (idx < n)
+    v = _load_v(x_ptr, res_ptr, idx, mask, X_BF16, HAS_RES, RES_BF16)
+    bad = _nonfinite(v)
+    absmax = tl.max(tl.where(bad == 1, 0.0, tl.abs(v)), axis=1)
+    finite = tl.max(bad, axis=1) == 0
+    scale, usable, div, stored = _block_scale(absmax, finite, QMAX)
+    tl.store(scale_ptr + rows, stored, mask=rows < nb)
+    q = _quantize_values(v, div[:, None], usable[:, None], QMAX)
+    tl.store(q_ptr + idx, q, mask=mask)
+    if HAS_RES:
+        lost = v - q.to(tl.float32) * scale[:, None]  # from the int8 value, as the reference (no -0.0 from q)
+        _store_as(res_ptr, idx, tl.where(finite[:, None], lost, 0.0), mask, RES_BF16)
+
+
+@triton.jit
+def dequantize_rows(
+    q_ptr, scale_ptr, out_ptr, n, nb, block_size, TILE: tl.constexpr, ROWS: tl.constexpr, ADD: tl.constexpr
+):
+    """:func:`dequantize_blocks` for blocks of at most TILE elements, ROWS blocks per program (one a row)."""
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    lanes = tl.arange(0, TILE)
+    idx = rows[:, None] * block_size + lanes[None, :]
+    mask = (lanes[None, :] < block_size) & (idx < n)
+    scale = tl.load(scale_ptr + rows, mask=rows < nb, other=0.0)
+    d = tl.load(q_ptr + idx, mask=mask, other=0).to(tl.float32) * scale[:, None]
+    if ADD:
+        d = tl.load(out_ptr + idx, mask=mask, other=0.0) + d
+    tl.store(out_ptr + idx, d, mask=mask)
+
+
+@triton.jit
 def quantize_blocks(
     x_ptr,
     res_ptr,
@@ -91,24 +172,13 @@ def quantize_blocks(
         amax = tl.maximum(amax, tl.where(_nonfinite(v) == 1, 0.0, tl.abs(v)))
     absmax = tl.max(amax, axis=0)
     finite = tl.max(bad, axis=0) == 0
-    wide = absmax.to(tl.float64) / QMAX
-    scale = wide.to(tl.float32)
-    up = (scale.to(tl.uint32, bitcast=True) + 1).to(
-        tl.float32, bitcast=True
-    )  # next fp32 above a positive scale
-    scale = tl.where(scale.to(tl.float64) < wide, up, scale)
-    usable = (scale > 0) & finite
-    div = tl.where(usable, scale, 1.0)
-    nan = tl.full([], 0x7FC00000, tl.uint32).to(tl.float32, bitcast=True)  # torch's NaN bits
-    tl.store(scale_ptr + b, tl.where(finite, scale, nan))
+    scale, usable, div, stored = _block_scale(absmax, finite, QMAX)
+    tl.store(scale_ptr + b, stored)
     for k in range(start, end, TILE):
         idx = k + lanes
         mask = idx < end
         v = _load_v(x_ptr, res_ptr, idx, mask, X_BF16, HAS_RES, RES_BF16)
-        t = tl.math.div_rn(v, div)
-        t = tl.minimum(tl.maximum(t, -QMAX), QMAX)  # a no-op (the scale is rounded up); rne and clamp commute
-        t = (t + _RNE_SHIFT) - _RNE_SHIFT
-        q = tl.where(usable, t, 0.0).to(tl.int8)
+        q = _quantize_values(v, div, usable, QMAX)
         tl.store(q_ptr + idx, q, mask=mask)
         if HAS_RES:
             lost = v - q.to(tl.float32) * scale  # from the int8 value, as the reference (no -0.0 from q)
