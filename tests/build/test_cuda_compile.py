@@ -9,7 +9,9 @@
 - the module object links with cudart statically, as setup.py builds it, and exports the launcher;
 - every variant of the Triton accumulate kernel (gradient dtype x buffer dtype x accumulate/copy x aligned/not:
   16) compiles for sm_90 without FMA; the aligned ones make every access of the full-chunk path 16 bytes wide,
-  the others none.
+  the others none;
+- the quantize row kernels (quantize_rows with fp32/bf16 x and no, fp32 or bf16 residual; dequantize_rows writing
+  or adding) compile for sm_90 without FMA, every access of the data 16 bytes wide at the default block size.
 
 Each target is compiled once per session (module-scoped fixtures): about 2 s per nvcc arch and 1 s per Triton
 variant on one core.
@@ -131,7 +133,9 @@ def test_no_fma_in_cuda_ptx(nvcc_build):
     """Bit-identity with the CPU harness rests on --fmad=false: not one fused multiply-add in the PTX."""
     arch, _, ptx, _ = nvcc_build
     n = len(FMA.findall(ptx))
-    assert n == 0, f"{n} fma instructions in the sm_{arch} PTX (nvcc contracted a*b+c; setup.py flags {FLAGS})"
+    assert n == 0, (
+        f"{n} fma instructions in the sm_{arch} PTX (nvcc contracted a*b+c; setup.py flags {FLAGS})"
+    )
 
 
 @needs_nvcc
@@ -226,3 +230,92 @@ def test_triton_accumulate_compiles_for_sm80():
         True, False, True
     )
     assert not FMA.search(ptx)
+
+
+# The quantize row kernels (acco_ds/ops/triton_kernels/quantize.py) at the default block size: (X_BF16, residual
+# dtype or None) for quantize_rows, ADD for dequantize_rows.
+QUANTIZE_VARIANTS = [(xb, rd) for xb in (False, True) for rd in (None, "fp32", "bf16")]
+
+
+def quantize_compile(kernel_name: str, sig: dict, consts: dict, divisible: tuple) -> str:
+    """The PTX of a quantize kernel for sm_90 as a launch on a shard compiles it: no FP fusion, 16-byte divisible
+    pointers, and the integer arguments divisible by 16 (shards are multiples of 16 elements,
+    acco_ds.core.buffers.ALIGN, and Triton specializes such arguments)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from acco_ds.ops.triton_kernels import quantize as kernels
+
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(sig) if name in divisible}
+    src = ASTSource(fn=getattr(kernels, kernel_name), signature=sig, constexprs=consts, attrs=attrs)
+    try:
+        compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"enable_fp_fusion": False})
+    except RuntimeError as e:
+        if "ptxas" in str(e).lower():
+            pytest.skip(f"triton cannot assemble for sm_90 here: {e}")
+        raise
+    return compiled.asm["ptx"]
+
+
+@pytest.mark.parametrize(
+    "variant", QUANTIZE_VARIANTS, ids=lambda v: f"x{'bf16' if v[0] else 'f32'}_res{v[1]}"
+)
+def test_triton_quantize_rows_compile_vectorised(variant):
+    """quantize_rows at block size 256 (8 rows of 256 a program): no FMA (the residual's v - q * scale rounds
+    twice, as the reference), and every access of x, the residual and q 16 bytes wide: per thread 16 elements,
+    so 16 * bytes / 16 v4 loads of x (and of the residual) and stores of the residual and of q; the one scalar
+    store is the row's scale."""
+    pytest.importorskip("triton")
+    from acco_ds.ops import quantize as q
+
+    x_bf16, res = variant
+    rows, tile = q._rows(256), q._tile(256)
+    sig = {
+        "x_ptr": "*bf16" if x_bf16 else "*fp32",
+        "res_ptr": ("*bf16" if res == "bf16" else "*fp32") if res else ("*bf16" if x_bf16 else "*fp32"),
+        "q_ptr": "*i8",
+        "scale_ptr": "*fp32",
+        "n": "i64",
+        "nb": "i64",
+        "block_size": "i32",
+    }
+    sig.update({k: "constexpr" for k in ("QMAX", "TILE", "ROWS", "X_BF16", "HAS_RES", "RES_BF16")})
+    consts = dict(
+        QMAX=127, TILE=tile, ROWS=rows, X_BF16=x_bf16, HAS_RES=res is not None, RES_BF16=res == "bf16"
+    )
+    ptx = quantize_compile(
+        "quantize_rows", sig, consts, ("x_ptr", "res_ptr", "q_ptr", "scale_ptr", "n", "block_size")
+    )
+    assert not FMA.search(ptx), f"{variant}: v - q * scale was fused into an FMA"
+    per_thread = rows * tile // THREADS
+    xb, rb = (2 if x_bf16 else 4), {None: 0, "fp32": 4, "bf16": 2}[res]
+    want = (per_thread * (xb + rb) // 16, per_thread * (rb + 1) // 16)
+    got = (ptx.count("ld.global.v4.b32"), ptx.count("st.global.v4.b32"))
+    assert got == want, f"{variant}: (v4 loads, v4 stores) {got}, expected {want}"
+    assert not re.search(r"ld\.global\.(b16|b8|v2)", ptx), f"{variant}: narrow loads of the data"
+
+
+@pytest.mark.parametrize("add", [True, False])
+def test_triton_dequantize_rows_compile_vectorised(add):
+    """dequantize_rows at block size 256: q read and the fp32 sum read (ADD) and written 16 bytes wide."""
+    pytest.importorskip("triton")
+    from acco_ds.ops import quantize as q
+
+    rows, tile = q._rows(256), q._tile(256)
+    sig = {
+        "q_ptr": "*i8",
+        "scale_ptr": "*fp32",
+        "out_ptr": "*fp32",
+        "n": "i64",
+        "nb": "i64",
+        "block_size": "i32",
+    }
+    sig.update({k: "constexpr" for k in ("TILE", "ROWS", "ADD")})
+    ptx = quantize_compile("dequantize_rows", sig, dict(TILE=tile, ROWS=rows, ADD=add),
+                           ("q_ptr", "scale_ptr", "out_ptr", "n", "block_size"))  # fmt: skip
+    assert not FMA.search(ptx), "the sum out + q * scale was fused into an FMA"
+    per_thread = rows * tile // THREADS
+    want = (per_thread * (1 + (4 if add else 0)) // 16, per_thread * 4 // 16)
+    got = (ptx.count("ld.global.v4.b32"), ptx.count("st.global.v4.b32"))
+    assert got == want, f"add={add}: (v4 loads, v4 stores) {got}, expected {want}"
