@@ -70,6 +70,12 @@ def _settings_and_meta() -> tuple:
 def test_render_labels_the_stand_in():
     s, meta = _settings_and_meta()
     md = bench.render(s, meta)
+    assert "The model alone, profiled the same way: not profiled." in md
+    meta.update(compute_host_gaps_us=[20.0, 180.0, 400.0], compute_profiled_steps=2)
+    assert (
+        "The model alone, profiled the same way: 2 stalls in 2 steps (largest gap 400 us)."
+        in bench.render(s, meta)
+    )
     assert "STAND-IN" in md and "271M parameters" in md
     assert "| sync | 1 | 100.0 | 100.0 | 101.0 | 203.0 | 50% | 5.0 | 100% | 0.0 | - |" in md
     assert "| acco | 0.25 | 25.0 | 100.0 | 26.0 | 104.0 | 96% | 4.0 | 75% | 2.0 | 1 in 1 steps (150) |" in md

@@ -149,6 +149,14 @@ def test_kernel_and_overlap_goals(tmp_path):
     (tmp_path / "gpu_overlap.json").write_text(json.dumps(data))
     host = gpu_goals.overlap_goals(tmp_path)[1]
     assert host.endswith("| NOT met |") and "x2 1 (largest 2000 us, 1 steps)" in host, host
+    # the model alone, profiled the same way, leaves the device idle 2.5 ms: a 2 ms acco gap is not ACCO's wait
+    data["meta"].update(compute_host_gaps_us=[30.0, 2500.0], compute_profiled_steps=1)
+    (tmp_path / "gpu_overlap.json").write_text(json.dumps(data))
+    host = gpu_goals.overlap_goals(tmp_path)[1]
+    assert host.endswith("| met |") and "the model alone 1 (largest 2500 us, 1 steps)" in host, host
+    data["meta"]["compute_host_gaps_us"] = [30.0, 1500.0]  # ... but one shorter than acco's 2 ms: not met
+    (tmp_path / "gpu_overlap.json").write_text(json.dumps(data))
+    assert gpu_goals.overlap_goals(tmp_path)[1].endswith("| NOT met |")
     for s in settings[:2]:  # not profiled (an older JSON, or --profile-steps 0): no result, never met
         s.pop("host_gaps_us"), s.pop("profiled_steps")
     (tmp_path / "gpu_overlap.json").write_text(json.dumps(data))
