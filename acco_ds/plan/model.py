@@ -41,7 +41,10 @@ DTYPE_SIZE = {"bf16": 2, "fp32": 4}
 CONTENDERS = ("zero1", "zero1-overlap", "zero2", "sync", "dpu", "acco", "acco-adaptive")
 COMPRESSED_CONTENDERS = ("sync-int8", "acco-int8", "acco-adaptive-int8")
 """acco_ds with every exchange int8 (commit, peek, all-gather)."""
-GPU_COMPRESSION_NOTE = "acco_ds's GPU compression (Triton kernels, NCCL all-to-all) has not run on a GPU yet"
+GPU_COMPRESSION_NOTE = (
+    "acco_ds's GPU compression has run on one GPU only (no NCCL all-to-all across ranks yet), where its quantize "
+    "kernels reached 24-68% of the copy bandwidth (the faster ones have not run yet: docs/GPU.md)"
+)
 """Why acco-plan does not recommend compression with ``--accelerator gpu`` (its rows are still modelled)."""
 COMPRESSION_CONFIG = {"commit": "int8", "peek": "int8", "all_gather": "int8"}
 BACKWARD_SHARE = 2.0 / 3.0  # of a micro-batch's compute: backward ~ 2x forward

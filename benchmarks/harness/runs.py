@@ -32,6 +32,7 @@ from acco_ds.cli import dsconfig
 from acco_ds.cli.launch import free_port, launch_command, run_ranks
 from acco_ds.cli.metrics import merge_ranks, read_ranks, summarize
 from acco_ds.cli.spec import RunSpec
+from acco_ds.plan.model import COMPRESSION_CONFIG
 from benchmarks.harness import link
 
 COMM_PROBE = "benchmarks.ranks.comm_probe"  # the per-rank module of the comm-only probe
@@ -64,7 +65,8 @@ CONTENDERS = {
     "acco-int4": ("acco", "fixed"),
     "acco-adaptive-int4": ("acco", "adaptive"),
 }
-INT8 = {"commit": "int8", "peek": "int8", "all_gather": "int8"}
+# what acco-plan recommends: int8 gradients (commit and peek) and parameter differences
+INT8 = dict(COMPRESSION_CONFIG)
 INT4 = {"commit": "int8", "peek": "int4", "all_gather": "int4"}  # four bits where the error is fed back
 CONFIG_CHANGES = {
     # DeepSpeed's own lower-precision communication: its gradients all-reduced in bf16

@@ -5,6 +5,7 @@ recommendation; parameter counts from a transformers config."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import subprocess
@@ -144,7 +145,7 @@ def test_compressed_rounds_against_a_hand_computed_case():
     assert plan.row("acco-int8").memory_held_bytes_per_param == pytest.approx(
         plan.row("acco").memory_held_bytes_per_param + 2
     )
-    assert "has not run on a GPU yet" in plan.row("acco-int8").note
+    assert "has run on one GPU only" in plan.row("acco-int8").note
 
 
 def test_latency_terms_and_a_compute_bound_case():
@@ -319,7 +320,7 @@ def test_recommendation_follows_the_rules():
 
 def test_recommendation_of_compression():
     """Compression only where the round does not fit in half a step, and only on CPU ranks (acco_ds's GPU
-    compression has not run on a GPU yet); on GPUs the reason gives the figure and says why not."""
+    compression has run on one GPU only); on GPUs the reason gives the figure and says why not."""
     assert (
         _rec(t_micro_batch=0.5, accelerator="cpu")["compression"] is None
     )  # the round fits: nothing to gain
@@ -328,7 +329,7 @@ def test_recommendation_of_compression():
     assert (r["mode"], r["accumulation"], r["compression"]) == ("acco", "fixed", COMPRESSION_CONFIG)
     gpu = _rec(t_micro_batch=0.15)
     assert (gpu["accumulation"], gpu["compression"]) == ("adaptive", None)
-    assert "has not run on a GPU yet" in gpu["reason"] and "258.2 ms" in gpu["reason"]
+    assert "has run on one GPU only" in gpu["reason"] and "258.2 ms" in gpu["reason"]
     # neither fits: adaptive, whose steps shrink from 18 to 12 micro-batches with int8
     r = _rec(accelerator="cpu")
     assert (r["accumulation"], r["compression"]) == ("adaptive", COMPRESSION_CONFIG)
@@ -378,3 +379,16 @@ def test_plan_inputs_refuse_out_of_range_values():
         with pytest.raises(ValueError, match=says):
             PlanInputs(**{"params": 1e9, "t_micro_batch": 0.1, "micro_batch": 1, "gas": 2, "gpus_per_node": 4,
                           "intra_bw": 1e11, **bad})  # fmt: skip
+
+
+def test_the_plan_models_the_configs_compression():
+    """acco-plan stands alone (it imports nothing of acco_ds's implementation), so its copies of the compression
+    defaults are checked here: the block size of the plan, of its memory model and of the config agree, and the
+    config the plan recommends is one the optimizer accepts."""
+    from acco_ds.config import CompressionConfig
+    from acco_ds.plan import memory_model
+
+    default = CompressionConfig().block_size
+    plan_default = next(f.default for f in dataclasses.fields(PlanInputs) if f.name == "block_size")
+    assert plan_default == memory_model.COMPRESSION_BLOCK == default
+    assert CompressionConfig(**COMPRESSION_CONFIG).enabled
