@@ -64,6 +64,7 @@ CONTENDERS = {
     "acco-int8-peek-int4": ("acco", "fixed"),
     "acco-int4": ("acco", "fixed"),
     "acco-adaptive-int4": ("acco", "adaptive"),
+    "dpu-int8": ("dpu", "fixed"),  # the peek ablation's "none at all": no estimate, int8 commits
 }
 # what acco-plan recommends: int8 gradients (commit and peek) and parameter differences
 INT8 = dict(COMPRESSION_CONFIG)
@@ -81,6 +82,9 @@ CONFIG_CHANGES = {
     "acco-int8-peek-int4": {"optimizer.params.compression": {**INT8, "peek": "int4"}},
     "acco-int4": {"optimizer.params.compression": INT4},
     "acco-adaptive-int4": {"optimizer.params.compression": INT4},
+    # the peek's exchange left out altogether: dpu (each round commits, with the delay, and no estimate) with
+    # acco-int8's commits and parameter differences
+    "dpu-int8": {"optimizer.params.compression": {"commit": "int8", "all_gather": "int8"}},
 }
 """What a contender changes in its mode's DeepSpeed config: a top-level key, or ``optimizer.params.<key>``."""
 

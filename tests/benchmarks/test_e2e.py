@@ -351,3 +351,29 @@ def test_ds_settings_of_every_deepspeed_contender():
     got = cli.ds_settings(cli.COMPRESSION_CONTENDERS.split(","), setup.knobs("fixed"))
     assert set(got) == {"zero1", "zero1-bf16comm"}
     assert got["zero1"]["stage"] == got["zero1-bf16comm"]["stage"] == 1
+
+
+def test_every_acco_contender_config_is_accepted():
+    """Each acco_ds contender's optimizer params pass the optimizer's own validation with the mode and the
+    compression the label names (dpu-int8: no peek, int8 commits; the peek sweep's precisions)."""
+    from acco_ds.config import ACCOConfig
+
+    setup = runs.Setup(
+        work=Path("w"), model={}, n_params=1000, steps=4, warmup=1, micro_batch=8, grad_accum=4, world=2,
+        threads=1, seed=0, bf16=False,
+    )  # fmt: skip
+    peeks = {}
+    for label, (mode, accumulation) in runs.CONTENDERS.items():
+        if mode not in ("sync", "dpu", "acco"):
+            continue
+        cfg = ACCOConfig.from_params(
+            runs.contender_config(label, setup.knobs(accumulation))["optimizer"]["params"]
+        )
+        assert (cfg.mode, cfg.accumulation) == (mode, accumulation), label
+        peeks[label] = cfg.compression.peek if cfg.compression.enabled else None
+    assert peeks["dpu-int8"] == "none" and runs.CONTENDERS["dpu-int8"][0] == "dpu"
+    assert [peeks[c] for c in ("acco-int8-exact-peek", "acco-int8", "acco-int8-peek-int4")] == [
+        "none",
+        "int8",
+        "int4",
+    ]
