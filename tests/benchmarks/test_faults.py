@@ -105,8 +105,18 @@ def test_quick_run_heals_for_real(tmp_path):
         str(tmp_path / "w"),
     ]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
+    # Popen, not run: the namespaces are named after the benchmark's pid, and another test's (a topology run on
+    # another worker) may exist at the same time
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=600)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        stdout, stderr = proc.communicate()
+        raise AssertionError(
+            f"benchmarks.faults --quick ran over 600 s: {(stdout + stderr)[-5000:]}"
+        ) from None
+    assert proc.returncode == 0, (stdout + stderr)[-5000:]
     res = json.loads((out / "faults_quick.json").read_text())
     (rec,) = [r for r in res["cases"] if r["case"] == "node-lost"]
     assert rec["healed"] and rec["world_after"] == 1 and rec["final_steps"] == res["args"]["steps"]
