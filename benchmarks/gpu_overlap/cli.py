@@ -147,13 +147,21 @@ def _stall_cell(s: Setting) -> str:
     return f"{n} in {s.profiled_steps} steps ({max(s.host_gaps_us, default=0.0):.0f})"
 
 
-def _compute_stalls(meta: dict) -> str:
-    steps = meta.get("compute_profiled_steps", 0)
-    if not steps:
-        return "not profiled"
+def _profile_method(meta: dict) -> str:
+    """How the host gaps were recorded, as the JSON says (runs before the steady-state profile say nothing: their
+    profiled step started right after a device sync, and the model alone was not profiled)."""
+    if "compute_profiled_steps" not in meta:
+        return "."
+    steps = meta["compute_profiled_steps"]
     gaps = meta.get("compute_host_gaps_us", [])
-    return (
+    alone = (
         f"{len(timeline.stalls(gaps))} stalls in {steps} steps (largest gap {max(gaps, default=0.0):.0f} us)"
+        if steps
+        else "not profiled"
+    )
+    return (
+        "; steps recorded in steady state (two steps before them unrecorded, no device sync in between). The model "
+        f"alone, profiled the same way: {alone}."
     )
 
 
@@ -195,9 +203,7 @@ def render(settings: List[Setting], meta: dict) -> str:
         "waits for the previous round's summary at each round end by design). 'host stalls': on the kernel "
         "timeline (torch.profiler) of extra acco steps, the times the compute stream ran out of queued work for "
         f"more than {timeline.STALL_THRESHOLD_US:.0f} us because the host had not launched the next op yet (beyond "
-        "the side stream it waited for), and the largest such gap; steps recorded in steady state (two steps "
-        "before them unrecorded, no device sync in between). The model alone, profiled the same way: "
-        f"{_compute_stalls(meta)}.",
+        f"the side stream it waited for), and the largest such gap{_profile_method(meta)}",
         "",
         "\n".join(lines),
     ]

@@ -70,7 +70,9 @@ def _settings_and_meta() -> tuple:
 def test_render_labels_the_stand_in():
     s, meta = _settings_and_meta()
     md = bench.render(s, meta)
-    assert "The model alone, profiled the same way: not profiled." in md
+    assert "the largest such gap.\n" in md and "steady state" not in md  # a JSON from before that profile
+    meta.update(compute_host_gaps_us=[], compute_profiled_steps=0)
+    assert "The model alone, profiled the same way: not profiled." in bench.render(s, meta)
     meta.update(compute_host_gaps_us=[20.0, 180.0, 400.0], compute_profiled_steps=2)
     assert (
         "The model alone, profiled the same way: 2 stalls in 2 steps (largest gap 400 us)."
