@@ -161,7 +161,8 @@ step_overlap() {
 
 # name limit_s function: the run order (see the header); the limits add up to at most the budget minus 30 s.
 # Measured on the first H100 run (2026-11-27): bundle 11 s, install 3, build 24, kernels 47, bench_kernels 11,
-# pipeline 56, overlap 33; stress needs about 3 x 30 s (three launches of the toy scenarios).
+# pipeline 56, overlap 33 (before its steady-state and model-alone profiles, about 15 s more); stress needs
+# about 3 x 30 s (three launches of the toy scenarios).
 STEPS=(
   "versions 15 versions"
   "gpu 10 gpu_present"
@@ -169,9 +170,9 @@ STEPS=(
   "install 15 step_install"
   "build 60 build"
   "kernels 70 step_kernels"
-  "bench_kernels 60 step_bench_kernels"
+  "bench_kernels 45 step_bench_kernels"
   "pipeline 75 step_pipeline"
-  "overlap 55 step_overlap"
+  "overlap 70 step_overlap"
   "stress 100 step_stress"
 )
 
