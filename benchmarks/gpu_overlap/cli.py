@@ -140,11 +140,13 @@ class Setting:
         return efficiency(self.t_compute_ms, self.t_side_ms, self.t_round_ms)
 
 
+def _stalls_text(gaps: List[float], steps: int) -> str:
+    """'<stalls> in <steps> steps (<largest gap in us>)' of host gaps recorded over ``steps`` profiled steps."""
+    return f"{len(timeline.stalls(gaps))} in {steps} steps ({max(gaps, default=0.0):.0f})"
+
+
 def _stall_cell(s: Setting) -> str:
-    if not s.profiled_steps:
-        return "-"
-    n = len(timeline.stalls(s.host_gaps_us))
-    return f"{n} in {s.profiled_steps} steps ({max(s.host_gaps_us, default=0.0):.0f})"
+    return _stalls_text(s.host_gaps_us, s.profiled_steps) if s.profiled_steps else "-"
 
 
 def _profile_method(meta: dict) -> str:
@@ -325,34 +327,31 @@ def batches(n: int, micro_batch: int, seq: int, vocab: int):
     return [torch.randint(0, vocab, (micro_batch, seq), device="cuda", generator=g) for _ in range(n)]
 
 
+def compute_step(model, data, gas: int, i: int) -> None:
+    """A step's micro-batches through the model alone (forward + backward, gradients accumulated in .grad)."""
+    for j in range(gas):
+        x = data[(i * gas + j) % len(data)]
+        model(input_ids=x, labels=x).loss.backward()
+
+
 def time_compute(model, data, warmup: int, reps: int):
     """Median ms of one micro-batch's forward + backward; host syncs per micro-batch in the model itself."""
     import torch
 
-    def one(x):
-        model(input_ids=x, labels=x).loss.backward()
-
     for i in range(warmup):
-        one(data[i % len(data)])
+        compute_step(model, data, 1, i)
     torch.cuda.synchronize()
     times = []
     with HostSyncCounter() as syncs:
         for i in range(reps):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            one(data[i % len(data)])
+            compute_step(model, data, 1, i)
             end.record()
             times.append((start, end))
     torch.cuda.synchronize()
     model.zero_grad(set_to_none=True)
     return statistics.median(s.elapsed_time(e) for s, e in times), syncs.count / reps
-
-
-def compute_step(model, data, gas: int, i: int) -> None:
-    """A step's micro-batches through the model alone (forward + backward, gradients accumulated in .grad)."""
-    for j in range(gas):
-        x = data[(i * gas + j) % len(data)]
-        model(input_ids=x, labels=x).loss.backward()
 
 
 def train_step(engine, data, gas: int, i: int) -> None:
@@ -546,14 +545,11 @@ def main(argv=None) -> int:
     model = build_model(size, args.seq)
     t_mb_ms, compute_syncs = time_compute(model, data, warmup=3, reps=8)
     compute_gaps = []
-    if (
-        args.profile_steps
-    ):  # the model alone, profiled as the acco steps are: the host gaps ACCO is not part of
+    # the model alone, profiled as the acco steps are: the host gaps ACCO is not part of
+    if args.profile_steps:
         compute_gaps = profile_host_gaps(partial(compute_step, model, data, args.gas), args.profile_steps)
         model.zero_grad(set_to_none=True)
-        stalls = timeline.stalls(compute_gaps)
-        print(f"compute-only: host stalls {len(stalls)} in {args.profile_steps} steps "
-              f"({max(compute_gaps, default=0.0):.0f})", flush=True)  # fmt: skip
+        print(f"compute-only: host stalls {_stalls_text(compute_gaps, args.profile_steps)}", flush=True)
     params = sum(p.numel() for p in model.parameters())
     del model
     gc.collect()

@@ -69,11 +69,12 @@ CONTENDERS = {
 # what acco-plan recommends: int8 gradients (commit and peek) and parameter differences
 INT8 = dict(COMPRESSION_CONFIG)
 INT4 = {"commit": "int8", "peek": "int4", "all_gather": "int4"}  # four bits where the error is fed back
+INT8_NO_PEEK = {"commit": "int8", "all_gather": "int8"}  # the modes without a peek (sync, dpu)
 CONFIG_CHANGES = {
     # DeepSpeed's own lower-precision communication: its gradients all-reduced in bf16
     "zero1-bf16comm": {"communication_data_type": "bf16"},
     # "ZeRO-1 with the same quantizer": acco_ds sync, int8 gradients and parameter differences
-    "sync-int8": {"optimizer.params.compression": {"commit": "int8", "all_gather": "int8"}},
+    "sync-int8": {"optimizer.params.compression": INT8_NO_PEEK},
     "acco-int8": {"optimizer.params.compression": INT8},
     "acco-adaptive-int8": {"optimizer.params.compression": INT8},
     # ablations: without error feedback; the peek (the estimate's gradients) exact
@@ -84,7 +85,7 @@ CONFIG_CHANGES = {
     "acco-adaptive-int4": {"optimizer.params.compression": INT4},
     # the peek's exchange left out altogether: dpu (each round commits, with the delay, and no estimate) with
     # acco-int8's commits and parameter differences
-    "dpu-int8": {"optimizer.params.compression": {"commit": "int8", "all_gather": "int8"}},
+    "dpu-int8": {"optimizer.params.compression": INT8_NO_PEEK},
 }
 """What a contender changes in its mode's DeepSpeed config: a top-level key, or ``optimizer.params.<key>``."""
 
