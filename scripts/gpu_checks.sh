@@ -16,7 +16,8 @@
 # summary.md (steps + goals), pytest_gpu.xml, kernels_cuda.md/.json, gpu_overlap.md/.json.
 # Environment: PYTHON (default python3), BUNDLE_DIR (.gpu_bundle), GPU_CHECKS_BUDGET_S (total seconds,
 # default 530: the device tool's 10-minute limit minus margin), ACCO_DS_CUDA_ARCHS (default: this GPU's),
-# BENCH_KERNELS_ARGS (default "--sizes 1e7,1e8 --reps 9 --no-deepspeed": the goals judge sizes >= 10M; DeepSpeed's
+# GPU_CHECKS_ONLY (the names of the steps to run, space-separated, in the table's order; default all: a rerun
+# of some steps, e.g. "versions gpu bundle install build overlap", keeps the set-up steps they need), BENCH_KERNELS_ARGS (default "--sizes 1e7,1e8 --reps 9 --no-deepspeed": the goals judge sizes >= 10M; DeepSpeed's
 # FusedAdam anchor is built just in time, about a minute), BENCH_OVERLAP_ARGS (default "--quick --steps 3 --factors
 # 0,0.5,1,2").
 # Exit status: 0 when every step passed, 3 without a usable GPU, 1 otherwise.
@@ -160,20 +161,20 @@ step_overlap() {
 }
 
 # name limit_s function: the run order (see the header); the limits add up to at most the budget minus 30 s.
-# Measured on the first H100 run (2026-11-27): bundle 11 s, install 3, build 24, kernels 47, bench_kernels 11,
-# pipeline 56, overlap 33 (before its steady-state and model-alone profiles, about 15 s more); stress needs
-# about 3 x 30 s (three launches of the toy scenarios).
+# Measured on the second H100 run (2026-11-28): versions 11 s, gpu 6, bundle 12, install 4, build 22, kernels 70,
+# bench_kernels 13, pipeline 62, overlap 44; stress three launches of the toy scenarios of about 35 s each (the
+# third was cut at 100 s).
 STEPS=(
-  "versions 15 versions"
+  "versions 12 versions"
   "gpu 10 gpu_present"
-  "bundle 30 bundle_install"
-  "install 15 step_install"
-  "build 60 build"
-  "kernels 70 step_kernels"
-  "bench_kernels 45 step_bench_kernels"
+  "bundle 20 bundle_install"
+  "install 10 step_install"
+  "build 40 build"
+  "kernels 85 step_kernels"
+  "bench_kernels 25 step_bench_kernels"
   "pipeline 75 step_pipeline"
-  "overlap 70 step_overlap"
-  "stress 100 step_stress"
+  "overlap 60 step_overlap"
+  "stress 140 step_stress"
 )
 
 if [ "${1:-}" = "--step" ]; then  # run_step's child: one step, in its own time limit
@@ -194,6 +195,10 @@ main() {
   local entry name limit fn
   for entry in "${STEPS[@]}"; do
     read -r name limit fn <<<"$entry"
+    if [ -n "${GPU_CHECKS_ONLY:-}" ] && [[ " $GPU_CHECKS_ONLY " != *" $name "* ]]; then
+      SUMMARY+=("| $name | not selected (GPU_CHECKS_ONLY) | 0 |")
+      continue
+    fi
     if ! run_step "$name" "$limit" "$fn" && [ "$name" = gpu ]; then
       why="no usable CUDA GPU: torch.cuda.is_available() is False or no device (see versions above); nothing was checked"
       echo "$why" >&2

@@ -51,6 +51,7 @@ from benchmarks.gpu_overlap import timeline
 from benchmarks.harness.cli import parser
 
 FACTORS = (0.0, 0.25, 0.5, 1.0, 1.5, 2.0)
+GAPS_EXPLAINED = 3  # the longest host gaps per profile whose host activity is kept
 
 
 @dataclass(frozen=True)
@@ -132,6 +133,9 @@ class Setting:
         default_factory=list
     )  # compute-stream idle the host caused, > 10 us each
     profiled_steps: int = 0
+    gap_causes: List[dict] = field(
+        default_factory=list
+    )  # the longest host gaps and what the host did in them
     rounds: int = 0
     notes: List[str] = field(default_factory=list)
 
@@ -418,11 +422,12 @@ def run_mode(mode: str, args, size: ModelSize, data, t_mb_ms: float, per_ms: flo
                 flush=True,
             )
             if mode == "acco" and args.profile_steps:
-                s.host_gaps_us = profile_host_gaps(
-                    partial(train_step, engine, data, args.gas), args.profile_steps
+                s.host_gaps_us, s.gap_causes = profile_host_gaps(
+                    partial(train_step, engine, data, args.gas), args.profile_steps, args.profile_python
                 )
                 s.profiled_steps = args.profile_steps
                 print(f"{mode} x{factor:g}: host stalls {_stall_cell(s)}", flush=True)
+                print_gap_causes(f"{mode} x{factor:g}", s.gap_causes)
             out.append(s)
     engine.optimizer.finish()
     engine.optimizer.pipeline.close()
@@ -432,11 +437,19 @@ def run_mode(mode: str, args, size: ModelSize, data, t_mb_ms: float, per_ms: flo
     return out
 
 
-def profile_host_gaps(step, steps: int) -> List[float]:
-    """The compute stream's host gaps over 10 us (:func:`benchmarks.gpu_overlap.timeline.host_gaps` of the
-    exported kernel timeline) in ``steps`` calls of ``step(i)`` recorded in steady state: two calls run first under
-    the profiler's schedule unrecorded (wait, warm-up), with no device sync between them and the recorded ones, so
-    the first recorded ops do not start from an empty queue the benchmark itself drained."""
+def print_gap_causes(label: str, causes: List[dict]) -> None:
+    for c in causes:
+        host = ", ".join(f"{name} {us:.0f}" for name, us in c["host"])
+        print(f"{label}: gap {c['gap_us']:.0f} us, the host in it (us): {host}", flush=True)
+
+
+def profile_host_gaps(step, steps: int, python: bool = False, explain: int = GAPS_EXPLAINED) -> tuple:
+    """(gaps, causes): the compute stream's host gaps over 10 us (:func:`benchmarks.gpu_overlap.timeline.host_gaps`
+    of the exported kernel timeline) in ``steps`` calls of ``step(i)`` recorded in steady state: two calls run
+    first under the profiler's schedule unrecorded (wait, warm-up), with no device sync between them and the
+    recorded ones, so the first recorded ops do not start from an empty queue the benchmark itself drained; and
+    for the ``explain`` longest gaps, what the host was doing (:func:`timeline.host_activity`; Python functions
+    too with ``python``, at the cost of a slower host while recording)."""
     import tempfile
 
     import torch
@@ -444,7 +457,9 @@ def profile_host_gaps(step, steps: int) -> List[float]:
 
     torch.cuda.synchronize()
     plan = schedule(wait=1, warmup=1, active=steps, repeat=1)
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], schedule=plan) as prof:
+    with profile(
+        activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], schedule=plan, with_stack=python
+    ) as prof:
         for i in range(steps + 2):
             step(i)
             if i == steps + 1:
@@ -454,8 +469,31 @@ def profile_host_gaps(step, steps: int) -> List[float]:
         path = Path(tmp) / "trace.json"
         prof.export_chrome_trace(str(path))
         trace = json.loads(path.read_text())
-    gaps = timeline.host_gaps(timeline.ops_from_trace(trace))
-    return [round(g, 1) for g in gaps if g > 10.0]
+    intervals = timeline.host_gap_intervals(timeline.ops_from_trace(trace))
+    gaps = [round(end - start, 1) for start, end in intervals if end - start > 10.0]
+    longest = sorted(intervals, key=lambda iv: iv[0] - iv[1])[:explain]
+    causes = [
+        {
+            "gap_us": round(end - start, 1),
+            "host": [[n, round(us, 1)] for n, us in timeline.host_activity(trace, start, end)],
+        }
+        for start, end in longest
+    ]
+    return gaps, causes
+
+
+def host_cpu() -> str:
+    """The host's CPU model, cores this process may use, and load average (the host launches every kernel)."""
+    model = "?"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+        load = " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    except OSError:
+        load = "?"
+    return f"{model}, {len(os.sched_getaffinity(0))} usable cores, load average {load}"
 
 
 def versions() -> str:
@@ -487,6 +525,12 @@ def parse_args(argv=None):
         type=int,
         default=1,
         help="acco steps per setting on the profiler's kernel timeline (0: off)",
+    )
+    ap.add_argument(
+        "--profile-python",
+        action="store_true",
+        help="record Python functions on the profiled steps too (names what the host did in its longest gaps; "
+        "slows the host while recording)",
     )
     ap.add_argument(
         "--from-json", default=None, help="re-render gpu_overlap.md into --out from a saved gpu_overlap.json"
@@ -544,12 +588,15 @@ def main(argv=None) -> int:
     data = batches(4, args.micro_batch, args.seq, size.vocab)
     model = build_model(size, args.seq)
     t_mb_ms, compute_syncs = time_compute(model, data, warmup=3, reps=8)
-    compute_gaps = []
+    compute_gaps, compute_causes = [], []
     # the model alone, profiled as the acco steps are: the host gaps ACCO is not part of
     if args.profile_steps:
-        compute_gaps = profile_host_gaps(partial(compute_step, model, data, args.gas), args.profile_steps)
+        compute_gaps, compute_causes = profile_host_gaps(
+            partial(compute_step, model, data, args.gas), args.profile_steps, args.profile_python
+        )
         model.zero_grad(set_to_none=True)
         print(f"compute-only: host stalls {_stalls_text(compute_gaps, args.profile_steps)}", flush=True)
+        print_gap_causes("compute-only", compute_causes)
     params = sum(p.numel() for p in model.parameters())
     del model
     gc.collect()
@@ -574,6 +621,8 @@ def main(argv=None) -> int:
         "compute_syncs_per_step": compute_syncs * args.gas,
         "compute_host_gaps_us": compute_gaps,
         "compute_profiled_steps": args.profile_steps,
+        "compute_gap_causes": compute_causes,
+        "host_cpu": host_cpu(),
     }
     out = Path(args.out)
     md = write(out, settings, meta)

@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
-from typing import Iterable, List, Sequence
+from typing import Iterable, List, Sequence, Tuple
 
 DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 LAUNCH_CATS = ("cuda_runtime", "cuda_driver")
+HOST_CATS = ("cpu_op", "user_annotation", "python_function", *LAUNCH_CATS)
 STALL_THRESHOLD_US = 100.0  # a host gap above this is a stall: launch latency on a busy host is ~5-20 us
 
 
@@ -61,6 +62,12 @@ def compute_stream(ops: Sequence[DeviceOp]) -> int:
 def host_gaps(ops: Iterable[DeviceOp], stream: int | None = None) -> List[float]:
     """The host gaps (module docstring) of the compute stream (``stream``, else :func:`compute_stream`), in
     microseconds, one per idle interval the host caused (positive ones only), in time order."""
+    return [end - start for start, end in host_gap_intervals(ops, stream)]
+
+
+def host_gap_intervals(ops: Iterable[DeviceOp], stream: int | None = None) -> List[Tuple[float, float]]:
+    """The host gaps of :func:`host_gaps` as (start, end) on the profiler's clock: from when the compute stream
+    could have run its next op to that op's launch."""
     ops = list(ops)
     if not ops:
         return []
@@ -76,8 +83,25 @@ def host_gaps(ops: Iterable[DeviceOp], stream: int | None = None) -> List[float]
         ready = max(a.end, side_ends[i - 1]) if i else a.end
         gap = min(b.launch - ready, idle)
         if gap > 0:
-            gaps.append(gap)
+            gaps.append((b.launch - gap, b.launch))
     return gaps
+
+
+def host_activity(trace: dict, start: float, end: float, top: int = 6) -> List[Tuple[str, float]]:
+    """What the host was doing from ``start`` to ``end`` (a host gap): the host events of the trace (``cat``
+    in :data:`HOST_CATS`: ATen ops, annotations, Python functions when recorded, CUDA runtime/driver calls) that
+    overlap the interval, as (name, overlap in us) summed per name, the ``top`` largest first. Nested events
+    each count (an op and the runtime call inside it both appear): a diagnostic, not a partition of the time."""
+    events = trace.get("traceEvents", trace) if isinstance(trace, dict) else trace
+    spent: dict = {}
+    for e in events:
+        if e.get("cat") not in HOST_CATS or e.get("ph", "X") != "X":
+            continue
+        s = float(e["ts"])
+        overlap = min(end, s + float(e.get("dur", 0.0))) - max(start, s)
+        if overlap > 0:
+            spent[e.get("name", "?")] = spent.get(e.get("name", "?"), 0.0) + overlap
+    return sorted(spent.items(), key=lambda kv: -kv[1])[:top]
 
 
 def stalls(gaps: Iterable[float], threshold_us: float = STALL_THRESHOLD_US) -> List[float]:
