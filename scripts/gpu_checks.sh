@@ -96,6 +96,10 @@ for mod in ("triton", "deepspeed", "pydantic", "hjson", "transformers", "pybind1
 PYEOF
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv || echo "nvidia-smi failed"
   nvcc --version | tail -2 || echo "nvcc not on PATH (set CUDA_HOME or NVCC)"
+  # the host launches every kernel: its CPU, the cores this job may use and what else runs there
+  grep -m1 "model name" /proc/cpuinfo
+  echo "usable cores $(nproc), load average $(cut -d' ' -f1-3 /proc/loadavg)"
+  top -bn1 -o %CPU 2>/dev/null | sed -n '7,12p'
 }
 
 gpu_present() {
