@@ -470,14 +470,14 @@ def profile_host_gaps(step, steps: int, python: bool = False, explain: int = GAP
         prof.export_chrome_trace(str(path))
         trace = json.loads(path.read_text())
     intervals = timeline.host_gap_intervals(timeline.ops_from_trace(trace))
-    gaps = [round(end - start, 1) for start, end in intervals if end - start > 10.0]
+    gaps = [round(end - start, 1) for start, end, _ in intervals if end - start > 10.0]
     longest = sorted(intervals, key=lambda iv: iv[0] - iv[1])[:explain]
     causes = [
         {
             "gap_us": round(end - start, 1),
-            "host": [[n, round(us, 1)] for n, us in timeline.host_activity(trace, start, end)],
+            "host": [[n, round(us, 1)] for n, us in timeline.host_activity(trace, start, end, tid)],
         }
-        for start, end in longest
+        for start, end, tid in longest
     ]
     return gaps, causes
 

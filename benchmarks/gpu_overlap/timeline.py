@@ -32,6 +32,7 @@ class DeviceOp:
     end: float
     stream: int
     launch: float  # when the host's launch call started (same clock); -inf when unknown (treated as queued)
+    launch_tid: object = None  # the host thread that launched it, when known
 
 
 def ops_from_trace(trace: dict) -> List[DeviceOp]:
@@ -40,14 +41,16 @@ def ops_from_trace(trace: dict) -> List[DeviceOp]:
     launches = {}
     for e in events:
         if e.get("cat") in LAUNCH_CATS and "correlation" in e.get("args", {}):
-            launches[e["args"]["correlation"]] = float(e["ts"])
+            launches[e["args"]["correlation"]] = (float(e["ts"]), e.get("tid"))
     ops = []
     for e in events:
         if e.get("cat") in DEVICE_CATS and e.get("ph", "X") == "X":
             args = e.get("args", {})
             start = float(e["ts"])
-            launch = launches.get(args.get("correlation"), float("-inf"))
-            ops.append(DeviceOp(start, start + float(e.get("dur", 0.0)), int(args.get("stream", -1)), launch))
+            launch, tid = launches.get(args.get("correlation"), (float("-inf"), None))
+            ops.append(
+                DeviceOp(start, start + float(e.get("dur", 0.0)), int(args.get("stream", -1)), launch, tid)
+            )
     return ops
 
 
@@ -62,12 +65,14 @@ def compute_stream(ops: Sequence[DeviceOp]) -> int:
 def host_gaps(ops: Iterable[DeviceOp], stream: int | None = None) -> List[float]:
     """The host gaps (module docstring) of the compute stream (``stream``, else :func:`compute_stream`), in
     microseconds, one per idle interval the host caused (positive ones only), in time order."""
-    return [end - start for start, end in host_gap_intervals(ops, stream)]
+    return [end - start for start, end, _ in host_gap_intervals(ops, stream)]
 
 
-def host_gap_intervals(ops: Iterable[DeviceOp], stream: int | None = None) -> List[Tuple[float, float]]:
-    """The host gaps of :func:`host_gaps` as (start, end) on the profiler's clock: from when the compute stream
-    could have run its next op to that op's launch."""
+def host_gap_intervals(
+    ops: Iterable[DeviceOp], stream: int | None = None
+) -> List[Tuple[float, float, object]]:
+    """The host gaps of :func:`host_gaps` as (start, end, thread) on the profiler's clock: from when the compute
+    stream could have run its next op to that op's launch, and the host thread that launched it."""
     ops = list(ops)
     if not ops:
         return []
@@ -83,25 +88,40 @@ def host_gap_intervals(ops: Iterable[DeviceOp], stream: int | None = None) -> Li
         ready = max(a.end, side_ends[i - 1]) if i else a.end
         gap = min(b.launch - ready, idle)
         if gap > 0:
-            gaps.append((b.launch - gap, b.launch))
+            gaps.append((b.launch - gap, b.launch, b.launch_tid))
     return gaps
 
 
-def host_activity(trace: dict, start: float, end: float, top: int = 6) -> List[Tuple[str, float]]:
-    """What the host was doing from ``start`` to ``end`` (a host gap): the host events of the trace (``cat``
-    in :data:`HOST_CATS`: ATen ops, annotations, Python functions when recorded, CUDA runtime/driver calls) that
-    overlap the interval, as (name, overlap in us) summed per name, the ``top`` largest first. Nested events
-    each count (an op and the runtime call inside it both appear): a diagnostic, not a partition of the time."""
+def host_activity(
+    trace: dict, start: float, end: float, tid: object = None, top: int = 6
+) -> List[Tuple[str, float]]:
+    """What the host was doing from ``start`` to ``end`` (a host gap) on thread ``tid`` (every thread when None):
+    the host events of the trace (``cat`` in :data:`HOST_CATS`: ATen ops, annotations, Python functions when
+    recorded, CUDA runtime/driver calls), each with its self time inside the interval (its overlap with the
+    interval less that of the events nested in it on its thread), summed per name, the ``top`` largest first."""
     events = trace.get("traceEvents", trace) if isinstance(trace, dict) else trace
+    spans = sorted(
+        (
+            (float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)), e.get("tid"), e.get("name", "?"))
+            for e in events
+            if e.get("cat") in HOST_CATS and e.get("ph", "X") == "X" and (tid is None or e.get("tid") == tid)
+        ),
+        key=lambda sp: (sp[2] is None, str(sp[2]), sp[0], -sp[1]),
+    )
     spent: dict = {}
-    for e in events:
-        if e.get("cat") not in HOST_CATS or e.get("ph", "X") != "X":
-            continue
-        s = float(e["ts"])
-        overlap = min(end, s + float(e.get("dur", 0.0))) - max(start, s)
+    stacks: dict = {}  # thread -> open spans [(end, name)], innermost last
+    for s, e, t, name in spans:
+        stack = stacks.setdefault(t, [])
+        while stack and stack[-1][0] <= s:
+            stack.pop()
+        overlap = min(end, e) - max(start, s)
         if overlap > 0:
-            spent[e.get("name", "?")] = spent.get(e.get("name", "?"), 0.0) + overlap
-    return sorted(spent.items(), key=lambda kv: -kv[1])[:top]
+            spent[name] = spent.get(name, 0.0) + overlap
+            if stack:  # nested: the parent's self time loses what this span covers
+                parent = stack[-1][1]
+                spent[parent] = spent.get(parent, 0.0) - overlap
+        stack.append((e, name))
+    return sorted(((n, us) for n, us in spent.items() if us > 0), key=lambda kv: -kv[1])[:top]
 
 
 def stalls(gaps: Iterable[float], threshold_us: float = STALL_THRESHOLD_US) -> List[float]:

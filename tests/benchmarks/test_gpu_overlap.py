@@ -176,3 +176,19 @@ def test_ops_from_a_chrome_trace():
         timeline.DeviceOp(905.0, 915.0, 7, 900.0),
     ]
     assert timeline.host_gaps(ops) == [850.0]  # from the first kernel's end (50 us) to the launch (900 us)
+
+
+def test_host_activity_names_the_launching_threads_self_time_in_a_gap():
+    ev = [
+        {"ph": "X", "cat": "python_function", "name": "step", "ts": 0, "dur": 1000, "tid": 1},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaStreamSynchronize", "ts": 200, "dur": 700, "tid": 1},
+        {"ph": "X", "cat": "python_function", "name": "heartbeat wait", "ts": 0, "dur": 1000, "tid": 2},
+        {"ph": "X", "cat": "kernel", "name": "gemm", "ts": 0, "dur": 1000, "tid": 7},
+    ]
+    trace = {"traceEvents": ev}
+    assert timeline.host_activity(trace, 100, 1000, tid=1) == [
+        ("cudaStreamSynchronize", 700.0),
+        ("step", 200.0),
+    ]
+    assert timeline.host_activity(trace, 100, 1000)[0] == ("heartbeat wait", 900.0)
+    assert timeline.host_activity(trace, 100, 1000, tid=1, top=1) == [("cudaStreamSynchronize", 700.0)]
