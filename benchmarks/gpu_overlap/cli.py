@@ -185,6 +185,8 @@ def render(settings: List[Setting], meta: dict) -> str:
             f"{s.host_syncs_per_step:.1f} | {_stall_cell(s)} |"
         )
     notes = [f"- {s.mode} x{s.factor:g}: {n}" for s in settings for n in s.notes]
+    causes = [("model alone", c) for c in meta.get("compute_gap_causes", [])]
+    causes += [(f"{s.mode} x{s.factor:g}", c) for s in settings for c in s.gap_causes]
     md = [
         "# ACCO overlap on one GPU (communication stand-in on the side stream)",
         "",
@@ -215,6 +217,24 @@ def render(settings: List[Setting], meta: dict) -> str:
     ]
     if notes:
         md += ["", "Notes:", *notes]
+    if causes:
+        md += [
+            "",
+            "The longest host gaps of each profile and what the launching host thread did in them (self time of "
+            "its ATen ops, CUDA calls and Python functions inside the gap, us; profiled with Python tracing "
+            "when the command says --profile-python, which slows the host):",
+            "",
+            "| profile | gap us | the host in it (us) |",
+            "|---|---:|---|",
+            *(
+                f"| {label} | {c['gap_us']:.0f} | "
+                + ", ".join(f"`{name.replace('|', '/')}` {us:.0f}" for name, us in c["host"])
+                + " |"
+                for label, c in causes
+            ),
+        ]
+    if meta.get("host_cpu"):
+        md += ["", f"Host CPU: {meta['host_cpu']}."]
     return "\n".join(md) + "\n"
 
 
