@@ -169,16 +169,16 @@ step_overlap() {
 # bench_kernels 13, pipeline 62, overlap 44; stress three launches of the toy scenarios of about 35 s each (the
 # third was cut at 100 s).
 STEPS=(
-  "versions 12 versions"
+  "versions 15 versions"
   "gpu 10 gpu_present"
   "bundle 20 bundle_install"
   "install 10 step_install"
   "build 40 build"
-  "kernels 85 step_kernels"
+  "kernels 95 step_kernels"
   "bench_kernels 25 step_bench_kernels"
   "pipeline 75 step_pipeline"
   "overlap 60 step_overlap"
-  "stress 140 step_stress"
+  "stress 130 step_stress"
 )
 
 if [ "${1:-}" = "--step" ]; then  # run_step's child: one step, in its own time limit

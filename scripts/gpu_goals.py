@@ -27,7 +27,12 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 BYTES = {"commit": 28, "peek": 16}  # as benchmarks/kernels/table.py's BYTES
-QUANT_BYTES = {"qres_fp32": 13 + 4 / 256, "qres_bf16": 7 + 4 / 256, "deq_add": 9 + 4 / 256}  # its QUANT_BYTES
+QUANT_BYTES = {  # as benchmarks/kernels/table.py's QUANT_BYTES
+    "qres_fp32": 13 + 4 / 256,
+    "qres_bf16": 7 + 4 / 256,
+    "deq_add": 9 + 4 / 256,
+    "deq_sum": 4 * (1 + 4 / 256) + 2,
+}
 BIG = 10_000_000
 STALL_THRESHOLD_US = (
     100.0  # as benchmarks/gpu_overlap/timeline.py (this script imports nothing of the project)

@@ -9,7 +9,8 @@ in it; it sends chunk r's int8 values and scales to rank r (no backend sums int8
 one peer at a time, as the uncompressed gloo path; on NCCL one ``all_to_all_single`` of the values and one of
 the scales); the owner dequantizes every rank's chunk of its shard (its own included) and sums them in fp32,
 in the order own, me-1, me-2, ... (mod W) on every backend, and writes the sum into its own slice of the
-buffer, in the buffer's dtype. From there the round goes on exactly as an uncompressed one (average, norm,
+buffer, in the buffer's dtype (gloo: as each peer's chunk arrives; NCCL, and W = 1: once all are there, in one
+pass, ``dequantize_sum``). From there the round goes on exactly as an uncompressed one (average, norm,
 clipping, AdamW, all-gather).
 
 Threads, streams and ownership: called on the communication side (CPU: the executor's worker thread, gloo;
@@ -44,10 +45,12 @@ import torch.distributed as dist
 from acco_ds.ops.quantize import (
     dequantize,
     dequantize_add,
+    dequantize_sum,
     num_blocks,
     pack_int4,
     quantize,
     quantize_with_residual,
+    store_sum,
     unpack_int4,
 )
 
@@ -119,8 +122,8 @@ def compressed_reduce_scatter_inplace(
             q[r], scales[r] = quantize(chunks[r], block_size, bits=bits)
         else:
             q[r], scales[r] = quantize_with_residual(chunks[r], rests[r], block_size, bits=bits)
-    total = dequantize(q[me], scales[me], block_size)
     if world > 1 and point_to_point(group):
+        total = dequantize(q[me], scales[me], block_size)
         got_q = _wire_buffer(shard, bits, full.device)
         got_s = torch.empty(nb, dtype=torch.float32, device=full.device)
         for k in range(1, world):
@@ -134,17 +137,20 @@ def compressed_reduce_scatter_inplace(
             for req in reqs:
                 req.wait()
             dequantize_add(total, _from_wire(got_q, shard, bits), got_s, block_size)
-    elif world > 1:
+        store_sum(chunks[me], total)
+        return
+    if world > 1:
         wire = torch.stack([_to_wire(q[r], bits) for r in range(world)]) if bits == 4 else q
         got_q, got_s = torch.empty_like(wire), torch.empty_like(scales)
         chunk_bytes = wire[0].numel() * wire.element_size() + nb * scales.element_size()
         traffic.collective((world - 1) * chunk_bytes, (world - 1) * chunk_bytes)
         dist.all_to_all_single(got_q, wire, group=group)
         dist.all_to_all_single(got_s, scales, group=group)
-        for k in range(1, world):
-            src = (me - k) % world
-            dequantize_add(total, _from_wire(got_q[src], shard, bits), got_s[src], block_size)
-    chunks[me].copy_(total)
+        # row r: rank r's chunk of this shard (row me: the copy of q[me] the all-to-all made, the same bits)
+        q = got_q if bits == 8 else torch.stack([_from_wire(got_q[r], shard, bits) for r in range(world)])
+        scales = got_s
+    # every chunk is here: one pass sums them (own, me-1, me-2, ...) into this rank's slice, in its dtype
+    dequantize_sum(chunks[me], q, scales, block_size, [(me - k) % world for k in range(world)])
 
 
 def _wire_buffer(n: int, bits: int, device) -> torch.Tensor:

@@ -26,7 +26,8 @@ and writes what quantization lost, ``v - deq``, into ``residual`` (in place, in 
 to nearest even); a block whose ``v`` is non-finite gets its residual zeroed (that round is skipped; a NaN
 kept there would poison every later round). :func:`dequantize_add` adds ``deq`` into an fp32 accumulator
 (``out + deq``, each product and each sum rounded to fp32): the owner of a chunk sums every rank's
-dequantized chunk that way.
+dequantized chunk that way; :func:`dequantize_sum` does that whole sum in one pass once every chunk is there
+(the same bits), and stores it in the gradient buffer's dtype.
 
 Backends (``backend=`` of every public function; the ``*_ref`` functions are the torch reference):
 
@@ -182,6 +183,53 @@ def dequantize_add_ref(out: torch.Tensor, q: torch.Tensor, scales: torch.Tensor,
     _check_q(q, scales, block_size)
     _check_out(out, q)
     out.add_(dequantize_ref(q, scales, block_size))
+
+
+def _check_sum(out: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, block_size: int, order) -> list:
+    """Validate :func:`dequantize_sum`'s arguments; returns the row order as a list of ints."""
+    _check_block_size(block_size)
+    if q.dtype != torch.int8 or q.dim() != 2:
+        raise TypeError(f"q must be an int8 [rows, n] tensor, got {q.dtype} of shape {tuple(q.shape)}")
+    rows, n = q.shape
+    nb = num_blocks(n, block_size)
+    if scales.dtype != torch.float32 or tuple(scales.shape) != (rows, nb):
+        raise ValueError(
+            f"scales must be fp32 of shape ({rows}, {nb}) for q of shape {tuple(q.shape)} in blocks of {block_size}, "
+            f"got {scales.dtype} of shape {tuple(scales.shape)}"
+        )
+    _check(out, block_size, "out")
+    if out.numel() != n or out.device != q.device or scales.device != q.device:
+        raise ValueError(
+            f"out must have q's row length and device ({n} on {q.device}), got {out.numel()} on {out.device}; "
+            f"scales on {scales.device}"
+        )
+    order = list(range(rows)) if order is None else [int(r) for r in order]
+    if not order or len(set(order)) != len(order) or not all(0 <= r < rows for r in order):
+        raise ValueError(f"order must name distinct rows of q (0 to {rows - 1}), at least one; got {order}")
+    return order
+
+
+def dequantize_sum_ref(
+    out: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, block_size: int, order=None
+) -> None:
+    """Pure-torch reference of :func:`dequantize_sum` (validates the same way): :func:`dequantize_ref` of the
+    first row, :func:`dequantize_add_ref` of each next one, then copied into ``out`` (torch's cast: round to
+    nearest even; a NaN stored in bf16 is made 0x7FC0, the kernels' rule, where torch's vectorised cast may give
+    other NaN bits)."""
+    order = _check_sum(out, q, scales, block_size, order)
+    total = dequantize_ref(q[order[0]], scales[order[0]], block_size)
+    for r in order[1:]:
+        dequantize_add_ref(total, q[r], scales[r], block_size)
+    store_sum(out, total)
+
+
+def store_sum(out: torch.Tensor, total: torch.Tensor) -> None:
+    """``out <- total`` (fp32) in out's dtype by the kernels' rule: round to nearest even, a NaN in bf16 0x7FC0
+    (what :func:`dequantize_sum` stores; for a sum built by :func:`dequantize_add` as chunks arrive)."""
+    out.copy_(total)
+    if out.dtype == torch.bfloat16:  # torch.where, not a boolean index: no host sync on CUDA
+        raw = out.view(torch.int16)
+        raw.copy_(torch.where(total.isnan(), 0x7FC0, raw))
 
 
 def quantize_with_residual_ref(
@@ -379,6 +427,43 @@ def _dequantize_triton(out: torch.Tensor, q: torch.Tensor, scales: torch.Tensor,
 
 
 # -- the public functions ----------------------------------------------------------------------------------
+def _dequantize_sum_triton(
+    out: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, block_size: int, order: list
+):
+    """:func:`dequantize_sum` by the Triton kernel, queued on q's device."""
+    from acco_ds.ops.triton_kernels import quantize as kernels
+
+    n = q.shape[1]
+    nb = num_blocks(n, block_size)
+    if not nb:
+        return
+    rows = _rows(block_size)
+    if not rows:  # blocks longer than a tile: the unfused kernels, row by row (the same operations)
+        total = torch.empty(n, dtype=torch.float32, device=q.device)
+        _dequantize_triton(total, q[order[0]], scales[order[0]], block_size, add=False)
+        for r in order[1:]:
+            _dequantize_triton(total, q[r], scales[r], block_size, add=True)
+        store_sum(out, total)
+        return
+    rows_dev = torch.tensor(order, dtype=torch.int64)
+    if q.device.type == "cuda":
+        rows_dev = rows_dev.pin_memory().to(q.device, non_blocking=True)
+    kernels.dequantize_sum_rows[(-(-nb // rows),)](
+        q,
+        scales,
+        rows_dev,
+        out,
+        n,
+        nb,
+        block_size,
+        len(order),
+        TILE=_tile(block_size),
+        ROWS=rows,
+        OUT_BF16=out.dtype == torch.bfloat16,
+        enable_fp_fusion=False,
+    )
+
+
 def quantize(
     x: torch.Tensor, block_size: int, *, bits: int = 8, backend: str | None = None
 ) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -425,6 +510,42 @@ def dequantize_add(
         _dequantize_triton(out, q, scales, block_size, add=True)
     else:
         dequantize_add_ref(out, q, scales, block_size)
+
+
+def dequantize_sum(
+    out: torch.Tensor,
+    q: torch.Tensor,
+    scales: torch.Tensor,
+    block_size: int,
+    order=None,
+    *,
+    backend: str | None = None,
+) -> None:
+    """The owner's sum of the ranks' quantized chunks, in one pass over them: ``out = sum over r in order of
+    q[r] * scales[r]`` (per block), in fp32 (the first row's products, then each next row's added: every product
+    and every sum rounded to fp32, exactly :func:`dequantize` then :func:`dequantize_add` row by row), stored in
+    ``out``'s dtype (fp32, or bf16 rounded to nearest even, every NaN 0x7FC0). ``q`` int8 ``[rows, n]``, ``scales``
+    fp32 ``[rows, num_blocks(n)]``, ``out`` flat of n on their device, not overlapping them; ``order``: distinct
+    row indices (default every row, 0 first). It reads each quantized value once and writes ``out`` once, where
+    the unfused path writes and re-reads an fp32 total per row. Triton runs blocks of at most 1024 in one kernel,
+    longer blocks row by row through an fp32 total (the same bits)."""
+    order = _check_sum(out, q, scales, block_size, order)
+    how = _pick("dequantize_sum", backend, 8, out=out, q=q, scales=scales)
+    if how == "cpp":
+        if q.shape[1]:
+            _build.load("quantize_cpu").dequantize_sum_cpu(
+                [q[r].data_ptr() for r in order],
+                [scales[r].data_ptr() for r in order],
+                q.shape[1],
+                block_size,
+                out.data_ptr(),
+                _DTYPE_CODE[out.dtype],
+                torch.get_num_threads(),
+            )
+    elif how == "triton":
+        _dequantize_sum_triton(out, q, scales, block_size, order)
+    else:
+        dequantize_sum_ref(out, q, scales, block_size, order)
 
 
 def quantize_with_residual(

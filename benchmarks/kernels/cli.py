@@ -33,7 +33,7 @@ from pathlib import Path
 
 from benchmarks.harness.cli import parser
 from benchmarks.harness.records import results_dir
-from benchmarks.kernels.table import LABEL, QUANT_BLOCK, STREAM, render
+from benchmarks.kernels.table import LABEL, QUANT_BLOCK, STREAM, SUM_RANKS, render
 
 DEFAULT_SIZES = [1_000_000, 10_000_000, 100_000_000, 10_000_019]
 QUICK_SIZES = [1_000_000, 10_000_019]
@@ -222,6 +222,32 @@ def quant_dequantize_add(backend: str):
     return factory
 
 
+def quant_dequantize_sum(backend: str, fused: bool = True):
+    """The owner's sum of SUM_RANKS ranks' int8 chunks into the bf16 gradient slice, blocks of QUANT_BLOCK: in one
+    pass (dequantize_sum), or unfused (dequantize, then dequantize_add per further rank, then a bf16 copy)."""
+
+    def factory(n, device):
+        import torch
+
+        from acco_ds.ops.quantize import dequantize, dequantize_add, dequantize_sum, quantize
+
+        parts = [quantize(torch.randn(n, device=device), QUANT_BLOCK) for _ in range(SUM_RANKS)]
+        q, scales = torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts])
+        out = torch.empty(n, dtype=torch.bfloat16, device=device)
+        if fused:
+            return lambda: dequantize_sum(out, q, scales, QUANT_BLOCK, backend=backend)
+
+        def unfused():
+            total = dequantize(q[0], scales[0], QUANT_BLOCK, backend=backend)
+            for r in range(1, SUM_RANKS):
+                dequantize_add(total, q[r], scales[r], QUANT_BLOCK, backend=backend)
+            out.copy_(total)
+
+        return unfused
+
+    return factory
+
+
 def quant_contenders(device: str, notes: list) -> dict:
     """The quantize rows (compiled and torch reference), or none with a note saying why."""
     import torch
@@ -245,6 +271,8 @@ def quant_contenders(device: str, notes: list) -> dict:
         out[f"qres_fp32{suffix}"] = quant_residual(torch.float32, backend)
         out[f"qres_bf16{suffix}"] = quant_residual(torch.bfloat16, backend)
         out[f"deq_add{suffix}"] = quant_dequantize_add(backend)
+        out[f"deq_sum{suffix}"] = quant_dequantize_sum(backend)
+    out["deq_sum_unfused"] = quant_dequantize_sum(compiled, fused=False)
     return out
 
 

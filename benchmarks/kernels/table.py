@@ -17,6 +17,8 @@ BYTES = {
     "read_floor": 14,
     "anchor": 28,
 }
+SUM_RANKS = 4
+"""Ranks whose chunks the dequantize-sum rows add up (an owner's sum at W = 4)."""
 QUANT_BLOCK = 256
 """Block size of the quantize rows (compression.block_size's default); one fp32 scale per block."""
 _SCALE = 4 / QUANT_BLOCK
@@ -26,11 +28,17 @@ QUANT_BYTES = {
     "qres_fp32": 4 + 4 + 4 + 1 + _SCALE,
     "qres_bf16": 2 + 2 + 2 + 1 + _SCALE,
     "deq_add": 1 + _SCALE + 4 + 4,
+    # the owner's sum of SUM_RANKS chunks in one pass: read every rank's q and scales, write the bf16 gradient once
+    "deq_sum": SUM_RANKS * (1 + _SCALE) + 2,
 }
 QUANT_REF = {key: f"{key}_ref" for key in QUANT_BYTES}
 """The torch reference row of each compiled quantize row (its speed-up is measured against it)."""
+QUANT_ANCHORS = {key: [ref] for key, ref in QUANT_REF.items()}
+QUANT_ANCHORS["deq_sum"] = ["deq_sum_unfused", "deq_sum_ref"]
+"""The rows each compiled quantize row's speed is compared with (anchor time / its time)."""
 BYTES.update(QUANT_BYTES)
 BYTES.update({ref: QUANT_BYTES[key] for key, ref in QUANT_REF.items()})
+BYTES["deq_sum_unfused"] = QUANT_BYTES["deq_sum"]  # credited with the fused pass's bytes: its effective GB/s
 LABEL = {
     "commit": "acco commit (bf16 g in, bf16 p out)",
     "peek": "acco peek (bf16 g in, bf16 p out)",
@@ -49,9 +57,22 @@ LABEL = {
     "qres_fp32_ref": "torch reference quantize_with_residual fp32",
     "qres_bf16_ref": "torch reference quantize_with_residual bf16",
     "deq_add_ref": "torch reference dequantize_add",
+    "deq_sum": f"acco dequantize_sum of {SUM_RANKS} ranks' chunks into bf16",
+    "deq_sum_unfused": f"acco unfused: dequantize + {SUM_RANKS - 1} dequantize_add + bf16 copy",
+    "deq_sum_ref": f"torch reference dequantize_sum of {SUM_RANKS}",
 }
 OWN = ("commit", "peek", "acc_bf16_fp32", "acc_bf16_bf16", "read_floor")
-QUANT_ROWS = ("qres_fp32", "qres_bf16", "deq_add", "qres_fp32_ref", "qres_bf16_ref", "deq_add_ref")
+QUANT_ROWS = (
+    "qres_fp32",
+    "qres_bf16",
+    "deq_add",
+    "deq_sum",
+    "deq_sum_unfused",
+    "qres_fp32_ref",
+    "qres_bf16_ref",
+    "deq_add_ref",
+    "deq_sum_ref",
+)
 
 # stream probes: (description, bytes per fp32 element counted: reads + writes of the buffers)
 STREAM = {
@@ -92,8 +113,7 @@ def _quant_rows(n: int, t: dict) -> list:
     torch reference's time over its own."""
     out = []
     for key in (k for k in QUANT_ROWS if k in t):
-        ref = QUANT_REF.get(key)
-        vs = {ref: t[ref] / t[key]} if ref in t else {}
+        vs = {ref: t[ref] / t[key] for ref in QUANT_ANCHORS.get(key, []) if ref in t}
         out.append((n, LABEL[key], t[key], BYTES[key] * n / t[key] / 1e9, vs))
     return out
 
@@ -135,6 +155,13 @@ def _quant_bytes_line(res: dict) -> list:
         f"{QUANT_BYTES['deq_add']:g} (read q and the scales, read + write the fp32 sum). The torch reference "
         "(acco_ds.ops.quantize's *_ref functions, the same bits) is credited with the same bytes; a compiled row's "
         "ratio is the reference's time over its own. q and the scales are new tensors every call (as in a round)."
+        + (
+            f" dequantize_sum: the owner's sum of {SUM_RANKS} ranks' chunks, {QUANT_BYTES['deq_sum']:g} B/param "
+            "(read each rank's q and scales, write the bf16 sum once); the unfused row (what the round did before: "
+            "an fp32 total written and re-read per rank, then cast) is credited with the same bytes."
+            if any("deq_sum" in entry["median_s"] for entry in res["results"])
+            else ""
+        )
     ]
 
 

@@ -5,6 +5,7 @@
 // checked dtypes, device, contiguity, sizes, alignment and that the buffers do not overlap, and allocated the
 // outputs. Every entry point releases the GIL. Dtype codes: csrc/common/dtype.h (-1: no residual).
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
 #include <stdexcept>
 #include <string>
@@ -47,6 +48,19 @@ PYBIND11_MODULE(_quantize_cpu, mod) {
         acco::dequantize_cpu(q, scales, n, block_size, out, accumulate, num_threads);
       },
       "out (fp32, n) = q * scale of its block, or out += q * scale when accumulate.",
+      py::call_guard<py::gil_scoped_release>());
+  mod.def(
+      "dequantize_sum_cpu",
+      [](const std::vector<uintptr_t>& q_rows, const std::vector<uintptr_t>& scale_rows, int64_t n, int64_t block_size,
+         uintptr_t out, int out_dtype, int num_threads) {
+        acco::check_dtype("out dtype", out_dtype, false);
+        check_sizes("dequantize_sum_cpu", n, block_size);
+        if (q_rows.empty() || q_rows.size() != scale_rows.size())
+          throw std::invalid_argument("dequantize_sum_cpu: need as many scale rows as q rows, at least one; got " +
+                                      std::to_string(q_rows.size()) + " and " + std::to_string(scale_rows.size()));
+        acco::dequantize_sum_cpu(q_rows, scale_rows, n, block_size, out, out_dtype, num_threads);
+      },
+      "out (fp32 or bf16, n) = the sum of q_r * scale_r over the rows in their order (fp32 arithmetic).",
       py::call_guard<py::gil_scoped_release>());
   mod.attr("ABI_VERSION") = acco::kAbiVersion;
   mod.attr("ISA") = acco::isa_name();

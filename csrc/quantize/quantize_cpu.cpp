@@ -15,6 +15,7 @@
 
 #include <algorithm>
 #include <limits>
+#include <vector>
 
 #include "common/bf16.h"
 #include "common/cpu.h"
@@ -106,6 +107,36 @@ inline __attribute__((always_inline)) void deq_impl(const int8_t* __restrict q, 
   }
 }
 
+// The owner's sum of W ranks' quantized chunks, one block at a time in pieces of kSumTile elements: an fp32
+// accumulator starts at the first row's q * scale and adds each further row's q * scale in `rows` order (the
+// product rounded, then the sum: dequantize + dequantize_add, W - 1 times), then is stored in out's dtype.
+constexpr int64_t kSumTile = 256;
+template <typename O>
+inline __attribute__((always_inline)) void deq_sum_impl(const int8_t* const* q, const float* const* scales,
+                                                        int64_t rows, int64_t first, O* __restrict out,
+                                                        int64_t len, int64_t bs) {
+  alignas(64) float acc[kSumTile];
+  for (int64_t blo = 0; blo < len; blo += bs) {  // a work item starts on a block boundary (for_items)
+    const int64_t b = (first + blo) / bs;
+    const int64_t block_len = std::min(bs, len - blo);
+    for (int64_t lo = blo; lo < blo + block_len; lo += kSumTile) {
+      const int64_t m = std::min(kSumTile, blo + block_len - lo);
+      const int8_t* __restrict q0 = q[0] + first + lo;
+      const float s0 = scales[0][b];
+#pragma omp simd
+      for (int64_t i = 0; i < m; ++i) acc[i] = static_cast<float>(q0[i]) * s0;
+      for (int64_t r = 1; r < rows; ++r) {
+        const int8_t* __restrict qr = q[r] + first + lo;
+        const float sr = scales[r][b];
+#pragma omp simd
+        for (int64_t i = 0; i < m; ++i) acc[i] = acc[i] + static_cast<float>(qr[i]) * sr;
+      }
+#pragma omp simd
+      for (int64_t i = 0; i < m; ++i) out[lo + i] = from_f32<O>(acc[i]);
+    }
+  }
+}
+
 // One work item: `len` elements from its first block on (pointers already offset), blocks of `bs`.
 using QuantItem = void (*)(const void*, void*, int8_t*, float*, int64_t, int64_t);
 using DeqItem = void (*)(const int8_t*, const float*, float*, int64_t, int64_t);
@@ -118,6 +149,34 @@ template <bool ACC>
 void deq_base(const int8_t* q, const float* s, float* out, int64_t len, int64_t bs) {
   deq_impl<ACC>(q, s, out, len, bs);
 }
+using DeqSumItem = void (*)(const int8_t* const*, const float* const*, int64_t, int64_t, void*, int64_t, int64_t);
+template <typename O>
+void deq_sum_base(const int8_t* const* q, const float* const* s, int64_t rows, int64_t first, void* out, int64_t len,
+                  int64_t bs) {
+  deq_sum_impl<O>(q, s, rows, first, static_cast<O*>(out), len, bs);
+}
+#if ACCO_HAVE_ISA_VARIANTS
+template <typename O>
+ACCO_TARGET_AVX2 void deq_sum_avx2(const int8_t* const* q, const float* const* s, int64_t rows, int64_t first,
+                                   void* out, int64_t len, int64_t bs) {
+  deq_sum_impl<O>(q, s, rows, first, static_cast<O*>(out), len, bs);
+}
+template <typename O>
+ACCO_TARGET_AVX512 void deq_sum_avx512(const int8_t* const* q, const float* const* s, int64_t rows, int64_t first,
+                                       void* out, int64_t len, int64_t bs) {
+  deq_sum_impl<O>(q, s, rows, first, static_cast<O*>(out), len, bs);
+}
+#endif
+
+template <typename O>
+DeqSumItem pick_deq_sum1() {
+#if ACCO_HAVE_ISA_VARIANTS
+  if (kIsa == Isa::kAvx512) return &deq_sum_avx512<O>;
+  if (kIsa == Isa::kAvx2) return &deq_sum_avx2<O>;
+#endif
+  return &deq_sum_base<O>;
+}
+
 #if ACCO_HAVE_ISA_VARIANTS
 template <typename X, typename R, bool RES>
 ACCO_TARGET_AVX2 void quant_avx2(const void* x, void* r, int8_t* q, float* s, int64_t len, int64_t bs) {
@@ -200,6 +259,22 @@ void dequantize_cpu(uintptr_t q, uintptr_t scales, int64_t n, int64_t block_size
   for_items(n, block_size, num_threads, [&](int64_t first, int64_t len, int64_t block) {
     fn(reinterpret_cast<const int8_t*>(q) + first, reinterpret_cast<const float*>(scales) + block,
        reinterpret_cast<float*>(out) + first, len, block_size);
+  });
+}
+
+void dequantize_sum_cpu(const std::vector<uintptr_t>& q_rows, const std::vector<uintptr_t>& scale_rows, int64_t n,
+                        int64_t block_size, uintptr_t out, int out_dtype, int num_threads) {
+  const int64_t rows = static_cast<int64_t>(q_rows.size());
+  std::vector<const int8_t*> q(rows);
+  std::vector<const float*> s(rows);
+  for (int64_t r = 0; r < rows; ++r) {
+    q[r] = reinterpret_cast<const int8_t*>(q_rows[r]);
+    s[r] = reinterpret_cast<const float*>(scale_rows[r]);
+  }
+  const DeqSumItem fn = out_dtype == kBF16 ? pick_deq_sum1<uint16_t>() : pick_deq_sum1<float>();
+  const int64_t os = elem_size(out_dtype);
+  for_items(n, block_size, num_threads, [&](int64_t first, int64_t len, int64_t) {
+    fn(q.data(), s.data(), rows, first, reinterpret_cast<char*>(out) + first * os, len, block_size);
   });
 }
 

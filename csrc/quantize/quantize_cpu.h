@@ -9,6 +9,8 @@
 
 #include <stdint.h>
 
+#include <vector>
+
 namespace acco {
 
 // q[i] (int8, n) and scales[b] (fp32, ceil(n / block_size)) of v = x (+ residual when residual_dtype != -1),
@@ -21,5 +23,12 @@ void quantize_cpu(uintptr_t x, int x_dtype, uintptr_t residual, int residual_dty
 // the sum).
 void dequantize_cpu(uintptr_t q, uintptr_t scales, int64_t n, int64_t block_size, uintptr_t out, bool accumulate,
                     int num_threads);
+
+// The owner's sum of W ranks' quantized chunks of n values: out[i] = sum over r of q_r[i] * scales_r[b] in fp32,
+// rows in the given order (the first row's product, then each next one added: the products and the sums each
+// rounded to fp32), stored in out's dtype (fp32 or bf16, csrc/common/bf16.h's rounding). q_rows[r] / scale_rows[r]
+// are the addresses of row r's q (int8, n) and scales (fp32, one per block); at least one row.
+void dequantize_sum_cpu(const std::vector<uintptr_t>& q_rows, const std::vector<uintptr_t>& scale_rows, int64_t n,
+                        int64_t block_size, uintptr_t out, int out_dtype, int num_threads);
 
 }  // namespace acco

@@ -167,3 +167,12 @@ def test_goal_threshold_is_the_benchmarks():
     from benchmarks.gpu_overlap import timeline
 
     assert gpu_goals.STALL_THRESHOLD_US == timeline.STALL_THRESHOLD_US
+
+
+def test_goal_bytes_are_the_kernel_benchmarks():
+    from benchmarks.kernels import table
+
+    assert pytest.approx(table.QUANT_BYTES) == gpu_goals.QUANT_BYTES
+    assert {k: gpu_goals.BYTES[k] for k in ("commit", "peek")} == {
+        k: table.BYTES[k] for k in ("commit", "peek")
+    }

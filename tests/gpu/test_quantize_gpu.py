@@ -18,12 +18,14 @@ from acco_ds.ops.quantize import (
     dequantize_add,
     dequantize_add_ref,
     dequantize_ref,
+    dequantize_sum,
+    dequantize_sum_ref,
     quantize,
     quantize_ref,
     quantize_with_residual,
     quantize_with_residual_ref,
 )
-from tests.ops.test_quantize_kernel import DTYPES, deq_case, gen, small, special
+from tests.ops.test_quantize_kernel import DTYPES, deq_case, gen, small, special, sum_case
 from tests.ops.test_quantize_kernel import assert_same as assert_same_bits
 
 pytestmark = [
@@ -66,6 +68,19 @@ def test_quantize_on_the_gpu_matches_the_reference(dtype, n, block_size, nbits):
         assert_same(_cpu(q), q_ref, "q with residual")
         assert_same(_cpu(s), s_ref, "scales with residual")
         assert_same(_cpu(on_gpu), residual_ref, f"residual ({rdtype})")
+
+
+@pytest.mark.parametrize("out_dtype", DTYPES)
+@pytest.mark.parametrize("block_size", BLOCKS)
+@pytest.mark.parametrize("n", SIZES)
+def test_dequantize_sum_on_the_gpu_matches_the_reference(n, block_size, out_dtype):
+    """The owner's one-pass sum of 3 ranks' chunks (the fused row kernel; blocks over 1024 row by row)."""
+    q, s = sum_case(3, n, block_size, "gpu-sum")
+    out = torch.empty(n, dtype=DTYPES[out_dtype], device="cuda")
+    out_ref = torch.empty(n, dtype=DTYPES[out_dtype])
+    dequantize_sum(out, q.cuda(), s.cuda(), block_size, [2, 0, 1])
+    dequantize_sum_ref(out_ref, q, s, block_size, [2, 0, 1])
+    assert_same(_cpu(out), out_ref, "dequantize_sum")
 
 
 @pytest.mark.parametrize("block_size", BLOCKS)

@@ -24,6 +24,8 @@ from acco_ds.ops.quantize import (
     dequantize_add,
     dequantize_add_ref,
     dequantize_ref,
+    dequantize_sum,
+    dequantize_sum_ref,
     quantize,
     quantize_ref,
     quantize_with_residual,
@@ -153,6 +155,57 @@ def test_dequantize_add_matches_the_reference(n, block_size):
     assert_same(dequantize(q, s, block_size, backend="cpp"), dequantize_ref(q, s, block_size), "deq")
 
 
+def sum_case(rows: int, n: int, block_size: int, *key) -> tuple:
+    """(q [rows, n], scales [rows, nb]): every row a :func:`deq_case` of its own."""
+    cases = [deq_case(n, block_size, *key, r) for r in range(rows)]
+    return torch.stack([q for q, _ in cases]), torch.stack([s for _, s in cases])
+
+
+SUM_ORDERS = {1: [0], 2: [1, 0], 3: [2, 0, 1], 5: [3, 4, 0, 1, 2]}  # the owner first, then the ring order
+
+
+@pytest.mark.parametrize("out_dtype", DTYPES)
+@pytest.mark.parametrize("block_size", BLOCKS)
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("rows", sorted(SUM_ORDERS))
+def test_dequantize_sum_matches_the_reference(rows, n, block_size, out_dtype):
+    """The owner's fused sum of W quantized chunks, in fp32 or stored in bf16: the reference's bits (the
+    reference is dequantize, then dequantize_add per further row, then torch's cast), NaN and overflowing
+    products included."""
+    q, s = sum_case(rows, n, block_size, "sum")
+    order = SUM_ORDERS[rows]
+    out = torch.full((n,), 7.0, dtype=DTYPES[out_dtype])
+    out_ref = out.clone()
+    dequantize_sum(out, q, s, block_size, order, backend="cpp")
+    dequantize_sum_ref(out_ref, q, s, block_size, order)
+    assert_same(out, out_ref, "out")
+    by_rows = dequantize_ref(q[order[0]], s[order[0]], block_size)
+    for r in order[1:]:
+        dequantize_add_ref(by_rows, q[r], s[r], block_size)
+    assert_same(out_ref, by_rows.to(DTYPES[out_dtype]), "reference vs row by row", any_nan=True)
+
+
+def test_dequantize_sum_follows_the_order_and_checks_its_arguments():
+    q, s = sum_case(3, 1000, 16, "order")
+    q[:, :] = 1
+    s[:, :] = torch.tensor([[2.0**24], [1.0], [1.0]])  # sums whose fp32 result depends on their order
+    a, c = torch.empty(1000), torch.empty(1000)
+    dequantize_sum(a, q, s, 16, [0, 1, 2], backend="cpp")  # (2**24 + 1) + 1 = 2**24 in fp32
+    dequantize_sum(c, q, s, 16, [1, 2, 0], backend="cpp")  # (1 + 1) + 2**24 = 2**24 + 2
+    assert a[0].item() == 2.0**24 and c[0].item() == 2.0**24 + 2
+    for bad, match in (
+        (dict(order=[0, 0, 1]), "distinct rows"),
+        (dict(order=[3]), "distinct rows"),
+        (dict(order=[]), "at least one"),
+        (dict(scales=s[:, :-1]), "scales must be fp32 of shape"),
+        (dict(out=torch.empty(999)), "row length"),
+        (dict(out=torch.empty(1000, dtype=torch.float16)), "float32 or bfloat16"),
+    ):
+        args = dict(out=torch.empty(1000), q=q, scales=s, block_size=16, order=None) | bad
+        with pytest.raises((ValueError, TypeError), match=match):
+            dequantize_sum(**args, backend="cpp")
+
+
 @pytest.mark.parametrize("rdtype", DTYPES)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_many_rounds_of_error_feedback(dtype, rdtype):
@@ -270,6 +323,7 @@ import sys, torch
 from tests.ops import test_quantize_kernel as t
 from acco_ds.ops import _build
 from acco_ds.ops.quantize import dequantize_add, dequantize_add_ref, quantize_with_residual, quantize_with_residual_ref
+from acco_ds.ops.quantize import dequantize_sum, dequantize_sum_ref
 print(_build.load("quantize_cpu").ISA)
 for dtype in (torch.float32, torch.bfloat16):
     for rdtype in (torch.float32, torch.bfloat16):
@@ -285,6 +339,11 @@ for dtype in (torch.float32, torch.bfloat16):
             dequantize_add_ref(out_ref, q_ref, s_ref, block_size)
             for a, b, what in ((q, q_ref, "q"), (s, s_ref, "s"), (r, r_ref, "r"), (out, out_ref, "out")):
                 t.assert_same(a, b, f"{what} {dtype} {rdtype} {block_size}")
+        qs, ss = t.sum_case(3, 20_011, 256, "isa-sum")
+        total, total_ref = torch.empty(20_011, dtype=dtype), torch.empty(20_011, dtype=dtype)
+        dequantize_sum(total, qs, ss, 256, [2, 0, 1], backend="cpp")
+        dequantize_sum_ref(total_ref, qs, ss, 256, [2, 0, 1])
+        t.assert_same(total, total_ref, f"dequantize_sum {dtype}")
 """
 
 

@@ -24,12 +24,14 @@ from acco_ds.ops.quantize import (
     dequantize_add,
     dequantize_add_ref,
     dequantize_ref,
+    dequantize_sum,
+    dequantize_sum_ref,
     quantize,
     quantize_ref,
     quantize_with_residual,
     quantize_with_residual_ref,
 )
-from tests.ops.test_quantize_kernel import DTYPES, assert_same, deq_case, gen, small, special
+from tests.ops.test_quantize_kernel import DTYPES, assert_same, deq_case, gen, small, special, sum_case
 
 ROOT = Path(__file__).resolve().parents[2]
 # (length, block size): short inputs with every block size (one element per block on the shortest), longer ones
@@ -72,7 +74,7 @@ def _bit_widths(n: int, block: int) -> tuple:
 
 def _expected_checks() -> int:
     # per bit width: quantize of 2 dtypes, with a residual of 2 dtypes each; per case one dequantize check
-    per_case = [2 * len(_bit_widths(n, b)) * 3 + 1 for n, b in CASES]
+    per_case = [2 * len(_bit_widths(n, b)) * 3 + 1 + 2 for n, b in CASES]  # + dequantize_sum into fp32, bf16
     return sum(per_case) + 4 + 1  # + 4 error-feedback runs + the exact edge cases
 
 
@@ -109,6 +111,13 @@ def _interpret_checks() -> int:
             dequantize(q, s, block, backend="triton"), dequantize_ref(q, s, block), f"deq ({n}, {block})"
         )
         count += 1
+        for out_dtype in DTYPES.values():
+            qs, ss = sum_case(3, n, block, "triton-sum")
+            total, total_ref = torch.full((n,), 7.0, dtype=out_dtype), torch.full((n,), 7.0, dtype=out_dtype)
+            dequantize_sum(total, qs, ss, block, [2, 0, 1], backend="triton")
+            dequantize_sum_ref(total_ref, qs, ss, block, [2, 0, 1])
+            assert_same(total, total_ref, f"dequantize_sum ({n}, {block}, {out_dtype})")
+            count += 1
     for dtype in DTYPES.values():
         for rdtype in DTYPES.values():
             count += _rounds(dtype, rdtype)

@@ -12,7 +12,8 @@ rounds"), bit for bit:
 - ``q = clamp(rne(v / scale), -qmax, qmax)``: an IEEE fp32 division (``div_rn``, not the fast approximate one),
   rounded half to even by adding and subtracting 1.5 * 2**23 (exact for |v / scale| <= 2**22, and the quotient is at
   most qmax here); 0 where the scale is 0 or NaN;
-- dequantized ``q * scale`` (one fp32 product), added into fp32 ``out`` with one more rounding;
+- dequantized ``q * scale`` (one fp32 product), added into fp32 ``out`` with one more rounding; the owner's sum
+  of every rank's chunk (``dequantize_sum_rows``) does that row after row in registers and stores the total once;
 - error feedback: ``v = x + residual`` (one fp32 sum), the residual rewritten as ``v - q * scale`` (each operation
   rounded to fp32), cast to its dtype with :mod:`.bf16`'s rule, zeroed in a non-finite block.
 
@@ -139,6 +140,40 @@ def dequantize_rows(
     if ADD:
         d = tl.load(out_ptr + idx, mask=mask, other=0.0) + d
     tl.store(out_ptr + idx, d, mask=mask)
+
+
+@triton.jit
+def dequantize_sum_rows(
+    q_ptr,
+    scale_ptr,
+    order_ptr,
+    out_ptr,
+    n,
+    nb,
+    block_size,
+    num_rows,
+    TILE: tl.constexpr,
+    ROWS: tl.constexpr,
+    OUT_BF16: tl.constexpr,
+):
+    """``out = sum over k of q[order[k]] * scale[order[k]]`` (fp32: the first row's products, then each next row's
+    added, one rounding each), stored in out's dtype: ``q`` int8 [rows, n], ``scale`` fp32 [rows, nb], blocks of at
+    most TILE elements, ROWS blocks per program (one a row of the tile), each quantized value loaded once."""
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    lanes = tl.arange(0, TILE)
+    idx = rows[:, None] * block_size + lanes[None, :]
+    mask = (lanes[None, :] < block_size) & (idx < n)
+    live = rows < nb
+    r = tl.load(order_ptr)
+    acc = (
+        tl.load(q_ptr + r * n + idx, mask=mask, other=0).to(tl.float32)
+        * tl.load(scale_ptr + r * nb + rows, mask=live, other=0.0)[:, None]
+    )
+    for k in range(1, num_rows):
+        r = tl.load(order_ptr + k)
+        scale = tl.load(scale_ptr + r * nb + rows, mask=live, other=0.0)
+        acc = acc + tl.load(q_ptr + r * n + idx, mask=mask, other=0).to(tl.float32) * scale[:, None]
+    _store_as(out_ptr, idx, acc, mask, OUT_BF16)
 
 
 @triton.jit
