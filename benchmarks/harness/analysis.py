@@ -66,6 +66,7 @@ ORDER = (
     "acco-int8-noef",
     "acco-int8-exact-peek",
     "acco-int8-peek-int4",
+    "acco-adaptive-int8-peek-int4",
     "dpu-int8",
 )
 

@@ -62,6 +62,7 @@ CONTENDERS = {
     "acco-int8-noef": ("acco", "fixed"),
     "acco-int8-exact-peek": ("acco", "fixed"),
     "acco-int8-peek-int4": ("acco", "fixed"),
+    "acco-adaptive-int8-peek-int4": ("acco", "adaptive"),
     "acco-int4": ("acco", "fixed"),
     "acco-adaptive-int4": ("acco", "adaptive"),
     "dpu-int8": ("dpu", "fixed"),  # the peek ablation's "none at all": no estimate, int8 commits
@@ -81,6 +82,7 @@ CONFIG_CHANGES = {
     "acco-int8-noef": {"optimizer.params.compression": {**INT8, "error_feedback": False}},
     "acco-int8-exact-peek": {"optimizer.params.compression": {**INT8, "peek": "none"}},
     "acco-int8-peek-int4": {"optimizer.params.compression": {**INT8, "peek": "int4"}},
+    "acco-adaptive-int8-peek-int4": {"optimizer.params.compression": {**INT8, "peek": "int4"}},
     "acco-int4": {"optimizer.params.compression": INT4},
     "acco-adaptive-int4": {"optimizer.params.compression": INT4},
     # the peek's exchange left out altogether: dpu (each round commits, with the delay, and no estimate) with

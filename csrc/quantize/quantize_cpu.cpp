@@ -125,7 +125,18 @@ inline __attribute__((always_inline)) void deq_sum_impl(const int8_t* const* q, 
       const float s0 = scales[0][b];
 #pragma omp simd
       for (int64_t i = 0; i < m; ++i) acc[i] = static_cast<float>(q0[i]) * s0;
-      for (int64_t r = 1; r < rows; ++r) {
+      int64_t r = 1;
+      for (; r + 1 < rows; r += 2) {  // two rows a sweep of acc (the same operations, in the same order)
+        const int8_t* __restrict qa = q[r] + first + lo;
+        const int8_t* __restrict qb = q[r + 1] + first + lo;
+        const float sa = scales[r][b], sb = scales[r + 1][b];
+#pragma omp simd
+        for (int64_t i = 0; i < m; ++i) {
+          const float a = acc[i] + static_cast<float>(qa[i]) * sa;
+          acc[i] = a + static_cast<float>(qb[i]) * sb;
+        }
+      }
+      if (r < rows) {
         const int8_t* __restrict qr = q[r] + first + lo;
         const float sr = scales[r][b];
 #pragma omp simd
