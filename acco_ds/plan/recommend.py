@@ -14,7 +14,7 @@ paragraph with the figures) and ``alternative`` (or None). The rules (docs/PLAN.
    uncompressed round does not fit in half a step's compute (the link is the bottleneck). If the int8 round
    fits, fixed ACCO with compression hides it at the user's GAS; otherwise adaptive ACCO with compression,
    whose steps grow less. With ``--accelerator gpu`` the reason gives the figure and says why not
-   (``GPU_COMPRESSION_NOTE``: the GPU path has run on one GPU only, with slow quantize kernels), and ``compression`` stays None.
+   (``GPU_COMPRESSION_NOTE``: the GPU path has run on one GPU only, never across ranks), and ``compression`` stays None.
 DPU is never recommended: it is the stale-gradient baseline ACCO corrects (docs/ALGORITHM.md).
 """
 
