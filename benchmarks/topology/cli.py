@@ -15,7 +15,8 @@ as on a cluster without ssh: one DeepSpeed launcher per node inside its namespac
 (``benchmarks.topology.runs``). The contenders train ``acco-train``'s worker with ``--tp`` and a Llama built
 from a transformers config (DeepSpeed AutoTP inside a node), same model, batch, LR schedule and
 data for every one: DeepSpeed ZeRO-1 AdamW + AutoTP (overlap_comm off and on), acco_ds sync, ACCO
-fixed, ACCO adaptive (and dpu on request). Measured as the e2e benchmark measures (``benchmarks.harness``):
+fixed, ACCO adaptive (and dpu on request; the compressed contenders on request: sync-int8, acco-int8,
+acco-adaptive-int8, acco-adaptive-int8-peek-int4, compression over the data-parallel group). Measured as the e2e benchmark measures (``benchmarks.harness``):
 per rate, a comm-only probe (one round's data-parallel communication of each rank's slice, both
 data-parallel groups at once), every contender once per seed (the seeds pair the loss figures
 and double as the throughput repeats), adaptive ACCO at the fixed contenders' token budget; the
@@ -48,7 +49,19 @@ from benchmarks.topology import report as topology_report
 from benchmarks.topology import runs as topology_runs
 
 DEFAULT_RATES = "400mbit,200mbit,50mbit"
-CONTENDERS = ("zero1", "zero1-overlap", "sync", "dpu", "acco", "acco-adaptive")
+CONTENDERS = (
+    "zero1",
+    "zero1-overlap",
+    "sync",
+    "dpu",
+    "acco",
+    "acco-adaptive",
+    # compressed rounds over the data-parallel group (benchmarks.harness.runs.CONFIG_CHANGES)
+    "sync-int8",
+    "acco-int8",
+    "acco-adaptive-int8",
+    "acco-adaptive-int8-peek-int4",
+)
 DEFAULT_CONTENDERS = "zero1,zero1-overlap,sync,acco,acco-adaptive"
 DS_LABELS = ("zero1", "zero1-overlap")
 
