@@ -32,6 +32,8 @@ QUANT_BYTES = {  # as benchmarks/kernels/table.py's QUANT_BYTES
     "qres_bf16": 7 + 4 / 256,
     "deq_add": 9 + 4 / 256,
     "deq_sum": 4 * (1 + 4 / 256) + 2,
+    "qdiff": 5 + 4 / 256,
+    "add_deq": 5 + 4 / 256,
 }
 BIG = 10_000_000
 STALL_THRESHOLD_US = (

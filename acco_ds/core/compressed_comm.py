@@ -23,7 +23,8 @@ reference (the same bits).
 :func:`compressed_all_gather_inplace` replaces the parameter all-gather when ``all_gather`` is compressed:
 rather than its new parameters, each rank sends the int8 blocks of their difference to what every replica
 already holds (the MODEL buffer at the job's launch, identical on every rank), and every rank, the owner
-included, writes ``base + dequantized difference`` into each slice: the replicas stay bitwise identical and
+included, writes ``base + dequantized difference`` into each slice (``quantize_difference`` and
+``add_dequantized``: one pass each, no fp32 temporary): the replicas stay bitwise identical and
 what quantization withheld is part of the next round's difference (the fp32 master is exact; the replicas
 trail it by at most half a quantization step per element). gloo: point-to-point to every peer; NCCL: one
 ``all_gather_into_tensor`` of the values and one of the scales.
@@ -43,12 +44,14 @@ import torch
 import torch.distributed as dist
 
 from acco_ds.ops.quantize import (
+    add_dequantized,
     dequantize,
     dequantize_add,
     dequantize_sum,
     num_blocks,
     pack_int4,
     quantize,
+    quantize_difference,
     quantize_with_residual,
     store_sum,
     unpack_int4,
@@ -168,15 +171,6 @@ def _from_wire(w: torch.Tensor, n: int, bits: int) -> torch.Tensor:
     return unpack_int4(w, n) if bits == 4 else w
 
 
-def _plus_dequantized(
-    base: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, block_size: int
-) -> torch.Tensor:
-    """A new fp32 tensor: ``base + dequantize(q, scales)`` (``base`` is read, never written)."""
-    out = base.to(torch.float32, copy=True)
-    dequantize_add(out, q, scales, block_size)
-    return out
-
-
 def compressed_all_gather_inplace(
     target: torch.Tensor,
     base: torch.Tensor,
@@ -198,8 +192,8 @@ def compressed_all_gather_inplace(
     world, me = dist.get_world_size(group), dist.get_rank(group)
     chunks, bases = target.view(world, -1), base.view(world, -1)
     shard = chunks.shape[1]
-    q, scales = quantize(chunks[me].float() - own_base.float(), block_size, bits=bits)
-    chunks[me].copy_(_plus_dequantized(own_base, q, scales, block_size))
+    q, scales = quantize_difference(chunks[me], own_base, block_size, bits=bits)
+    add_dequantized(chunks[me], own_base, q, scales, block_size)
     if world == 1:
         return
     wire = _to_wire(q, bits)
@@ -223,4 +217,4 @@ def compressed_all_gather_inplace(
     for c in range(world):
         if c != me:
             q_c = _from_wire(got_q[c], shard, bits)
-            chunks[c].copy_(_plus_dequantized(bases[c], q_c, got_s[c], block_size))
+            add_dequantized(chunks[c], bases[c], q_c, got_s[c], block_size)

@@ -27,7 +27,10 @@ to nearest even); a block whose ``v`` is non-finite gets its residual zeroed (th
 kept there would poison every later round). :func:`dequantize_add` adds ``deq`` into an fp32 accumulator
 (``out + deq``, each product and each sum rounded to fp32): the owner of a chunk sums every rank's
 dequantized chunk that way; :func:`dequantize_sum` does that whole sum in one pass once every chunk is there
-(the same bits), and stores it in the gradient buffer's dtype.
+(the same bits), and stores it in the gradient buffer's dtype. The parameter path's two passes:
+:func:`quantize_difference` quantizes ``new - base`` (the fp32 difference of two parameter-dtype tensors, never
+materialised) and :func:`add_dequantized` writes ``base + deq`` in the parameter dtype (in place allowed), the
+same bits as :func:`quantize` of the difference and :func:`dequantize_add` into an fp32 copy of the base.
 
 Backends (``backend=`` of every public function; the ``*_ref`` functions are the torch reference):
 
@@ -230,6 +233,48 @@ def store_sum(out: torch.Tensor, total: torch.Tensor) -> None:
     if out.dtype == torch.bfloat16:  # torch.where, not a boolean index: no host sync on CUDA
         raw = out.view(torch.int16)
         raw.copy_(torch.where(total.isnan(), 0x7FC0, raw))
+
+
+def _check_difference(new: torch.Tensor, base: torch.Tensor, block_size: int) -> None:
+    _check(new, block_size, "new")
+    _check(base, block_size, "base")
+    if base.numel() != new.numel() or base.device != new.device or base.dtype != new.dtype:
+        raise ValueError(
+            f"base must match new: {base.numel()} {base.dtype} on {base.device} vs {new.numel()} {new.dtype} on "
+            f"{new.device}"
+        )
+
+
+def quantize_difference_ref(
+    new: torch.Tensor, base: torch.Tensor, block_size: int, bits: int = 8
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Pure-torch reference of :func:`quantize_difference` (validates the same way)."""
+    _check_difference(new, base, block_size)
+    _check_bits(bits)
+    return _quantize_fp32(new.float() - base.float(), block_size, bits)
+
+
+def add_dequantized_ref(
+    out: torch.Tensor, base: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, block_size: int
+) -> None:
+    """Pure-torch reference of :func:`add_dequantized` (validates the same way)."""
+    _check_add(out, base, q, scales, block_size)
+    total = base.to(torch.float32, copy=True)
+    dequantize_add_ref(total, q, scales, block_size)
+    store_sum(out, total)
+
+
+def _check_add(out: torch.Tensor, base: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, block_size: int):
+    _check_q(q, scales, block_size)
+    _check(base, block_size, "base")
+    _check(out, block_size, "out")
+    if base.numel() != q.numel() or out.numel() != q.numel() or out.dtype != base.dtype:
+        raise ValueError(
+            f"out and base must be of q's length ({q.numel()}) and one dtype, got {out.numel()} {out.dtype} and "
+            f"{base.numel()} {base.dtype}"
+        )
+    if len({out.device, base.device, q.device, scales.device}) != 1:
+        raise ValueError("out, base, q and scales must be on one device")
 
 
 def quantize_with_residual_ref(
@@ -546,6 +591,115 @@ def dequantize_sum(
         _dequantize_sum_triton(out, q, scales, block_size, order)
     else:
         dequantize_sum_ref(out, q, scales, block_size, order)
+
+
+def quantize_difference(
+    new: torch.Tensor, base: torch.Tensor, block_size: int, *, bits: int = 8, backend: str | None = None
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """A parameter difference in one pass: ``(q, scales)`` of ``v = new - base`` (both flat, one dtype, fp32 or
+    bf16; the difference in fp32, one rounding), as :func:`quantize` of that difference would give, without
+    materialising it. ``base`` is only read and must not overlap ``new``."""
+    _check_difference(new, base, block_size)
+    _check_bits(bits)
+    how = _pick("quantize_difference", backend, bits, new=new, base=base)
+    if how == "ref":
+        return quantize_difference_ref(new, base, block_size, bits)
+    q = torch.empty(new.numel(), dtype=torch.int8, device=new.device)
+    nb = num_blocks(new.numel(), block_size)
+    scales = torch.empty(nb, dtype=torch.float32, device=new.device)
+    if not nb:
+        return q, scales
+    if how == "cpp":
+        _build.load("quantize_cpu").quantize_difference_cpu(
+            new.data_ptr(),
+            base.data_ptr(),
+            _DTYPE_CODE[new.dtype],
+            new.numel(),
+            block_size,
+            q.data_ptr(),
+            scales.data_ptr(),
+            torch.get_num_threads(),
+        )
+        return q, scales
+    from acco_ds.ops.triton_kernels import quantize as kernels
+
+    bf16 = new.dtype == torch.bfloat16
+    flags = dict(
+        QMAX=QMAX_OF[bits],
+        TILE=_tile(block_size),
+        X_BF16=bf16,
+        HAS_RES=False,
+        RES_BF16=bf16,
+        SUB=True,
+        enable_fp_fusion=False,
+    )
+    rows = _rows(block_size)
+    if rows:
+        kernels.quantize_rows[(-(-nb // rows),)](
+            new, base, q, scales, new.numel(), nb, block_size, ROWS=rows, **flags
+        )
+    else:
+        kernels.quantize_blocks[(nb,)](new, base, q, scales, new.numel(), block_size, **flags)
+    return q, scales
+
+
+def add_dequantized(
+    out: torch.Tensor,
+    base: torch.Tensor,
+    q: torch.Tensor,
+    scales: torch.Tensor,
+    block_size: int,
+    *,
+    backend: str | None = None,
+) -> None:
+    """A parameter difference applied in one pass: ``out = base + dequantize(q, scales)`` in fp32 (the product,
+    then the sum, one rounding each), stored in base's dtype (fp32, or bf16 by :func:`store_sum`'s rule). ``out``
+    and ``base``: flat, q's length, one dtype; ``out`` may be ``base`` itself (in place) but overlap nothing else."""
+    _check_add(out, base, q, scales, block_size)
+    tensors = (
+        dict(out=out, q=q, scales=scales)
+        if out.data_ptr() == base.data_ptr()
+        else dict(out=out, base=base, q=q, scales=scales)
+    )
+    how = _pick("add_dequantized", backend, 8, **tensors)
+    if how == "ref" or not q.numel():
+        if q.numel():
+            add_dequantized_ref(out, base, q, scales, block_size)
+        return
+    if how == "cpp":
+        _build.load("quantize_cpu").add_dequantized_cpu(
+            q.data_ptr(),
+            scales.data_ptr(),
+            base.data_ptr(),
+            out.data_ptr(),
+            _DTYPE_CODE[out.dtype],
+            q.numel(),
+            block_size,
+            torch.get_num_threads(),
+        )
+        return
+    nb = num_blocks(q.numel(), block_size)
+    rows = _rows(block_size)
+    if not rows:  # blocks longer than a tile: the unfused kernels through an fp32 total (the same bits)
+        total = base.to(torch.float32, copy=True)
+        _dequantize_triton(total, q, scales, block_size, add=True)
+        store_sum(out, total)
+        return
+    from acco_ds.ops.triton_kernels import quantize as kernels
+
+    kernels.add_dequantized_rows[(-(-nb // rows),)](
+        q,
+        scales,
+        base,
+        out,
+        q.numel(),
+        nb,
+        block_size,
+        TILE=_tile(block_size),
+        ROWS=rows,
+        BF16=out.dtype == torch.bfloat16,
+        enable_fp_fusion=False,
+    )
 
 
 def quantize_with_residual(

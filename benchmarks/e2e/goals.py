@@ -167,7 +167,7 @@ def _adaptive_time_goal(an: dict) -> list:
     return [goal(f"acco adaptive time to ZeRO-1's final loss <= 0.75x ZeRO-1's ({slow})", a, b)]
 
 
-ABLATIONS = ("acco-int8-noef", "acco-int8-exact-peek", "acco-int8-peek-int4", "dpu-int8", "sync-int8")
+ABLATIONS = ("acco-int8-noef", "acco-int8-exact-peek", "dpu-int8", "sync-int8")
 """Compressed contenders whose loss gap is reported beside the quality goal, without a verdict of their own."""
 
 QUALITY_STEPS = 400

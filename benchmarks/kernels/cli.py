@@ -248,6 +248,48 @@ def quant_dequantize_sum(backend: str, fused: bool = True):
     return factory
 
 
+def quant_difference(backend: str, fused: bool = True):
+    """The parameter difference of bf16 parameters quantized: in one pass (quantize_difference), or unfused (the
+    fp32 difference materialised, then quantize)."""
+
+    def factory(n, device):
+        import torch
+
+        from acco_ds.ops.quantize import quantize, quantize_difference
+
+        base = torch.randn(n, device=device).to(torch.bfloat16)
+        new = (base.float() + torch.randn(n, device=device) * 1e-3).to(torch.bfloat16)
+        if fused:
+            return lambda: quantize_difference(new, base, QUANT_BLOCK, backend=backend)
+        return lambda: quantize(new.float() - base.float(), QUANT_BLOCK, backend=backend)
+
+    return factory
+
+
+def quant_add_dequantized(backend: str, fused: bool = True):
+    """The quantized difference applied onto bf16 parameters in place: in one pass (add_dequantized), or unfused
+    (an fp32 copy of the base, dequantize_add into it, a bf16 copy back)."""
+
+    def factory(n, device):
+        import torch
+
+        from acco_ds.ops.quantize import add_dequantized, dequantize_add, quantize
+
+        q, scales = quantize(torch.randn(n, device=device) * 1e-3, QUANT_BLOCK)
+        params = torch.randn(n, device=device).to(torch.bfloat16)
+        if fused:
+            return lambda: add_dequantized(params, params, q, scales, QUANT_BLOCK, backend=backend)
+
+        def unfused():
+            total = params.to(torch.float32, copy=True)
+            dequantize_add(total, q, scales, QUANT_BLOCK, backend=backend)
+            params.copy_(total)
+
+        return unfused
+
+    return factory
+
+
 def quant_contenders(device: str, notes: list) -> dict:
     """The quantize rows (compiled and torch reference), or none with a note saying why."""
     import torch
@@ -272,7 +314,11 @@ def quant_contenders(device: str, notes: list) -> dict:
         out[f"qres_bf16{suffix}"] = quant_residual(torch.bfloat16, backend)
         out[f"deq_add{suffix}"] = quant_dequantize_add(backend)
         out[f"deq_sum{suffix}"] = quant_dequantize_sum(backend)
+        out[f"qdiff{suffix}"] = quant_difference(backend)
+        out[f"add_deq{suffix}"] = quant_add_dequantized(backend)
     out["deq_sum_unfused"] = quant_dequantize_sum(compiled, fused=False)
+    out["qdiff_unfused"] = quant_difference(compiled, fused=False)
+    out["add_deq_unfused"] = quant_add_dequantized(compiled, fused=False)
     return out
 
 

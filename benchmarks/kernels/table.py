@@ -30,15 +30,22 @@ QUANT_BYTES = {
     "deq_add": 1 + _SCALE + 4 + 4,
     # the owner's sum of SUM_RANKS chunks in one pass: read every rank's q and scales, write the bf16 gradient once
     "deq_sum": SUM_RANKS * (1 + _SCALE) + 2,
+    # the parameter path (bf16 parameters): the difference quantized (read new and base, write q and the scales),
+    # then applied (read q, the scales and the base, write the parameters)
+    "qdiff": 2 + 2 + 1 + _SCALE,
+    "add_deq": 1 + _SCALE + 2 + 2,
 }
 QUANT_REF = {key: f"{key}_ref" for key in QUANT_BYTES}
 """The torch reference row of each compiled quantize row (its speed-up is measured against it)."""
 QUANT_ANCHORS = {key: [ref] for key, ref in QUANT_REF.items()}
 QUANT_ANCHORS["deq_sum"] = ["deq_sum_unfused", "deq_sum_ref"]
+QUANT_ANCHORS["qdiff"] = ["qdiff_unfused", "qdiff_ref"]
+QUANT_ANCHORS["add_deq"] = ["add_deq_unfused", "add_deq_ref"]
 """The rows each compiled quantize row's speed is compared with (anchor time / its time)."""
 BYTES.update(QUANT_BYTES)
 BYTES.update({ref: QUANT_BYTES[key] for key, ref in QUANT_REF.items()})
-BYTES["deq_sum_unfused"] = QUANT_BYTES["deq_sum"]  # credited with the fused pass's bytes: its effective GB/s
+for _key in ("deq_sum", "qdiff", "add_deq"):  # credited with the fused pass's bytes: its effective GB/s
+    BYTES[f"{_key}_unfused"] = QUANT_BYTES[_key]
 LABEL = {
     "commit": "acco commit (bf16 g in, bf16 p out)",
     "peek": "acco peek (bf16 g in, bf16 p out)",
@@ -60,6 +67,12 @@ LABEL = {
     "deq_sum": f"acco dequantize_sum of {SUM_RANKS} ranks' chunks into bf16",
     "deq_sum_unfused": f"acco unfused: dequantize + {SUM_RANKS - 1} dequantize_add + bf16 copy",
     "deq_sum_ref": f"torch reference dequantize_sum of {SUM_RANKS}",
+    "qdiff": "acco quantize_difference bf16 new - bf16 base",
+    "qdiff_unfused": "acco unfused: fp32 difference, then quantize",
+    "qdiff_ref": "torch reference quantize_difference",
+    "add_deq": "acco add_dequantized bf16 base + deq",
+    "add_deq_unfused": "acco unfused: fp32 base, dequantize_add, bf16 copy",
+    "add_deq_ref": "torch reference add_dequantized",
 }
 OWN = ("commit", "peek", "acc_bf16_fp32", "acc_bf16_bf16", "read_floor")
 QUANT_ROWS = (
@@ -68,10 +81,16 @@ QUANT_ROWS = (
     "deq_add",
     "deq_sum",
     "deq_sum_unfused",
+    "qdiff",
+    "qdiff_unfused",
+    "add_deq",
+    "add_deq_unfused",
     "qres_fp32_ref",
     "qres_bf16_ref",
     "deq_add_ref",
     "deq_sum_ref",
+    "qdiff_ref",
+    "add_deq_ref",
 )
 
 # stream probes: (description, bytes per fp32 element counted: reads + writes of the buffers)
@@ -160,6 +179,14 @@ def _quant_bytes_line(res: dict) -> list:
             "(read each rank's q and scales, write the bf16 sum once); the unfused row (what the round did before: "
             "an fp32 total written and re-read per rank, then cast) is credited with the same bytes."
             if any("deq_sum" in entry["median_s"] for entry in res["results"])
+            else ""
+        )
+        + (
+            f" The parameter path, bf16: quantize_difference {QUANT_BYTES['qdiff']:g} B/param (read the new parameters "
+            f"and the base, write q and the scales), add_dequantized {QUANT_BYTES['add_deq']:g} (read q, the scales and "
+            "the base, write the parameters); their unfused rows (fp32 temporaries, as the round did before) are "
+            "credited with the same bytes."
+            if any("qdiff" in entry["median_s"] for entry in res["results"])
             else ""
         )
     ]

@@ -62,6 +62,26 @@ PYBIND11_MODULE(_quantize_cpu, mod) {
       },
       "out (fp32 or bf16, n) = the sum of q_r * scale_r over the rows in their order (fp32 arithmetic).",
       py::call_guard<py::gil_scoped_release>());
+  mod.def(
+      "quantize_difference_cpu",
+      [](uintptr_t x, uintptr_t base, int dtype, int64_t n, int64_t block_size, uintptr_t q, uintptr_t scales,
+         int num_threads) {
+        acco::check_dtype("dtype", dtype, false);
+        check_sizes("quantize_difference_cpu", n, block_size);
+        acco::quantize_difference_cpu(x, base, dtype, n, block_size, q, scales, num_threads);
+      },
+      "q (int8, n), scales (fp32, one per block) of v = x - base (fp32 arithmetic; base only read).",
+      py::call_guard<py::gil_scoped_release>());
+  mod.def(
+      "add_dequantized_cpu",
+      [](uintptr_t q, uintptr_t scales, uintptr_t base, uintptr_t out, int dtype, int64_t n, int64_t block_size,
+         int num_threads) {
+        acco::check_dtype("dtype", dtype, false);
+        check_sizes("add_dequantized_cpu", n, block_size);
+        acco::add_dequantized_cpu(q, scales, base, out, dtype, n, block_size, num_threads);
+      },
+      "out = base + q * scale of its block (fp32 arithmetic), stored in base's dtype; out may be base.",
+      py::call_guard<py::gil_scoped_release>());
   mod.attr("ABI_VERSION") = acco::kAbiVersion;
   mod.attr("ISA") = acco::isa_name();
 }

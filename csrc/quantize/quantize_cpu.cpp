@@ -26,6 +26,9 @@ namespace {
 
 constexpr int64_t kChunk = 1 << 16;  // elements per work item (whole blocks, at least one)
 constexpr int32_t kQmax = 127;
+// What a block quantizes: v = x (kPlain), v = x + residual with the residual rewritten (kResidual), v = x - base
+// with the base only read (kDifference: a parameter difference).
+constexpr int kPlain = 0, kResidual = 1, kDifference = 2;
 constexpr uint32_t kInfBits = 0x7F800000u;  // the bits of +inf
 
 // absmax / 127 rounded up to fp32: the division in double, rounded to nearest, then one fp32 step up where
@@ -36,23 +39,23 @@ inline float scale_of(float absmax) {
   return static_cast<double>(s) < wide ? nextafterf(s, std::numeric_limits<float>::infinity()) : s;
 }
 
-template <typename X, typename R, bool RES>
+template <typename X, typename R, int OP>
 inline __attribute__((always_inline)) float value(const X* __restrict x, const R* __restrict r, int64_t i) {
-  return RES ? to_f32(x[i]) + to_f32(r[i]) : to_f32(x[i]);
+  return OP == kResidual ? to_f32(x[i]) + to_f32(r[i]) : OP == kDifference ? to_f32(x[i]) - to_f32(r[i]) : to_f32(x[i]);
 }
 
 // q (and the residual) of one block of `len` elements, which holds an inf or a NaN: scale NaN, q 0, residual 0.
-template <typename R, bool RES>
+template <typename R, int OP>
 inline __attribute__((always_inline)) void non_finite_block(R* __restrict r, int8_t* __restrict q, float* scale,
                                                             int64_t len) {
   *scale = std::numeric_limits<float>::quiet_NaN();
   for (int64_t i = 0; i < len; ++i) {
     q[i] = 0;
-    if (RES) r[i] = from_f32<R>(0.0f);
+    if (OP == kResidual) r[i] = from_f32<R>(0.0f);
   }
 }
 
-template <typename X, typename R, bool RES>
+template <typename X, typename R, int OP>
 inline __attribute__((always_inline)) void quant_block(const X* __restrict x, R* __restrict r, int8_t* __restrict q,
                                                        float* scale, int64_t len) {
   // |v| as bits: their integer order is the order of the values, and an inf or a NaN is >= kInfBits, so one
@@ -60,11 +63,11 @@ inline __attribute__((always_inline)) void quant_block(const X* __restrict x, R*
   uint32_t top = 0;
 #pragma omp simd reduction(max : top)
   for (int64_t i = 0; i < len; ++i) {
-    const uint32_t a = f32_bits(value<X, R, RES>(x, r, i)) & 0x7FFFFFFFu;
+    const uint32_t a = f32_bits(value<X, R, OP>(x, r, i)) & 0x7FFFFFFFu;
     top = a > top ? a : top;
   }
   if (top >= kInfBits) {
-    non_finite_block<R, RES>(r, q, scale, len);
+    non_finite_block<R, OP>(r, q, scale, len);
     return;
   }
   const float s = scale_of(bits_f32(top));
@@ -73,24 +76,24 @@ inline __attribute__((always_inline)) void quant_block(const X* __restrict x, R*
   const float div = s > 0.0f ? s : 1.0f;
 #pragma omp simd
   for (int64_t i = 0; i < len; ++i) {
-    const float v = value<X, R, RES>(x, r, i);
+    const float v = value<X, R, OP>(x, r, i);
     // |v / div| <= 127 (div >= absmax / 127), so clamping the integer is the reference's clamp of the float
     // (an integer clamp vectorises where GCC keeps the float one as branches)
     const int32_t t = static_cast<int32_t>(rintf(v / div));
     const int32_t qi = t < -kQmax ? -kQmax : t > kQmax ? kQmax : t;
     q[i] = static_cast<int8_t>(qi);
     // float(qi), not the rounded quotient: a -0.0 quotient is the integer 0, whose product with s is +0.0
-    if (RES) r[i] = from_f32<R>(v - static_cast<float>(qi) * s);
+    if (OP == kResidual) r[i] = from_f32<R>(v - static_cast<float>(qi) * s);
   }
 }
 
-template <typename X, typename R, bool RES>
+template <typename X, typename R, int OP>
 inline __attribute__((always_inline)) void quant_impl(const void* xv, void* rv, int8_t* q, float* scales, int64_t len,
                                                       int64_t bs) {
   const X* x = static_cast<const X*>(xv);
   R* r = static_cast<R*>(rv);
   for (int64_t lo = 0, b = 0; lo < len; lo += bs, ++b)
-    quant_block<X, R, RES>(x + lo, RES ? r + lo : r, q + lo, scales + b, std::min(bs, len - lo));
+    quant_block<X, R, OP>(x + lo, OP != kPlain ? r + lo : r, q + lo, scales + b, std::min(bs, len - lo));
 }
 
 template <bool ACC>
@@ -152,9 +155,9 @@ inline __attribute__((always_inline)) void deq_sum_impl(const int8_t* const* q, 
 using QuantItem = void (*)(const void*, void*, int8_t*, float*, int64_t, int64_t);
 using DeqItem = void (*)(const int8_t*, const float*, float*, int64_t, int64_t);
 
-template <typename X, typename R, bool RES>
+template <typename X, typename R, int OP>
 void quant_base(const void* x, void* r, int8_t* q, float* s, int64_t len, int64_t bs) {
-  quant_impl<X, R, RES>(x, r, q, s, len, bs);
+  quant_impl<X, R, OP>(x, r, q, s, len, bs);
 }
 template <bool ACC>
 void deq_base(const int8_t* q, const float* s, float* out, int64_t len, int64_t bs) {
@@ -189,13 +192,13 @@ DeqSumItem pick_deq_sum1() {
 }
 
 #if ACCO_HAVE_ISA_VARIANTS
-template <typename X, typename R, bool RES>
+template <typename X, typename R, int OP>
 ACCO_TARGET_AVX2 void quant_avx2(const void* x, void* r, int8_t* q, float* s, int64_t len, int64_t bs) {
-  quant_impl<X, R, RES>(x, r, q, s, len, bs);
+  quant_impl<X, R, OP>(x, r, q, s, len, bs);
 }
-template <typename X, typename R, bool RES>
+template <typename X, typename R, int OP>
 ACCO_TARGET_AVX512 void quant_avx512(const void* x, void* r, int8_t* q, float* s, int64_t len, int64_t bs) {
-  quant_impl<X, R, RES>(x, r, q, s, len, bs);
+  quant_impl<X, R, OP>(x, r, q, s, len, bs);
 }
 template <bool ACC>
 ACCO_TARGET_AVX2 void deq_avx2(const int8_t* q, const float* s, float* out, int64_t len, int64_t bs) {
@@ -207,24 +210,63 @@ ACCO_TARGET_AVX512 void deq_avx512(const int8_t* q, const float* s, float* out, 
 }
 #endif
 
-template <typename X, typename R, bool RES>
+template <typename X, typename R, int OP>
 QuantItem pick_quant3() {
 #if ACCO_HAVE_ISA_VARIANTS
-  if (kIsa == Isa::kAvx512) return &quant_avx512<X, R, RES>;
-  if (kIsa == Isa::kAvx2) return &quant_avx2<X, R, RES>;
+  if (kIsa == Isa::kAvx512) return &quant_avx512<X, R, OP>;
+  if (kIsa == Isa::kAvx2) return &quant_avx2<X, R, OP>;
 #endif
-  return &quant_base<X, R, RES>;
+  return &quant_base<X, R, OP>;
 }
 
 template <typename X>
-QuantItem pick_quant2(int residual_dtype) {
-  if (residual_dtype == kF32) return pick_quant3<X, float, true>();
-  if (residual_dtype == kBF16) return pick_quant3<X, uint16_t, true>();
-  return pick_quant3<X, float, false>();
+QuantItem pick_quant2(int residual_dtype, bool difference) {
+  if (difference) return residual_dtype == kBF16 ? pick_quant3<X, uint16_t, kDifference>() : pick_quant3<X, float, kDifference>();
+  if (residual_dtype == kF32) return pick_quant3<X, float, kResidual>();
+  if (residual_dtype == kBF16) return pick_quant3<X, uint16_t, kResidual>();
+  return pick_quant3<X, float, kPlain>();
 }
 
-QuantItem pick_quant(int x_dtype, int residual_dtype) {
-  return x_dtype == kBF16 ? pick_quant2<uint16_t>(residual_dtype) : pick_quant2<float>(residual_dtype);
+QuantItem pick_quant(int x_dtype, int residual_dtype, bool difference) {
+  return x_dtype == kBF16 ? pick_quant2<uint16_t>(residual_dtype, difference)
+                          : pick_quant2<float>(residual_dtype, difference);
+}
+
+// out[i] = base[i] + q[i] * scale (fp32: the product rounded, then the sum), stored in O (out may be base).
+template <typename O>
+inline __attribute__((always_inline)) void add_deq_impl(const int8_t* __restrict q, const float* scales,
+                                                        const O* base, O* out, int64_t len, int64_t bs) {
+  for (int64_t lo = 0, b = 0; lo < len; lo += bs, ++b) {
+    const float s = scales[b];
+    const int64_t end = std::min(bs, len - lo);
+#pragma omp simd
+    for (int64_t i = lo; i < lo + end; ++i) out[i] = from_f32<O>(to_f32(base[i]) + static_cast<float>(q[i]) * s);
+  }
+}
+using AddDeqItem = void (*)(const int8_t*, const float*, const void*, void*, int64_t, int64_t);
+template <typename O>
+void add_deq_base(const int8_t* q, const float* s, const void* base, void* out, int64_t len, int64_t bs) {
+  add_deq_impl<O>(q, s, static_cast<const O*>(base), static_cast<O*>(out), len, bs);
+}
+#if ACCO_HAVE_ISA_VARIANTS
+template <typename O>
+ACCO_TARGET_AVX2 void add_deq_avx2(const int8_t* q, const float* s, const void* base, void* out, int64_t len,
+                                   int64_t bs) {
+  add_deq_impl<O>(q, s, static_cast<const O*>(base), static_cast<O*>(out), len, bs);
+}
+template <typename O>
+ACCO_TARGET_AVX512 void add_deq_avx512(const int8_t* q, const float* s, const void* base, void* out, int64_t len,
+                                       int64_t bs) {
+  add_deq_impl<O>(q, s, static_cast<const O*>(base), static_cast<O*>(out), len, bs);
+}
+#endif
+template <typename O>
+AddDeqItem pick_add_deq1() {
+#if ACCO_HAVE_ISA_VARIANTS
+  if (kIsa == Isa::kAvx512) return &add_deq_avx512<O>;
+  if (kIsa == Isa::kAvx2) return &add_deq_avx2<O>;
+#endif
+  return &add_deq_base<O>;
 }
 
 template <bool ACC>
@@ -256,7 +298,7 @@ void for_items(int64_t n, int64_t bs, int num_threads, const F& run) {
 
 void quantize_cpu(uintptr_t x, int x_dtype, uintptr_t residual, int residual_dtype, int64_t n, int64_t block_size,
                   uintptr_t q, uintptr_t scales, int num_threads) {
-  const QuantItem fn = pick_quant(x_dtype, residual_dtype);
+  const QuantItem fn = pick_quant(x_dtype, residual_dtype, false);
   const int64_t xs = elem_size(x_dtype), rs = residual_dtype == -1 ? 0 : elem_size(residual_dtype);
   for_items(n, block_size, num_threads, [&](int64_t first, int64_t len, int64_t block) {
     fn(reinterpret_cast<const char*>(x) + first * xs, reinterpret_cast<char*>(residual) + first * rs,
@@ -286,6 +328,26 @@ void dequantize_sum_cpu(const std::vector<uintptr_t>& q_rows, const std::vector<
   const int64_t os = elem_size(out_dtype);
   for_items(n, block_size, num_threads, [&](int64_t first, int64_t len, int64_t) {
     fn(q.data(), s.data(), rows, first, reinterpret_cast<char*>(out) + first * os, len, block_size);
+  });
+}
+
+void quantize_difference_cpu(uintptr_t x, uintptr_t base, int dtype, int64_t n, int64_t block_size, uintptr_t q,
+                             uintptr_t scales, int num_threads) {
+  const QuantItem fn = pick_quant(dtype, dtype, true);
+  const int64_t xs = elem_size(dtype);
+  for_items(n, block_size, num_threads, [&](int64_t first, int64_t len, int64_t block) {
+    fn(reinterpret_cast<const char*>(x) + first * xs, reinterpret_cast<char*>(base) + first * xs,
+       reinterpret_cast<int8_t*>(q) + first, reinterpret_cast<float*>(scales) + block, len, block_size);
+  });
+}
+
+void add_dequantized_cpu(uintptr_t q, uintptr_t scales, uintptr_t base, uintptr_t out, int dtype, int64_t n,
+                         int64_t block_size, int num_threads) {
+  const AddDeqItem fn = dtype == kBF16 ? pick_add_deq1<uint16_t>() : pick_add_deq1<float>();
+  const int64_t os = elem_size(dtype);
+  for_items(n, block_size, num_threads, [&](int64_t first, int64_t len, int64_t block) {
+    fn(reinterpret_cast<const int8_t*>(q) + first, reinterpret_cast<const float*>(scales) + block,
+       reinterpret_cast<const char*>(base) + first * os, reinterpret_cast<char*>(out) + first * os, len, block_size);
   });
 }
 

@@ -31,4 +31,13 @@ void dequantize_cpu(uintptr_t q, uintptr_t scales, int64_t n, int64_t block_size
 void dequantize_sum_cpu(const std::vector<uintptr_t>& q_rows, const std::vector<uintptr_t>& scale_rows, int64_t n,
                         int64_t block_size, uintptr_t out, int out_dtype, int num_threads);
 
+// A parameter difference: q, scales of v = x - base (both of `dtype`, n; base only read), v in fp32.
+void quantize_difference_cpu(uintptr_t x, uintptr_t base, int dtype, int64_t n, int64_t block_size, uintptr_t q,
+                             uintptr_t scales, int num_threads);
+
+// Its application: out[i] = base[i] + q[i] * scales[b] (fp32: the product rounded, then the sum), stored in `dtype`
+// (base's and out's; out may be base itself, no other overlap).
+void add_dequantized_cpu(uintptr_t q, uintptr_t scales, uintptr_t base, uintptr_t out, int dtype, int64_t n,
+                         int64_t block_size, int num_threads);
+
 }  // namespace acco

@@ -14,6 +14,8 @@ import pytest
 import torch
 
 from acco_ds.ops.quantize import (
+    add_dequantized,
+    add_dequantized_ref,
     dequantize,
     dequantize_add,
     dequantize_add_ref,
@@ -21,11 +23,13 @@ from acco_ds.ops.quantize import (
     dequantize_sum,
     dequantize_sum_ref,
     quantize,
+    quantize_difference,
+    quantize_difference_ref,
     quantize_ref,
     quantize_with_residual,
     quantize_with_residual_ref,
 )
-from tests.ops.test_quantize_kernel import DTYPES, deq_case, gen, small, special, sum_case
+from tests.ops.test_quantize_kernel import DTYPES, deq_case, diff_case, gen, small, special, sum_case
 from tests.ops.test_quantize_kernel import assert_same as assert_same_bits
 
 pytestmark = [
@@ -81,6 +85,23 @@ def test_dequantize_sum_on_the_gpu_matches_the_reference(n, block_size, out_dtyp
     dequantize_sum(out, q.cuda(), s.cuda(), block_size, [2, 0, 1])
     dequantize_sum_ref(out_ref, q, s, block_size, [2, 0, 1])
     assert_same(_cpu(out), out_ref, "dequantize_sum")
+
+
+@pytest.mark.parametrize("block_size", BLOCKS)
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_difference_kernels_on_the_gpu_match_the_reference(dtype, n, block_size):
+    """The parameter path: the difference quantized, then applied onto the base (into another buffer, in place)."""
+    new, base = diff_case(n, block_size, DTYPES[dtype], "gpu")
+    q, s = quantize_difference(new.cuda(), base.cuda(), block_size)
+    q_ref, s_ref = quantize_difference_ref(new, base, block_size)
+    assert_same(_cpu(q), q_ref, "difference q")
+    assert_same(_cpu(s), s_ref, "difference scales")
+    out_ref = torch.empty_like(base)
+    add_dequantized_ref(out_ref, base, q_ref, s_ref, block_size)
+    on_gpu = base.cuda()
+    add_dequantized(on_gpu, on_gpu, q_ref.cuda(), s_ref.cuda(), block_size)
+    assert_same(_cpu(on_gpu), out_ref, "base + deq in place")
 
 
 @pytest.mark.parametrize("block_size", BLOCKS)

@@ -20,6 +20,8 @@ import torch
 
 from acco_ds.ops import _build
 from acco_ds.ops.quantize import (
+    add_dequantized,
+    add_dequantized_ref,
     dequantize,
     dequantize_add,
     dequantize_add_ref,
@@ -27,6 +29,8 @@ from acco_ds.ops.quantize import (
     dequantize_sum,
     dequantize_sum_ref,
     quantize,
+    quantize_difference,
+    quantize_difference_ref,
     quantize_ref,
     quantize_with_residual,
     quantize_with_residual_ref,
@@ -185,6 +189,42 @@ def test_dequantize_sum_matches_the_reference(rows, n, block_size, out_dtype):
     assert_same(out_ref, by_rows.to(DTYPES[out_dtype]), "reference vs row by row", any_nan=True)
 
 
+def diff_case(n: int, block_size: int, dtype: torch.dtype, *key) -> tuple:
+    """(new, base): new parameters with every special value of :func:`special`, a base near them (so that the
+    differences are small, as a step's are) with some values far off."""
+    new = special(n, block_size, dtype, "new", *key)
+    base = (new.float().nan_to_num(0.0, 0.0, 0.0) + small(n, torch.float32, "base", *key)).to(dtype)
+    base[::7] = special(n, 3, dtype, "far", *key)[::7]
+    return new, base
+
+
+@pytest.mark.parametrize("block_size", BLOCKS)
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_difference_kernels_match_the_reference(dtype, n, block_size):
+    """The parameter path's two passes: the difference quantized (the reference: quantize of the fp32 difference)
+    and applied onto the base, into another buffer and in place, in the parameter dtype."""
+    new, base = diff_case(n, block_size, DTYPES[dtype])
+    q, s = quantize_difference(new, base, block_size, backend="cpp")
+    q_ref, s_ref = quantize_difference_ref(new, base, block_size)
+    assert_same(q, q_ref, "q")
+    assert_same(s, s_ref, "scales")
+    q_plain, s_plain = quantize_ref(new.float() - base.float(), block_size)
+    assert_same(q_ref, q_plain, "reference q vs quantize of the difference")
+    assert_same(s_ref, s_plain, "reference scales vs quantize of the difference")
+    qd, sd = deq_case(n, block_size, "apply")
+    out, out_ref = torch.empty_like(base), torch.empty_like(base)
+    add_dequantized(out, base, qd, sd, block_size, backend="cpp")
+    add_dequantized_ref(out_ref, base, qd, sd, block_size)
+    assert_same(out, out_ref, "base + deq")
+    inplace = base.clone()
+    add_dequantized(inplace, inplace, qd, sd, block_size, backend="cpp")
+    assert_same(inplace, out_ref, "base + deq in place")
+    total = base.float()
+    dequantize_add_ref(total, qd, sd, block_size)
+    assert_same(out_ref, total.to(DTYPES[dtype]), "reference vs dequantize_add then cast", any_nan=True)
+
+
 def test_dequantize_sum_follows_the_order_and_checks_its_arguments():
     q, s = sum_case(3, 1000, 16, "order")
     q[:, :] = 1
@@ -324,6 +364,7 @@ from tests.ops import test_quantize_kernel as t
 from acco_ds.ops import _build
 from acco_ds.ops.quantize import dequantize_add, dequantize_add_ref, quantize_with_residual, quantize_with_residual_ref
 from acco_ds.ops.quantize import dequantize_sum, dequantize_sum_ref
+from acco_ds.ops.quantize import add_dequantized, add_dequantized_ref, quantize_difference, quantize_difference_ref
 print(_build.load("quantize_cpu").ISA)
 for dtype in (torch.float32, torch.bfloat16):
     for rdtype in (torch.float32, torch.bfloat16):
@@ -344,6 +385,15 @@ for dtype in (torch.float32, torch.bfloat16):
         dequantize_sum(total, qs, ss, 256, [2, 0, 1], backend="cpp")
         dequantize_sum_ref(total_ref, qs, ss, 256, [2, 0, 1])
         t.assert_same(total, total_ref, f"dequantize_sum {dtype}")
+        new, base = t.diff_case(20_011, 256, dtype, "isa")
+        qd, sd = quantize_difference(new, base, 256, backend="cpp")
+        qd_ref, sd_ref = quantize_difference_ref(new, base, 256)
+        t.assert_same(qd, qd_ref, f"difference q {dtype}")
+        t.assert_same(sd, sd_ref, f"difference scales {dtype}")
+        applied, applied_ref = torch.empty_like(base), torch.empty_like(base)
+        add_dequantized(applied, base, qd_ref, sd_ref, 256, backend="cpp")
+        add_dequantized_ref(applied_ref, base, qd_ref, sd_ref, 256)
+        t.assert_same(applied, applied_ref, f"add_dequantized {dtype}")
 """
 
 

@@ -20,6 +20,8 @@ import pytest
 import torch
 
 from acco_ds.ops.quantize import (
+    add_dequantized,
+    add_dequantized_ref,
     dequantize,
     dequantize_add,
     dequantize_add_ref,
@@ -27,11 +29,22 @@ from acco_ds.ops.quantize import (
     dequantize_sum,
     dequantize_sum_ref,
     quantize,
+    quantize_difference,
+    quantize_difference_ref,
     quantize_ref,
     quantize_with_residual,
     quantize_with_residual_ref,
 )
-from tests.ops.test_quantize_kernel import DTYPES, assert_same, deq_case, gen, small, special, sum_case
+from tests.ops.test_quantize_kernel import (
+    DTYPES,
+    assert_same,
+    deq_case,
+    diff_case,
+    gen,
+    small,
+    special,
+    sum_case,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 # (length, block size): short inputs with every block size (one element per block on the shortest), longer ones
@@ -74,7 +87,8 @@ def _bit_widths(n: int, block: int) -> tuple:
 
 def _expected_checks() -> int:
     # per bit width: quantize of 2 dtypes, with a residual of 2 dtypes each; per case one dequantize check
-    per_case = [2 * len(_bit_widths(n, b)) * 3 + 1 + 2 for n, b in CASES]  # + dequantize_sum into fp32, bf16
+    # + per parameter dtype: dequantize_sum, the difference quantized per bit width, the difference applied
+    per_case = [2 * len(_bit_widths(n, b)) * 3 + 1 + 2 * (2 + len(_bit_widths(n, b))) for n, b in CASES]
     return sum(per_case) + 4 + 1  # + 4 error-feedback runs + the exact edge cases
 
 
@@ -117,6 +131,20 @@ def _interpret_checks() -> int:
             dequantize_sum(total, qs, ss, block, [2, 0, 1], backend="triton")
             dequantize_sum_ref(total_ref, qs, ss, block, [2, 0, 1])
             assert_same(total, total_ref, f"dequantize_sum ({n}, {block}, {out_dtype})")
+            count += 1
+            new, base = diff_case(n, block, out_dtype, "triton")
+            for nbits in _bit_widths(n, block):
+                qd, sd = quantize_difference(new, base, block, bits=nbits, backend="triton")
+                qd_ref, sd_ref = quantize_difference_ref(new, base, block, nbits)
+                assert_same(qd, qd_ref, f"difference q ({n}, {block}, {out_dtype}, {nbits} bits)")
+                assert_same(sd, sd_ref, f"difference scales ({n}, {block}, {out_dtype}, {nbits} bits)")
+                count += 1
+            applied, applied_ref = torch.empty_like(base), torch.empty_like(base)
+            add_dequantized(applied, base, q, s, block, backend="triton")
+            add_dequantized_ref(applied_ref, base, q, s, block)
+            assert_same(applied, applied_ref, f"add_dequantized ({n}, {block}, {out_dtype})")
+            add_dequantized(base, base, q, s, block, backend="triton")
+            assert_same(base, applied_ref, f"add_dequantized in place ({n}, {block}, {out_dtype})")
             count += 1
     for dtype in DTYPES.values():
         for rdtype in DTYPES.values():

@@ -41,11 +41,23 @@ def _load_f32(ptr, idx, mask, IS_BF16: tl.constexpr):
 
 
 @triton.jit
-def _load_v(x_ptr, res_ptr, idx, mask, X_BF16: tl.constexpr, HAS_RES: tl.constexpr, RES_BF16: tl.constexpr):
-    """fp32 ``v = x`` (+ the residual when HAS_RES, one fp32 sum): what a block quantizes."""
+def _load_v(
+    x_ptr,
+    res_ptr,
+    idx,
+    mask,
+    X_BF16: tl.constexpr,
+    HAS_RES: tl.constexpr,
+    RES_BF16: tl.constexpr,
+    SUB: tl.constexpr = False,
+):
+    """fp32 ``v = x`` (+ the residual when HAS_RES, one fp32 sum; - the base at res_ptr when SUB, one fp32
+    difference): what a block quantizes."""
     v = _load_f32(x_ptr, idx, mask, X_BF16)
     if HAS_RES:
         v = v + _load_f32(res_ptr, idx, mask, RES_BF16)
+    if SUB:
+        v = v - _load_f32(res_ptr, idx, mask, RES_BF16)
     return v
 
 
@@ -105,6 +117,7 @@ def quantize_rows(
     X_BF16: tl.constexpr,
     HAS_RES: tl.constexpr,
     RES_BF16: tl.constexpr,
+    SUB: tl.constexpr = False,
 ):
     """:func:`quantize_blocks` for blocks of at most TILE elements, ROWS blocks per program (a [ROWS, TILE] tile,
     one block a row): each value is loaded once and kept in registers between the block's absmax and its
@@ -113,7 +126,7 @@ def quantize_rows(
     lanes = tl.arange(0, TILE)
     idx = rows[:, None] * block_size + lanes[None, :]
     mask = (lanes[None, :] < block_size) & (idx < n)
-    v = _load_v(x_ptr, res_ptr, idx, mask, X_BF16, HAS_RES, RES_BF16)
+    v = _load_v(x_ptr, res_ptr, idx, mask, X_BF16, HAS_RES, RES_BF16, SUB)
     bad = _nonfinite(v)
     absmax = tl.max(tl.where(bad == 1, 0.0, tl.abs(v)), axis=1)
     finite = tl.max(bad, axis=1) == 0
@@ -140,6 +153,30 @@ def dequantize_rows(
     if ADD:
         d = tl.load(out_ptr + idx, mask=mask, other=0.0) + d
     tl.store(out_ptr + idx, d, mask=mask)
+
+
+@triton.jit
+def add_dequantized_rows(
+    q_ptr,
+    scale_ptr,
+    base_ptr,
+    out_ptr,
+    n,
+    nb,
+    block_size,
+    TILE: tl.constexpr,
+    ROWS: tl.constexpr,
+    BF16: tl.constexpr,
+):
+    """``out = base + q * scale`` (fp32: the product, then the sum, one rounding each), stored in base's dtype
+    (``out`` may be ``base``): the parameter difference applied, blocks of at most TILE, ROWS blocks a program."""
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    lanes = tl.arange(0, TILE)
+    idx = rows[:, None] * block_size + lanes[None, :]
+    mask = (lanes[None, :] < block_size) & (idx < n)
+    scale = tl.load(scale_ptr + rows, mask=rows < nb, other=0.0)
+    d = tl.load(q_ptr + idx, mask=mask, other=0).to(tl.float32) * scale[:, None]
+    _store_as(out_ptr, idx, _load_f32(base_ptr, idx, mask, BF16) + d, mask, BF16)
 
 
 @triton.jit
@@ -189,6 +226,7 @@ def quantize_blocks(
     X_BF16: tl.constexpr,
     HAS_RES: tl.constexpr,
     RES_BF16: tl.constexpr,
+    SUB: tl.constexpr = False,
 ):
     """Program b quantizes block b of ``x`` (fp32, or bf16 when X_BF16; n elements): ``v = x`` (+ ``residual`` at
     ``res_ptr`` when HAS_RES, fp32 or bf16 by RES_BF16), writes int8 ``q`` and fp32 ``scale[b]``, and with HAS_RES
@@ -202,7 +240,7 @@ def quantize_blocks(
     for k in range(start, end, TILE):
         idx = k + lanes
         mask = idx < end
-        v = _load_v(x_ptr, res_ptr, idx, mask, X_BF16, HAS_RES, RES_BF16)
+        v = _load_v(x_ptr, res_ptr, idx, mask, X_BF16, HAS_RES, RES_BF16, SUB)
         bad = tl.maximum(bad, _nonfinite(v))
         amax = tl.maximum(amax, tl.where(_nonfinite(v) == 1, 0.0, tl.abs(v)))
     absmax = tl.max(amax, axis=0)
@@ -212,7 +250,7 @@ def quantize_blocks(
     for k in range(start, end, TILE):
         idx = k + lanes
         mask = idx < end
-        v = _load_v(x_ptr, res_ptr, idx, mask, X_BF16, HAS_RES, RES_BF16)
+        v = _load_v(x_ptr, res_ptr, idx, mask, X_BF16, HAS_RES, RES_BF16, SUB)
         q = _quantize_values(v, div, usable, QMAX)
         tl.store(q_ptr + idx, q, mask=mask)
         if HAS_RES:
