@@ -137,6 +137,12 @@ def summarize(
             if last["step"] and all("wire_bytes_sent" in s for s in ranks)
             else None
         ),
+        # with tensor parallelism inside nodes: the bytes of the calls that span nodes only (WireCounter)
+        "wire_bytes_internode_per_step": (
+            statistics.mean(s["wire_bytes_internode_sent"] for s in ranks) / last["step"]
+            if last["step"] and all(s.get("wire_bytes_internode_sent") is not None for s in ranks)
+            else None
+        ),
         "warmup_steps": w,
     }
 

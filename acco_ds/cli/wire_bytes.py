@@ -7,8 +7,8 @@ installed, and adds, per call, what one rank SENDS on a ring (the algorithm NCCL
 tensors; ``W`` the group's size, ``B`` the tensor's bytes):
 
 - ``all_reduce``: ``2 (W-1)/W B`` (a reduce-scatter then an all-gather);
-- ``reduce_scatter_tensor`` (``B`` the input) and ``all_gather_into_tensor`` (``B`` the output):
-  ``(W-1)/W B``; ``all_gather`` (a list of W outputs of ``B``): ``(W-1) B``;
+- ``reduce_scatter_tensor`` (``B`` the input), ``all_gather_into_tensor`` (``B`` the output) and
+  ``all_to_all_single`` (``B`` the input: the compressed exchanges on NCCL): ``(W-1)/W B``; ``all_gather`` (a list of W outputs of ``B``): ``(W-1) B``;
 - ``send`` / ``isend``: ``B``; ``broadcast``: ``B`` from the source, 0 elsewhere (a tree or a ring moves
   at most that per rank).
 
@@ -32,6 +32,7 @@ _WRAPPED = (
     "reduce_scatter_tensor",
     "all_gather_into_tensor",
     "all_gather",
+    "all_to_all_single",
     "send",
     "isend",
     "broadcast",
@@ -61,6 +62,10 @@ def sent_bytes(name: str, args: tuple, kwargs: dict) -> float:
         t = kwargs.get("output_tensor", first)
         w = _group_size(kwargs)
         return (w - 1) / w * _bytes(t)
+    if name == "all_to_all_single":  # every rank keeps its own chunk and sends the other W - 1
+        t = kwargs.get("input", args[1] if len(args) > 1 else None)
+        w = _group_size(kwargs)
+        return (w - 1) / w * _bytes(t)
     if name == "all_gather":
         outs = kwargs.get("tensor_list", first)
         return (len(outs) - 1) * _bytes(outs[0]) if outs else 0.0
@@ -75,11 +80,29 @@ def sent_bytes(name: str, args: tuple, kwargs: dict) -> float:
     raise ValueError(f"sent_bytes: {name!r} is not counted; counted: {', '.join(_WRAPPED)}")
 
 
-class WireCounter:
-    """Counts the bytes this rank sends through ``torch.distributed`` while installed."""
+def peers(name: str, args: tuple, kwargs: dict) -> list:
+    """The global ranks one call of ``torch.distributed.<name>`` involves: the group's (the world's when none), or
+    this rank and the destination of a send (``dst`` global, ``group_dst`` the group's)."""
+    group = kwargs.get("group")
+    if name in ("send", "isend"):
+        dst = kwargs.get("dst", args[1] if len(args) > 1 else None)
+        if dst is None and kwargs.get("group_dst") is not None:
+            dst = dist.get_global_rank(group, kwargs["group_dst"])
+        return [dist.get_rank(), dst]
+    if group is None or group is dist.GroupMember.WORLD:
+        return list(range(dist.get_world_size()))
+    return dist.get_process_group_ranks(group)
 
-    def __init__(self) -> None:
+
+class WireCounter:
+    """Counts the bytes this rank sends through ``torch.distributed`` while installed: all of them (``sent``) and,
+    given ``ranks_per_node`` (consecutive ranks share a node), those of the calls that involve ranks of more than
+    one node (``sent_internode``: every byte of such a call, an upper bound of what crosses between nodes)."""
+
+    def __init__(self, ranks_per_node: int | None = None) -> None:
         self.sent = 0.0
+        self.sent_internode = 0.0
+        self.ranks_per_node = ranks_per_node
         self.calls = 0
         self._lock = threading.Lock()
         self._originals: dict = {}
@@ -105,8 +128,12 @@ class WireCounter:
         @functools.wraps(fn)
         def counted(*args, **kwargs):
             n = sent_bytes(name, args, kwargs)
+            across = (
+                self.ranks_per_node and len({r // self.ranks_per_node for r in peers(name, args, kwargs)}) > 1
+            )
             with self._lock:
                 self.sent += n
+                self.sent_internode += n if across else 0.0
                 self.calls += 1
             return fn(*args, **kwargs)
 

@@ -140,7 +140,7 @@ def run(spec) -> dict:
     _wait_at_gate(spec, rank)
     marks["barrier"] = time.perf_counter()
     # the bytes this rank sends while it trains (not set-up, not evaluation), DeepSpeed's bound collectives too
-    wire = WireCounter().install(bound_collectives())
+    wire = WireCounter(ranks_per_node=spec.tp if spec.tp > 1 else None).install(bound_collectives())
     bar = Progress(spec.steps, enabled=spec.progress and rank == 0, desc=spec.name)
     first_step_unix: list = []  # wall clock of this start's first optimizer step (a restart's recovery)
 
@@ -203,6 +203,7 @@ def run(spec) -> dict:
         "phases_s": phases,
         "stats": {k: v for k, v in stats.items() if isinstance(v, (int, float, str, list, bool))},
         "wire_bytes_sent": wire.sent,
+        "wire_bytes_internode_sent": wire.sent_internode if wire.ranks_per_node else None,
         "wire_calls": wire.calls,
         "resumed_at_step": resumed_at,
         "saves": saver.saves,

@@ -36,9 +36,7 @@ def memory_bound_mib(results: dict, compressed: bool = False) -> float:
 def memory(results: dict) -> dict:
     """Per rate and contender: the extra peak RSS per rank over ZeRO-1's (same rank, same seed)."""
     bound = memory_bound_mib(results)
-    out = {"bound_mib": bound, "rows": {}}
-    if any(label in block for block in results["rates"].values() for label in COMPRESSED):
-        out["compressed_bound_mib"] = memory_bound_mib(results, compressed=True)
+    out = {"bound_mib": bound, "compressed_bound_mib": memory_bound_mib(results, compressed=True), "rows": {}}
     for rate, block in results["rates"].items():
         base = analysis.seed_runs(block, "zero1")
         for label in PLAIN + COMPRESSED:
@@ -145,10 +143,41 @@ def goals(an: dict, results: dict) -> list:
     return g + compression_goals(an) + ran_goal(results)
 
 
+def _internode_bytes(results: dict) -> dict:
+    """``results`` with each run's ``wire_bytes_per_step`` made the bytes of the calls that span the two nodes
+    (``wire_bytes_internode_per_step``: the data-parallel exchanges; the tensor-parallel collectives inside a
+    node, which no contender compresses, left out), where the run counted them; runs that did not keep theirs."""
+    if not any(
+        s.get("wire_bytes_internode_per_step") is not None
+        for block in results["rates"].values()
+        for s in _summaries(block)
+    ):
+        return results
+    out = json.loads(json.dumps(results))
+    for block in out["rates"].values():
+        for s in _summaries(block):
+            if s.get("wire_bytes_internode_per_step") is not None:
+                s["wire_bytes_per_step"] = s["wire_bytes_internode_per_step"]
+    return out
+
+
+def _summaries(block):
+    """Every run summary (a dict with ``wire_bytes_per_step``) inside a rate's block, however nested."""
+    if isinstance(block, dict):
+        if "wire_bytes_per_step" in block:
+            yield block
+        else:
+            for v in block.values():
+                yield from _summaries(v)
+    elif isinstance(block, list):
+        for v in block:
+            yield from _summaries(v)
+
+
 def analyse(results: dict) -> dict:
     """The shared analysis, the memory per rank, and the topology's goals (set last: they read the
     memory; their key keeps its place before it)."""
-    an = analysis.analyse(results, lambda an, results: [])
+    an = analysis.analyse(_internode_bytes(results), lambda an, results: [])
     an["memory"] = memory(results)
     an["goals"] = goals(an, results)
     return an

@@ -32,8 +32,27 @@ def test_ring_volumes(group, monkeypatch):
     assert sent_bytes("send", (), {"tensor": t.bfloat16(), "dst": 1}) == 2000
     assert sent_bytes("broadcast", (t, 0), {}) == 4000  # this process is rank 0: the source
     assert sent_bytes("broadcast", (t, 1), {}) == 0
+    assert sent_bytes("all_to_all_single", (t[:10], t), {}) == 3000
     with pytest.raises(ValueError, match="'all_to_all' is not counted"):
         sent_bytes("all_to_all", (t,), {})
+
+
+def test_internode_bytes_are_those_of_calls_spanning_nodes(group, monkeypatch):
+    """Two ranks a node (consecutive): a call among ranks of one node counts in ``sent`` only; a call whose group
+    (or a send whose destination) reaches another node counts in ``sent_internode`` too."""
+    groups = {"node": [0, 1], "dp": [0, 2], "world": None}
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2 if group else 4)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
+    monkeypatch.setattr(dist, "get_process_group_ranks", lambda group: groups[group])
+    monkeypatch.setattr(dist, "get_global_rank", lambda group, r: groups[group][r])
+    counter = WireCounter(ranks_per_node=2)
+    t = torch.zeros(1000)  # 4000 bytes
+    counter._wrap("all_reduce", lambda *a, **k: None)(t, group="node")  # 4000 sent, inside the node
+    counter._wrap("all_reduce", lambda *a, **k: None)(t, group="dp")  # 4000 sent, across
+    counter._wrap("isend", lambda *a, **k: None)(t, dst=1)  # inside
+    counter._wrap("isend", lambda *a, **k: None)(t, group="dp", group_dst=1)  # to global rank 2: across
+    assert counter.sent == 16000 and counter.sent_internode == 8000
+    assert WireCounter().sent_internode == 0.0
 
 
 def test_counts_while_installed_and_restores(group):
