@@ -206,7 +206,27 @@ def _context(results: dict, an: dict) -> list:
         tables.load_line(s),
         tables.bound_line(an["compute_only"]),
         *tables.ds_settings_lines(results),
+        *_bytes_lines(results),
         "",
+    ]
+
+
+def _bytes_lines(results: dict) -> list:
+    """The bytes per step of each contender across the nodes, where the runs counted them (none before)."""
+    if _internode_bytes(results) is results:
+        return []
+    rows = {}
+    for rate, block in _internode_bytes(results)["rates"].items():
+        for label in block.get("runs", block) if isinstance(block, dict) else []:
+            mine = analysis.seed_runs(block, label)
+            figures = [r.get("wire_bytes_per_step") for r in mine.values() if r.get("wire_bytes_per_step")]
+            if figures:
+                rows[(rate, label)] = sum(figures) / len(figures)
+    text = ", ".join(f"{label} {b / 1e6:.3f} MB ({rate})" for (rate, label), b in rows.items())
+    return [
+        "- bytes on the wire (the goals' figure): what a rank sends in the calls that span the two nodes (every "
+        "byte of a data-parallel or world-wide call; the tensor-parallel collectives inside a node, which no "
+        f"contender compresses, left out), per optimizer step, mean over the ranks and seeds: {text}"
     ]
 
 
