@@ -143,35 +143,34 @@ def goals(an: dict, results: dict) -> list:
     return g + compression_goals(an) + ran_goal(results)
 
 
+def _runs(block: dict):
+    """Every run summary of a rate's block: its ``runs`` (one per contender) and its ``seeds`` (a list per
+    contender)."""
+    yield from (run for run in block.get("runs", {}).values() if run)
+    for runs in block.get("seeds", {}).values():
+        yield from runs
+
+
+def _counted_internode(results: dict) -> bool:
+    return any(
+        run.get("wire_bytes_internode_per_step") is not None
+        for block in results["rates"].values()
+        for run in _runs(block)
+    )
+
+
 def _internode_bytes(results: dict) -> dict:
     """``results`` with each run's ``wire_bytes_per_step`` made the bytes of the calls that span the two nodes
     (``wire_bytes_internode_per_step``: the data-parallel exchanges; the tensor-parallel collectives inside a
     node, which no contender compresses, left out), where the run counted them; runs that did not keep theirs."""
-    if not any(
-        s.get("wire_bytes_internode_per_step") is not None
-        for block in results["rates"].values()
-        for s in _summaries(block)
-    ):
+    if not _counted_internode(results):
         return results
     out = json.loads(json.dumps(results))
     for block in out["rates"].values():
-        for s in _summaries(block):
-            if s.get("wire_bytes_internode_per_step") is not None:
-                s["wire_bytes_per_step"] = s["wire_bytes_internode_per_step"]
+        for run in _runs(block):
+            if run.get("wire_bytes_internode_per_step") is not None:
+                run["wire_bytes_per_step"] = run["wire_bytes_internode_per_step"]
     return out
-
-
-def _summaries(block):
-    """Every run summary (a dict with ``wire_bytes_per_step``) inside a rate's block, however nested."""
-    if isinstance(block, dict):
-        if "wire_bytes_per_step" in block:
-            yield block
-        else:
-            for v in block.values():
-                yield from _summaries(v)
-    elif isinstance(block, list):
-        for v in block:
-            yield from _summaries(v)
 
 
 def analyse(results: dict) -> dict:
@@ -206,27 +205,25 @@ def _context(results: dict, an: dict) -> list:
         tables.load_line(s),
         tables.bound_line(an["compute_only"]),
         *tables.ds_settings_lines(results),
-        *_bytes_lines(results),
+        *_bytes_lines(results, an),
         "",
     ]
 
 
-def _bytes_lines(results: dict) -> list:
-    """The bytes per step of each contender across the nodes, where the runs counted them (none before)."""
-    if _internode_bytes(results) is results:
+def _bytes_lines(results: dict, an: dict) -> list:
+    """The bytes per step of each contender across the nodes (the goals' figure), where the runs counted them."""
+    if not _counted_internode(results):
         return []
-    rows = {}
-    for rate, block in _internode_bytes(results)["rates"].items():
-        for label in block.get("runs", block) if isinstance(block, dict) else []:
-            mine = analysis.seed_runs(block, label)
-            figures = [r.get("wire_bytes_per_step") for r in mine.values() if r.get("wire_bytes_per_step")]
-            if figures:
-                rows[(rate, label)] = sum(figures) / len(figures)
-    text = ", ".join(f"{label} {b / 1e6:.3f} MB ({rate})" for (rate, label), b in rows.items())
+    text = ", ".join(
+        f"{label} {row['wire_bytes_per_step'] / 1e6:.3f} MB ({rate})"
+        for rate, rows in an["tables"].items()
+        for label, row in rows.items()
+        if row.get("wire_bytes_per_step")
+    )
     return [
         "- bytes on the wire (the goals' figure): what a rank sends in the calls that span the two nodes (every "
         "byte of a data-parallel or world-wide call; the tensor-parallel collectives inside a node, which no "
-        f"contender compresses, left out), per optimizer step, mean over the ranks and seeds: {text}"
+        f"contender compresses, left out), per optimizer step, mean over the ranks of each row's run: {text}"
     ]
 
 
