@@ -280,9 +280,9 @@ def test_triton_quantize_rows_compile_vectorised(variant):
         "nb": "i64",
         "block_size": "i32",
     }
-    sig.update({k: "constexpr" for k in ("QMAX", "TILE", "ROWS", "X_BF16", "HAS_RES", "RES_BF16")})
+    sig.update({k: "constexpr" for k in ("QMAX", "TILE", "ROWS", "X_BF16", "HAS_RES", "RES_BF16", "SUB")})
     consts = dict(
-        QMAX=127, TILE=tile, ROWS=rows, X_BF16=x_bf16, HAS_RES=res is not None, RES_BF16=res == "bf16"
+        QMAX=127, TILE=tile, ROWS=rows, X_BF16=x_bf16, HAS_RES=res is not None, RES_BF16=res == "bf16", SUB=False
     )
     ptx = quantize_compile(
         "quantize_rows", sig, consts, ("x_ptr", "res_ptr", "q_ptr", "scale_ptr", "n", "block_size")
