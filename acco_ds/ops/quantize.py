@@ -381,11 +381,25 @@ def _pick(fn: str, backend: str | None, bits: int, **tensors: torch.Tensor) -> s
     return chosen
 
 
-def _quantize_cpp(x: torch.Tensor, residual: torch.Tensor | None, block_size: int):
-    """(q, scales) from the CPU extension; ``residual`` (or None) updated in place."""
+def _quantize_cpp(
+    x: torch.Tensor, residual: torch.Tensor | None, block_size: int, base: torch.Tensor | None = None
+):
+    """(q, scales) from the CPU extension; ``residual`` (or None) updated in place; with ``base`` (no residual)
+    the values quantized are ``x - base``."""
     q = torch.empty(x.numel(), dtype=torch.int8)
     scales = torch.empty(num_blocks(x.numel(), block_size), dtype=torch.float32)
-    if x.numel():
+    if x.numel() and base is not None:
+        _build.load("quantize_cpu").quantize_difference_cpu(
+            x.data_ptr(),
+            base.data_ptr(),
+            _DTYPE_CODE[x.dtype],
+            x.numel(),
+            block_size,
+            q.data_ptr(),
+            scales.data_ptr(),
+            torch.get_num_threads(),
+        )
+    elif x.numel():
         _build.load("quantize_cpu").quantize_cpu(
             x.data_ptr(),
             _DTYPE_CODE[x.dtype],
@@ -428,23 +442,32 @@ def _rows(block_size: int) -> int:
     return _ROW_TILE_ELEMS // tile if block_size <= tile else 0
 
 
-def _quantize_triton(x: torch.Tensor, residual: torch.Tensor | None, block_size: int, bits: int):
-    """(q, scales) from the Triton kernel, queued on x's device; ``residual`` (or None) updated in place."""
+def _quantize_triton(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    block_size: int,
+    bits: int,
+    base: torch.Tensor | None = None,
+):
+    """(q, scales) from the Triton kernel, queued on x's device; ``residual`` (or None) updated in place; with
+    ``base`` (no residual) the values quantized are ``x - base``."""
     from acco_ds.ops.triton_kernels import quantize as kernels  # imports triton: only once a launch is due
 
     q = torch.empty(x.numel(), dtype=torch.int8, device=x.device)
     nb = num_blocks(x.numel(), block_size)
     scales = torch.empty(nb, dtype=torch.float32, device=x.device)
     if nb:
+        second = residual if base is None else base  # the kernels' second operand: added, or subtracted
         flags = dict(
             QMAX=QMAX_OF[bits],
             TILE=_tile(block_size),
             X_BF16=x.dtype == torch.bfloat16,
             HAS_RES=residual is not None,
-            RES_BF16=residual is not None and residual.dtype == torch.bfloat16,
+            RES_BF16=second is not None and second.dtype == torch.bfloat16,
+            SUB=base is not None,
             enable_fp_fusion=False,  # v - q * scale rounded twice, as the reference (no FMA): the same bits
         )
-        args = (x, x if residual is None else residual, q, scales, x.numel())
+        args = (x, x if second is None else second, q, scales, x.numel())
         rows = _rows(block_size)
         if rows:
             kernels.quantize_rows[(-(-nb // rows),)](*args, nb, block_size, ROWS=rows, **flags)
@@ -463,7 +486,18 @@ def _dequantize_triton(out: torch.Tensor, q: torch.Tensor, scales: torch.Tensor,
     tile, rows = _tile(block_size), _rows(block_size)
     if rows:
         kernels.dequantize_rows[(-(-nb // rows),)](
-            q, scales, out, q.numel(), nb, block_size, TILE=tile, ROWS=rows, ADD=add, enable_fp_fusion=False
+            q,
+            scales,
+            out,
+            out,
+            q.numel(),
+            nb,
+            block_size,
+            TILE=tile,
+            ROWS=rows,
+            ADD=add,
+            BF16=False,
+            enable_fp_fusion=False,
         )
     else:
         kernels.dequantize_blocks[(nb,)](
@@ -602,45 +636,11 @@ def quantize_difference(
     _check_difference(new, base, block_size)
     _check_bits(bits)
     how = _pick("quantize_difference", backend, bits, new=new, base=base)
-    if how == "ref":
-        return quantize_difference_ref(new, base, block_size, bits)
-    q = torch.empty(new.numel(), dtype=torch.int8, device=new.device)
-    nb = num_blocks(new.numel(), block_size)
-    scales = torch.empty(nb, dtype=torch.float32, device=new.device)
-    if not nb:
-        return q, scales
     if how == "cpp":
-        _build.load("quantize_cpu").quantize_difference_cpu(
-            new.data_ptr(),
-            base.data_ptr(),
-            _DTYPE_CODE[new.dtype],
-            new.numel(),
-            block_size,
-            q.data_ptr(),
-            scales.data_ptr(),
-            torch.get_num_threads(),
-        )
-        return q, scales
-    from acco_ds.ops.triton_kernels import quantize as kernels
-
-    bf16 = new.dtype == torch.bfloat16
-    flags = dict(
-        QMAX=QMAX_OF[bits],
-        TILE=_tile(block_size),
-        X_BF16=bf16,
-        HAS_RES=False,
-        RES_BF16=bf16,
-        SUB=True,
-        enable_fp_fusion=False,
-    )
-    rows = _rows(block_size)
-    if rows:
-        kernels.quantize_rows[(-(-nb // rows),)](
-            new, base, q, scales, new.numel(), nb, block_size, ROWS=rows, **flags
-        )
-    else:
-        kernels.quantize_blocks[(nb,)](new, base, q, scales, new.numel(), block_size, **flags)
-    return q, scales
+        return _quantize_cpp(new, None, block_size, base=base)
+    if how == "triton":
+        return _quantize_triton(new, None, block_size, bits, base=base)
+    return quantize_difference_ref(new, base, block_size, bits)
 
 
 def add_dequantized(
@@ -662,9 +662,10 @@ def add_dequantized(
         else dict(out=out, base=base, q=q, scales=scales)
     )
     how = _pick("add_dequantized", backend, 8, **tensors)
-    if how == "ref" or not q.numel():
-        if q.numel():
-            add_dequantized_ref(out, base, q, scales, block_size)
+    if not q.numel():
+        return
+    if how == "ref":
+        add_dequantized_ref(out, base, q, scales, block_size)
         return
     if how == "cpp":
         _build.load("quantize_cpu").add_dequantized_cpu(
@@ -687,7 +688,7 @@ def add_dequantized(
         return
     from acco_ds.ops.triton_kernels import quantize as kernels
 
-    kernels.add_dequantized_rows[(-(-nb // rows),)](
+    kernels.dequantize_rows[(-(-nb // rows),)](
         q,
         scales,
         base,
@@ -697,6 +698,7 @@ def add_dequantized(
         block_size,
         TILE=_tile(block_size),
         ROWS=rows,
+        ADD=True,
         BF16=out.dtype == torch.bfloat16,
         enable_fp_fusion=False,
     )

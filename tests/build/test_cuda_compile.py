@@ -306,14 +306,15 @@ def test_triton_dequantize_rows_compile_vectorised(add):
     sig = {
         "q_ptr": "*i8",
         "scale_ptr": "*fp32",
+        "base_ptr": "*fp32",
         "out_ptr": "*fp32",
         "n": "i64",
         "nb": "i64",
         "block_size": "i32",
     }
-    sig.update({k: "constexpr" for k in ("TILE", "ROWS", "ADD")})
-    ptx = quantize_compile("dequantize_rows", sig, dict(TILE=tile, ROWS=rows, ADD=add),
-                           ("q_ptr", "scale_ptr", "out_ptr", "n", "block_size"))  # fmt: skip
+    sig.update({k: "constexpr" for k in ("TILE", "ROWS", "ADD", "BF16")})
+    ptx = quantize_compile("dequantize_rows", sig, dict(TILE=tile, ROWS=rows, ADD=add, BF16=False),
+                           ("q_ptr", "scale_ptr", "base_ptr", "out_ptr", "n", "block_size"))  # fmt: skip
     assert not FMA.search(ptx), "the sum out + q * scale was fused into an FMA"
     per_thread = rows * tile // THREADS
     want = (per_thread * (1 + (4 if add else 0)) // 16, per_thread * 4 // 16)

@@ -141,22 +141,6 @@ def quantize_rows(
 
 @triton.jit
 def dequantize_rows(
-    q_ptr, scale_ptr, out_ptr, n, nb, block_size, TILE: tl.constexpr, ROWS: tl.constexpr, ADD: tl.constexpr
-):
-    """:func:`dequantize_blocks` for blocks of at most TILE elements, ROWS blocks per program (one a row)."""
-    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    lanes = tl.arange(0, TILE)
-    idx = rows[:, None] * block_size + lanes[None, :]
-    mask = (lanes[None, :] < block_size) & (idx < n)
-    scale = tl.load(scale_ptr + rows, mask=rows < nb, other=0.0)
-    d = tl.load(q_ptr + idx, mask=mask, other=0).to(tl.float32) * scale[:, None]
-    if ADD:
-        d = tl.load(out_ptr + idx, mask=mask, other=0.0) + d
-    tl.store(out_ptr + idx, d, mask=mask)
-
-
-@triton.jit
-def add_dequantized_rows(
     q_ptr,
     scale_ptr,
     base_ptr,
@@ -166,17 +150,21 @@ def add_dequantized_rows(
     block_size,
     TILE: tl.constexpr,
     ROWS: tl.constexpr,
+    ADD: tl.constexpr,
     BF16: tl.constexpr,
 ):
-    """``out = base + q * scale`` (fp32: the product, then the sum, one rounding each), stored in base's dtype
-    (``out`` may be ``base``): the parameter difference applied, blocks of at most TILE, ROWS blocks a program."""
+    """:func:`dequantize_blocks` for blocks of at most TILE elements, ROWS blocks per program (one a row): ``out =
+    q * scale``, or with ADD ``out = base + q * scale`` (fp32: the product, then the sum, one rounding each), out and
+    base in fp32, or both in bf16 when BF16 (the parameter path; ``base`` may be ``out``: dequantize_add)."""
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     lanes = tl.arange(0, TILE)
     idx = rows[:, None] * block_size + lanes[None, :]
     mask = (lanes[None, :] < block_size) & (idx < n)
     scale = tl.load(scale_ptr + rows, mask=rows < nb, other=0.0)
     d = tl.load(q_ptr + idx, mask=mask, other=0).to(tl.float32) * scale[:, None]
-    _store_as(out_ptr, idx, _load_f32(base_ptr, idx, mask, BF16) + d, mask, BF16)
+    if ADD:
+        d = _load_f32(base_ptr, idx, mask, BF16) + d
+    _store_as(out_ptr, idx, d, mask, BF16)
 
 
 @triton.jit
