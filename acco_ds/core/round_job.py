@@ -37,6 +37,7 @@ from acco_ds.core.compressed_comm import (
 from acco_ds.core.schedule import Job
 from acco_ds.ops.adamw import adamw_step
 from acco_ds.ops.adamw_settings import AdamWSettings
+from acco_ds.ops.norm import sum_of_squares
 
 _SUMMARY_FIXED = 4  # skipped, empty, count, round_count; then one count per rank
 
@@ -151,31 +152,6 @@ def all_gather_inplace(full: torch.Tensor, group, traffic: Traffic | None = None
         req.wait()
 
 
-NORM_CHUNK = {"cpu": 1 << 18, "cuda": 1 << 22}
-"""Elements per fp64 partial sum in :func:`sum_of_squares`, per device type (others: the CUDA value). The
-fp64 temporary is one chunk (2 MiB on the CPU, where larger chunks leave the cache and run slower; 32 MiB
-on CUDA, where fewer chunks mean fewer kernel launches)."""
-
-
-def sum_of_squares(x: torch.Tensor) -> torch.Tensor:
-    """fp64 [1] on x's device: the sum of the squares of ``x`` (fp32 or bf16), accumulated in fp64 as
-    DeepSpeed's ZeRO norm is (``get_norm_dtype``), without a temporary of x's size and without a host
-    sync on CUDA.
-
-    x is taken in chunks of ``NORM_CHUNK`` elements; each chunk is cast to fp64 (the only temporary:
-    torch's ``vector_norm(x, dtype=torch.float64)`` would cast the whole of x first, CPU and CUDA alike)
-    and its squares summed in fp64 (exactly: the square of an fp32 or bf16 value fits in fp64), then the
-    partial sums are added in fp64. An fp32 accumulator is not enough: on a shard of millions of small
-    values (rarely used embedding rows) beside a few large ones, the small squares are swamped (3.2M
-    values of 1e-5 and 8k of 1e-2: fp32 ``vector_norm`` on the CPU is off by 3.7e-4)."""
-    flat = x.reshape(-1)
-    out = torch.zeros(1, dtype=torch.float64, device=x.device)
-    for chunk in flat.split(NORM_CHUNK.get(x.device.type, NORM_CHUNK["cuda"])):
-        wide = chunk.to(torch.float64)
-        out += torch.dot(wide, wide)
-    return out
-
-
 def run_round_job(
     *,
     job: Job,
@@ -260,7 +236,7 @@ def run_round_job(
     empty = count <= 0
     avg_scale64 = torch.where(empty, torch.zeros_like(count), gas / count.clamp(min=1.0))
     avg_scale = avg_scale64.to(torch.float32)
-    # the norm in fp64 up to its final value, as DeepSpeed's (sum_of_squares)
+    # the norm in fp64 up to its final value, as DeepSpeed's (acco_ds.ops.norm)
     sumsq = torch.zeros(1, dtype=torch.float64, device=dev)
     for b, grad in zip(groups, grads):
         if b.norm_ranges is None:

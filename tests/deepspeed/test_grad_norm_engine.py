@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import acco_ds  # noqa: F401  (registers "ACCO")
-from tests.core.test_grad_norm import swamping_shard
+from tests.ops.test_norm import swamping_shard
 from tests.ranks.inproc import ensure_single_rank_group
 
 N, N_LARGE = 3_200_000, 8192

@@ -95,11 +95,16 @@ def _block_scale(absmax, finite, QMAX: tl.constexpr):
 
 @triton.jit
 def _quantize_values(v, div, usable, QMAX: tl.constexpr):
-    """int8 ``q = clamp(rne(v / div), -QMAX, QMAX)`` where usable, else 0 (fp32 ``v``, IEEE division)."""
-    t = tl.math.div_rn(v, div)
+    """int8 ``q = clamp(rne(v / div), -QMAX, QMAX)`` where usable, else 0 (fp32 ``v``, IEEE division).
+
+    A zero ``v`` is divided as a 1 and its quotient dropped (its q is 0 either way): the GPU's IEEE division leaves
+    its fast path for a zero numerator, and a parameter difference is mostly zeros (bf16 weights that did not
+    move by half an ulp)."""
+    zero = v == 0.0
+    t = tl.math.div_rn(tl.where(zero, 1.0, v), div)
     t = tl.minimum(tl.maximum(t, -QMAX), QMAX)  # a no-op (the scale is rounded up); rne and clamp commute
     t = (t + _RNE_SHIFT) - _RNE_SHIFT
-    return tl.where(usable, t, 0.0).to(tl.int8)
+    return tl.where(usable, tl.where(zero, 0.0, t), 0.0).to(tl.int8)
 
 
 @triton.jit
