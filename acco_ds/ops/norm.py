@@ -79,6 +79,7 @@ def _torch_sum_of_squares(flat: torch.Tensor) -> torch.Tensor:
     for chunk in flat.split(NORM_CHUNK.get(flat.device.type, NORM_CHUNK["cuda"])):
         wide = chunk.to(torch.float64)
         out += torch.dot(wide, wide)
+        del wide  # freed before the next chunk's cast: one chunk's temporary at a time
     return out
 
 
