@@ -56,6 +56,7 @@ ORDER = (
     "zero1-bf16comm",
     "sync",
     "sync-int8",
+    "sync-int4",
     "dpu",
     "acco",
     "acco-adaptive",

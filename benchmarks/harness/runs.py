@@ -57,6 +57,7 @@ CONTENDERS = {
     # compressed communication (docs/ALGORITHM.md, "Compressed rounds"; CONFIG_CHANGES below)
     "zero1-bf16comm": ("zero1", "fixed"),
     "sync-int8": ("sync", "fixed"),
+    "sync-int4": ("sync", "fixed"),
     "acco-int8": ("acco", "fixed"),
     "acco-adaptive-int8": ("acco", "adaptive"),
     "acco-int8-noef": ("acco", "fixed"),
@@ -71,11 +72,14 @@ CONTENDERS = {
 INT8 = dict(COMPRESSION_CONFIG)
 INT4 = {"commit": "int8", "peek": "int4", "all_gather": "int4"}  # four bits where the error is fed back
 INT8_NO_PEEK = {"commit": "int8", "all_gather": "int8"}  # the modes without a peek (sync, dpu)
+INT4_NO_PEEK = {"commit": "int8", "all_gather": "int4"}
 CONFIG_CHANGES = {
     # DeepSpeed's own lower-precision communication: its gradients all-reduced in bf16
     "zero1-bf16comm": {"communication_data_type": "bf16"},
     # "ZeRO-1 with the same quantizer": acco_ds sync, int8 gradients and parameter differences
     "sync-int8": {"optimizer.params.compression": INT8_NO_PEEK},
+    # acco-int4's commit round alone (int8 gradients, int4 parameter differences): its "same compression" sync
+    "sync-int4": {"optimizer.params.compression": INT4_NO_PEEK},
     "acco-int8": {"optimizer.params.compression": INT8},
     "acco-adaptive-int8": {"optimizer.params.compression": INT8},
     # ablations: without error feedback; the peek (the estimate's gradients) exact

@@ -56,6 +56,21 @@ def test_goals_met_and_missed():
     assert compression_goals(plain) == []
 
 
+def test_each_compressed_acco_is_judged_against_the_sync_compressed_as_its_commit():
+    rows = {
+        "zero1": _row(2.0, 100.0, 12e6),
+        "sync-int8": _row(1.4, 150.0, 2.1e6),
+        "sync-int4": _row(1.2, 170.0, 1.6e6),
+        "acco-int4": _row(0.8, 250.0, 2.6e6),
+    }
+    g = _verdicts(compression_goals({"slowest_rate": "50mbit", "tables": {"50mbit": rows}}))
+    title = "compressed ACCO >= 1.3x the steps/s of acco_ds sync with the same compression (50mbit), acco-int4"
+    assert "1.50x the optimizer steps/s of sync-int4" in str(g[title]) and "MISSED" not in str(g[title])
+    # no sync-int4 run: no verdict for acco-int4 (sync-int8 compresses the parameters differently)
+    del rows["sync-int4"]
+    assert title not in _verdicts(compression_goals({"slowest_rate": "50mbit", "tables": {"50mbit": rows}}))
+
+
 def _quality(vals: dict, steps: int = 400):
     """quality_goals over unthrottled runs with these final val losses per contender (one per seed)."""
     block = {"seeds": {c: [{"seed": i, "val_loss": v} for i, v in enumerate(vs)] for c, vs in vals.items()}}
