@@ -290,10 +290,20 @@ MUTANTS = [
     ),
     Mutant(
         "M30",
-        "compressed all-gather: rank 0 applies its own unquantized difference (the replicas diverge)",
-        "acco_ds/core/compressed_comm.py",
-        "    chunks[me].copy_(_plus_dequantized(own_base, q, scales, block_size))\n",
-        "    if me != 0:\n        chunks[me].copy_(_plus_dequantized(own_base, q, scales, block_size))\n",
+        "fused AdamW + parameter difference: the owner writes its exact new parameters into its own slice, not "
+        "base + the dequantized difference it sends (the peers apply the difference: the replicas diverge)",
+        "csrc/adamw/adamw_difference_cpu.cpp",
+        "    quant::add_deq_impl<O>(q + lo, scales + b, base + lo, out + lo, n, n);\n",
+        "    for (int64_t i = 0; i < n; ++i) out[lo + i] = fresh[i];\n",
+        ("tests/core/test_trajectories.py::test_compressed_replicas_are_bitwise_identical",),
+    ),
+    Mutant(
+        "M30b",
+        "composed AdamW + parameter difference (the GPU's and int4's path): the owner keeps its exact new "
+        "parameters in its own slice (the replicas diverge)",
+        "acco_ds/ops/adamw_difference.py",
+        "        add_dequantized(flat, own_base.view(-1), q, scales, block_size)\n",
+        "        pass\n",
         ("tests/core/test_trajectories.py::test_compressed_replicas_are_bitwise_identical",),
     ),
     Mutant(
@@ -301,8 +311,8 @@ MUTANTS = [
         "compressed exchange in its collective (NCCL) form: the owner sums the peers' chunks in another order "
         "than the point-to-point form (other bits at W = 3)",
         "acco_ds/core/compressed_comm.py",
-        "            src = (me - k) % world\n            dequantize_add(total, _from_wire(got_q[src]",
-        "            src = (me + k) % world\n            dequantize_add(total, _from_wire(got_q[src]",
+        "    dequantize_sum(chunks[me], q, scales, block_size, [(me - k) % world for k in range(world)])\n",
+        "    dequantize_sum(chunks[me], q, scales, block_size, [(me + k) % world for k in range(world)])\n",
         ("tests/core/test_trajectories.py::test_collective_exchange_gives_the_point_to_point_bits",),
     ),
     Mutant(

@@ -23,8 +23,10 @@ reference (the same bits).
 :func:`compressed_all_gather_inplace` replaces the parameter all-gather when ``all_gather`` is compressed:
 rather than its new parameters, each rank sends the int8 blocks of their difference to what every replica
 already holds (the MODEL buffer at the job's launch, identical on every rank), and every rank, the owner
-included, writes ``base + dequantized difference`` into each slice (``quantize_difference`` and
-``add_dequantized``: one pass each, no fp32 temporary): the replicas stay bitwise identical and
+included, writes ``base + dequantized difference`` into each slice (the owner's own slice in the AdamW pass
+itself where the CPU kernel runs, ``acco_ds.ops.adamw_difference``, else ``quantize_difference`` and
+``add_dequantized``, one pass each; the peers' slices by ``add_dequantized``, :func:`exchange_quantized_difference`;
+no fp32 temporary): the replicas stay bitwise identical and
 what quantization withheld is part of the next round's difference (the fp32 master is exact; the replicas
 trail it by at most half a quantization step per element). gloo: point-to-point to every peer; NCCL: one
 ``all_gather_into_tensor`` of the values and one of the scales.
@@ -188,14 +190,35 @@ def compressed_all_gather_inplace(
     buffer; may be ``target`` itself, then its slices are read before they are written). ``own_base``: a copy
     of this rank's slice of ``base`` taken before AdamW wrote into ``target`` (needed when they alias).
     Afterwards every slice c of ``target`` is ``(base[c] + deq(Q(new[c] - base[c])))`` in the parameter dtype,
-    computed in fp32, bit for bit the same on every rank. Collective over ``group``."""
+    computed in fp32, bit for bit the same on every rank. Collective over ``group``. (The round job computes
+    this rank's q and slice in the AdamW pass itself, ``acco_ds.ops.adamw_difference``, and calls
+    :func:`exchange_quantized_difference`.)"""
+    me = dist.get_rank(group)
+    own = target.view(dist.get_world_size(group), -1)[me]
+    q, scales = quantize_difference(own, own_base, block_size, bits=bits)
+    add_dequantized(own, own_base, q, scales, block_size)
+    exchange_quantized_difference(target, base, q, scales, group, block_size, traffic, bits)
+
+
+def exchange_quantized_difference(
+    target: torch.Tensor,
+    base: torch.Tensor,
+    q: torch.Tensor,
+    scales: torch.Tensor,
+    group,
+    block_size: int,
+    traffic: Traffic,
+    bits: int = 8,
+) -> None:
+    """The exchange of a compressed all-gather: this rank's quantized difference (``q``, ``scales``: of its slice,
+    whose new value ``base + deq(q, scales)`` is already in ``target``) to every peer, and every peer's applied
+    to its slice of ``target`` (``target[c] = base[c] + deq(q_c, scales_c)``, ``base`` full as in
+    :func:`compressed_all_gather_inplace`). Collective over ``group``."""
     world, me = dist.get_world_size(group), dist.get_rank(group)
-    chunks, bases = target.view(world, -1), base.view(world, -1)
-    shard = chunks.shape[1]
-    q, scales = quantize_difference(chunks[me], own_base, block_size, bits=bits)
-    add_dequantized(chunks[me], own_base, q, scales, block_size)
     if world == 1:
         return
+    chunks, bases = target.view(world, -1), base.view(world, -1)
+    shard = chunks.shape[1]
     wire = _to_wire(q, bits)
     got_s = torch.empty((world, num_blocks(shard, block_size)), dtype=torch.float32, device=target.device)
     if point_to_point(group):

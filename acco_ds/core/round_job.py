@@ -31,11 +31,12 @@ from acco_ds.core.buffers import GroupBuffers
 from acco_ds.core.compressed_comm import (
     Compression,
     Traffic,
-    compressed_all_gather_inplace,
     compressed_reduce_scatter_inplace,
+    exchange_quantized_difference,
 )
 from acco_ds.core.schedule import Job
 from acco_ds.ops.adamw import adamw_step
+from acco_ds.ops.adamw_difference import adamw_step_difference
 from acco_ds.ops.adamw_settings import AdamWSettings
 from acco_ds.ops.norm import sum_of_squares
 
@@ -190,13 +191,12 @@ def run_round_job(
     error-feedback residual of group i, written in place) when ``compression.error_feedback`` (an uncompressed
     COMMIT adds the residual to its buffer and zeroes it: the peeks' quantization error is sent exactly); and/or its new
     parameters are all-gathered as int8 differences to ``bases[i]`` (group i's MODEL buffer at the launch,
-    what every replica holds; ``compressed_comm.compressed_all_gather_inplace``)."""
+    what every replica holds; ``ops.adamw_difference`` then ``compressed_comm.exchange_quantized_difference``)."""
     dev = groups[0].master.device
     traffic = Traffic()
     packed_params = compression is not None and compression.parameters
     if packed_params and (bases is None or len(bases) != len(groups)):
         raise ValueError("run_round_job: a compressed all-gather needs one base buffer per group")
-    own_bases = [b.shard_of(base).clone() for b, base in zip(groups, bases)] if packed_params else None
     for i, (b, (g, _)) in enumerate(zip(groups, roles)):
         if compression is None or not compression.gradients:
             if job is Job.COMMIT and residuals is not None and residuals[i] is not None:
@@ -265,28 +265,23 @@ def run_round_job(
         table = table.index_select(1, row)
     for i, (b, grad, (_, p)) in enumerate(zip(groups, grads, roles)):
         target = b.param_bufs[p]
-        adamw_step(
-            b.master,
-            b.exp_avg,
-            b.exp_avg_sq,
-            grad,
-            b.shard_of(target),
+        step = dict(
             hyper_tensor=table[i, 0].contiguous(),
             scale_tensor=scale,
             noop_flag=noop,
             commit=job is Job.COMMIT,
         )
         if packed_params:
-            compressed_all_gather_inplace(
-                target,
-                bases[i],
-                own_bases[i],
-                group,
-                compression.block_size,
-                traffic,
-                compression.parameter_bits,
-            )
+            # the step, this rank's quantized difference to what the replicas hold and its application, one pass
+            # where the CPU kernel runs (base may be the target itself: read before it is written)
+            bits, block = compression.parameter_bits, compression.block_size
+            q, scales = adamw_step_difference(
+                b.master, b.exp_avg, b.exp_avg_sq, grad, b.shard_of(target), b.shard_of(bases[i]), block,
+                bits=bits, **step,
+            )  # fmt: skip
+            exchange_quantized_difference(target, bases[i], q, scales, group, block, traffic, bits)
         else:
+            adamw_step(b.master, b.exp_avg, b.exp_avg_sq, grad, b.shard_of(target), **step)
             all_gather_inplace(target, group, traffic)
     if job is Job.COMMIT:
         applied[0].add_((~(skipped | empty)).double())

@@ -34,6 +34,9 @@ QUANT_BYTES = {
     # then applied (read q, the scales and the base, write the parameters)
     "qdiff": 2 + 2 + 1 + _SCALE,
     "add_deq": 1 + _SCALE + 2 + 2,
+    # a compressed all-gather's local work in one pass (CPU): the commit's 28 B, the base read (the bf16 output
+    # lines, in place), q and the scales written
+    "commit_diff": 28 + 2 + 1 + _SCALE,
 }
 QUANT_REF = {key: f"{key}_ref" for key in QUANT_BYTES}
 """The torch reference row of each compiled quantize row (its speed-up is measured against it)."""
@@ -41,11 +44,13 @@ QUANT_ANCHORS = {key: [ref] for key, ref in QUANT_REF.items()}
 QUANT_ANCHORS["deq_sum"] = ["deq_sum_unfused", "deq_sum_ref"]
 QUANT_ANCHORS["qdiff"] = ["qdiff_unfused", "qdiff_ref"]
 QUANT_ANCHORS["add_deq"] = ["add_deq_unfused", "add_deq_ref"]
+QUANT_ANCHORS["commit_diff"] = ["commit_diff_composed"]
 """The rows each compiled quantize row's speed is compared with (anchor time / its time)."""
 BYTES.update(QUANT_BYTES)
 BYTES.update({ref: QUANT_BYTES[key] for key, ref in QUANT_REF.items()})
 for _key in ("deq_sum", "qdiff", "add_deq"):  # credited with the fused pass's bytes: its effective GB/s
     BYTES[f"{_key}_unfused"] = QUANT_BYTES[_key]
+BYTES["commit_diff_composed"] = QUANT_BYTES["commit_diff"]
 LABEL = {
     "commit": "acco commit (bf16 g in, bf16 p out)",
     "peek": "acco peek (bf16 g in, bf16 p out)",
@@ -73,6 +78,8 @@ LABEL = {
     "add_deq": "acco add_dequantized bf16 base + deq",
     "add_deq_unfused": "acco unfused: fp32 base, dequantize_add, bf16 copy",
     "add_deq_ref": "torch reference add_dequantized",
+    "commit_diff": "acco commit + quantized parameter difference, one pass (bf16 g, bf16 p in place)",
+    "commit_diff_composed": "acco composed: copy of the base, commit, quantize_difference, add_dequantized",
 }
 OWN = ("commit", "peek", "acc_bf16_fp32", "acc_bf16_bf16", "read_floor")
 QUANT_ROWS = (
@@ -85,6 +92,8 @@ QUANT_ROWS = (
     "qdiff_unfused",
     "add_deq",
     "add_deq_unfused",
+    "commit_diff",
+    "commit_diff_composed",
     "qres_fp32_ref",
     "qres_bf16_ref",
     "deq_add_ref",
@@ -187,6 +196,15 @@ def _quant_bytes_line(res: dict) -> list:
             "the base, write the parameters); their unfused rows (fp32 temporaries, as the round did before) are "
             "credited with the same bytes."
             if any("qdiff" in entry["median_s"] for entry in res["results"])
+            else ""
+        )
+        + (
+            f" The commit with its quantized parameter difference, {QUANT_BYTES['commit_diff']:g} B/param (the "
+            "commit's 28, the base read, q and the scales written; the base is the output buffer itself, as the "
+            "round's model buffer): one pass (acco_ds.ops.adamw_difference, CPU) against the composition the round "
+            "ran before (a copy of the base, the commit, quantize_difference, add_dequantized), credited with the "
+            "same bytes."
+            if any("commit_diff" in entry["median_s"] for entry in res["results"])
             else ""
         )
     ]

@@ -41,6 +41,12 @@ inline AdamWKernelArgs make_adamw_args(uintptr_t p, uintptr_t m, uintptr_t v, ui
 // CPU: OpenMP over `num_threads` threads; reads scale/noop/hyper from host memory. Returns when done.
 void adamw_cpu(const AdamWKernelArgs& a, int g_dtype, int out_dtype, bool commit, int num_threads);
 
+// CPU: the step (as adamw_cpu, `out` required) fused with the quantized difference of its new parameters to `base`
+// (out's dtype and length; may be out itself, no other overlap): q (int8, n) and scales (fp32, one per block of
+// block_size) of cast(new) - base, and out = base + q * scale (adamw_difference_cpu.cpp states the contract).
+void adamw_difference_cpu(const AdamWKernelArgs& a, int g_dtype, int out_dtype, bool commit, uintptr_t base,
+                          uintptr_t q, uintptr_t scales, int64_t block_size, int num_threads);
+
 // CPU harness: runs the CUDA kernel body for every (block, thread) of a grid_dim x kBlock grid.
 // grid_dim <= 0 uses the launcher's grid (adamw_grid). Throws std::runtime_error on a misaligned vector
 // access or an out-of-bounds access.

@@ -76,6 +76,17 @@ PYBIND11_MODULE(_adamw_cpu, mod) {
       },
       kAdamWDoc, py::call_guard<py::gil_scoped_release>());
   mod.def(
+      "adamw_difference_cpu",
+      [](ACCO_ADAMW_ARGS, uintptr_t base, uintptr_t q, uintptr_t scales, int64_t block_size, int num_threads) {
+        ACCO_MAKE_ARGS();
+        if (out == 0 || out_dtype < 0) throw std::invalid_argument("adamw_difference_cpu needs an out buffer");
+        if (block_size < 1) throw std::invalid_argument("adamw_difference_cpu: block_size must be >= 1");
+        acco::adamw_difference_cpu(a, g_dtype, out_dtype, commit, base, q, scales, block_size, num_threads);
+      },
+      "The AdamW step fused with the int8 quantized difference of its new parameters to `base`: the "
+      "AdamW arguments, then base, q, scales, block_size, num_threads. Use acco_ds.ops.adamw_difference.",
+      py::call_guard<py::gil_scoped_release>());
+  mod.def(
       "adamw_cuda_body_on_cpu",
       [](ACCO_ADAMW_ARGS, int64_t grid_dim, int64_t block_dim) {
         ACCO_MAKE_ARGS();

@@ -64,7 +64,9 @@ def test_each_compressed_acco_is_judged_against_the_sync_compressed_as_its_commi
         "acco-int4": _row(0.8, 250.0, 2.6e6),
     }
     g = _verdicts(compression_goals({"slowest_rate": "50mbit", "tables": {"50mbit": rows}}))
-    title = "compressed ACCO >= 1.3x the steps/s of acco_ds sync with the same compression (50mbit), acco-int4"
+    title = (
+        "compressed ACCO >= 1.3x the steps/s of acco_ds sync with the same compression (50mbit), acco-int4"
+    )
     assert "1.50x the optimizer steps/s of sync-int4" in str(g[title]) and "MISSED" not in str(g[title])
     # no sync-int4 run: no verdict for acco-int4 (sync-int8 compresses the parameters differently)
     del rows["sync-int4"]

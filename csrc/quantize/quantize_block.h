@@ -1,0 +1,114 @@
+// The blockwise quantizer's per-block rules on the CPU, shared by the quantize launchers (quantize_cpu.cpp) and the
+// fused AdamW + parameter difference (csrc/adamw/adamw_difference_cpu.cpp). Inline functions of plain C++; each
+// translation unit compiles them inside its own instruction-set variants (csrc/common/cpu.h) with
+// -ffp-contract=off, so every variant and every caller gives the same bits (acco_ds/ops/quantize.py states the
+// rules; its torch reference is the oracle).
+#pragma once
+
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+
+#include <algorithm>
+#include <limits>
+
+#include "common/bf16.h"
+#include "common/cpu.h"
+
+namespace acco {
+namespace quant {
+
+constexpr int64_t kChunk = 1 << 16;  // elements per work item (whole blocks, at least one)
+constexpr int32_t kQmax = 127;
+// What a block quantizes: v = x (kPlain), v = x + residual with the residual rewritten (kResidual), v = x - base
+// with the base only read (kDifference: a parameter difference).
+constexpr int kPlain = 0, kResidual = 1, kDifference = 2;
+constexpr uint32_t kInfBits = 0x7F800000u;  // the bits of +inf
+
+// absmax / 127 rounded up to fp32: the division in double, rounded to nearest, then one fp32 step up where
+// that went below the double quotient (the reference's torch.nextafter).
+inline float scale_of(float absmax) {
+  const double wide = static_cast<double>(absmax) / 127.0;
+  const float s = static_cast<float>(wide);
+  return static_cast<double>(s) < wide ? nextafterf(s, std::numeric_limits<float>::infinity()) : s;
+}
+
+template <typename X, typename R, int OP>
+inline __attribute__((always_inline)) float value(const X* __restrict x, const R* __restrict r, int64_t i) {
+  return OP == kResidual ? to_f32(x[i]) + to_f32(r[i]) : OP == kDifference ? to_f32(x[i]) - to_f32(r[i]) : to_f32(x[i]);
+}
+
+// q (and the residual) of one block of `len` elements, which holds an inf or a NaN: scale NaN, q 0, residual 0.
+template <typename R, int OP>
+inline __attribute__((always_inline)) void non_finite_block(R* __restrict r, int8_t* __restrict q, float* scale,
+                                                            int64_t len) {
+  *scale = std::numeric_limits<float>::quiet_NaN();
+  for (int64_t i = 0; i < len; ++i) {
+    q[i] = 0;
+    if (OP == kResidual) r[i] = from_f32<R>(0.0f);
+  }
+}
+
+template <typename X, typename R, int OP>
+inline __attribute__((always_inline)) void quant_block(const X* __restrict x, R* __restrict r, int8_t* __restrict q,
+                                                       float* scale, int64_t len) {
+  // |v| as bits: their integer order is the order of the values, and an inf or a NaN is >= kInfBits, so one
+  // integer max gives absmax and whether the block is finite (exact in any order: no rounding involved)
+  uint32_t top = 0;
+#pragma omp simd reduction(max : top)
+  for (int64_t i = 0; i < len; ++i) {
+    const uint32_t a = f32_bits(value<X, R, OP>(x, r, i)) & 0x7FFFFFFFu;
+    top = a > top ? a : top;
+  }
+  if (top >= kInfBits) {
+    non_finite_block<R, OP>(r, q, scale, len);
+    return;
+  }
+  const float s = scale_of(bits_f32(top));
+  *scale = s;
+  // an all-zero block (s == 0) divides its +-0 by 1: q = 0, residual = v, as the reference gives
+  const float div = s > 0.0f ? s : 1.0f;
+#pragma omp simd
+  for (int64_t i = 0; i < len; ++i) {
+    const float v = value<X, R, OP>(x, r, i);
+    // |v / div| <= 127 (div >= absmax / 127), so clamping the integer is the reference's clamp of the float
+    // (an integer clamp vectorises where GCC keeps the float one as branches)
+    const int32_t t = static_cast<int32_t>(rintf(v / div));
+    const int32_t qi = t < -kQmax ? -kQmax : t > kQmax ? kQmax : t;
+    q[i] = static_cast<int8_t>(qi);
+    // float(qi), not the rounded quotient: a -0.0 quotient is the integer 0, whose product with s is +0.0
+    if (OP == kResidual) r[i] = from_f32<R>(v - static_cast<float>(qi) * s);
+  }
+}
+
+// out[i] = base[i] + q[i] * scale (fp32: the product rounded, then the sum), stored in O (out may be base).
+template <typename O>
+inline __attribute__((always_inline)) void add_deq_impl(const int8_t* __restrict q, const float* scales,
+                                                        const O* base, O* out, int64_t len, int64_t bs) {
+  for (int64_t lo = 0, b = 0; lo < len; lo += bs, ++b) {
+    const float s = scales[b];
+    const int64_t end = std::min(bs, len - lo);
+#pragma omp simd
+    for (int64_t i = lo; i < lo + end; ++i) out[i] = from_f32<O>(to_f32(base[i]) + static_cast<float>(q[i]) * s);
+  }
+}
+
+// Calls run(first element, elements) for every work item (whole blocks, about kChunk elements), over at most
+// `num_threads` OpenMP threads and at least kGrain elements per thread.
+template <typename F>
+void for_items(int64_t n, int64_t bs, int num_threads, const F& run) {
+  const int64_t per_item = std::max<int64_t>(1, kChunk / bs) * bs;
+  const int64_t items = (n + per_item - 1) / per_item;
+  const int nt = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads, n / kGrain)));
+  auto one = [&](int64_t k) { run(k * per_item, std::min(per_item, n - k * per_item), k * per_item / bs); };
+  if (nt <= 1 || items <= 1) {
+    for (int64_t k = 0; k < items; ++k) one(k);
+    return;
+  }
+#pragma omp parallel for num_threads(nt) schedule(static)
+  for (int64_t k = 0; k < items; ++k) one(k);
+}
+
+
+}  // namespace quant
+}  // namespace acco
