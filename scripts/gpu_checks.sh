@@ -152,7 +152,7 @@ pytest_step() {  # pytest_step SUITE FILE...
 step_install() {
   env ACCO_DS_BUILD_EXT=0 "$PY" -m pip install --no-index --no-deps --no-build-isolation --no-warn-script-location -e .
 }
-step_kernels() { pytest_step kernels tests/gpu/test_kernels_gpu.py tests/gpu/test_quantize_gpu.py tests/gpu/test_norm_gpu.py; }
+step_kernels() { pytest_step kernels tests/gpu/test_kernels_gpu.py tests/gpu/test_quantize_gpu.py tests/gpu/test_norm_gpu.py tests/gpu/test_adamw_difference_gpu.py; }
 step_pipeline() { pytest_step pipeline tests/gpu/test_pipeline_gpu.py; }
 step_stress() { pytest_step stress tests/gpu/test_stress_gpu.py; }
 step_bench_kernels() {

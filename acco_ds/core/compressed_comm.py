@@ -122,11 +122,11 @@ def compressed_reduce_scatter_inplace(
     q = torch.empty((world, shard), dtype=torch.int8, device=full.device)
     scales = torch.empty((world, nb), dtype=torch.float32, device=full.device)
     rests = None if residual is None else residual.view(world, -1)
-    for r in range(world):
+    for r in range(world):  # each chunk's blocks straight into its row of q and scales
         if rests is None:
-            q[r], scales[r] = quantize(chunks[r], block_size, bits=bits)
+            quantize(chunks[r], block_size, bits=bits, out=(q[r], scales[r]))
         else:
-            q[r], scales[r] = quantize_with_residual(chunks[r], rests[r], block_size, bits=bits)
+            quantize_with_residual(chunks[r], rests[r], block_size, bits=bits, out=(q[r], scales[r]))
     if world > 1 and point_to_point(group):
         total = dequantize(q[me], scales[me], block_size)
         got_q = _wire_buffer(shard, bits, full.device)

@@ -20,12 +20,17 @@ Backends (``backend=``):
 - ``"fused"``: the CPU extension's ``adamw_difference_cpu`` (csrc/adamw/adamw_difference_cpu.cpp), block by block:
   the step's new parameters stay in a scratch block (cache) while their difference is quantized and ``out``
   written once. Per bf16 parameter it saves the composition's write and re-read of the new parameters, the copy of
-  ``base`` and the second read of q and ``base`` (13 of the composition's ~44 bytes of a bf16-gradient commit).
+  ``base`` and the second read of q and ``base`` (31 bytes per parameter of a bf16-gradient commit instead of
+  the composition's 42, the copy of the base included).
   CPU tensors, 8 bits.
+- ``"triton"``: ``acco_ds.ops.triton_kernels.adamw_difference.adamw_difference_rows``, the same pass on CUDA (several
+  blocks of at most 1024 elements per program, 8 or 4 bits), queued on the current stream; CPU tensors only under
+  ``TRITON_INTERPRET=1`` (where tests/ops/test_adamw_difference.py checks it against the composition).
 - ``"composed"``: the three calls above (each on its own fastest backend: on CUDA the CUDA AdamW and the Triton
   quantize kernels, queued on the current stream).
-- ``None``/``"auto"``: ``"fused"`` where it can run (CPU tensors, 8 bits, the CPU extension built), else
-  ``"composed"``. A backend named explicitly raises where it cannot run.
+- ``None``/``"auto"``: ``"fused"`` for CPU tensors where it can run (8 bits, the CPU extension built), ``"triton"``
+  for CUDA tensors where it can run (triton installed, blocks of at most 1024), else ``"composed"``. A backend
+  named explicitly raises where it cannot run.
 """
 
 from __future__ import annotations
@@ -35,16 +40,20 @@ from typing import Tuple
 import torch
 
 from acco_ds.ops import _build
-from acco_ds.ops.adamw import _bind, _ext_args, _overlaps, _same, adamw_step
+from acco_ds.ops.adamw import _bind, _ext_args, _overlaps, _same, adamw_step, hyper_tensor
 from acco_ds.ops.quantize import (
+    QMAX_OF,
     _check_bits,
     _check_block_size,
+    _rows,
+    _tile,
     add_dequantized,
     num_blocks,
     quantize_difference,
 )
+from acco_ds.ops.quantize import _triton_obstacle as _quantize_triton_obstacle
 
-_BACKENDS = (None, "auto", "fused", "composed")
+_BACKENDS = (None, "auto", "fused", "triton", "composed")
 WHO = "adamw_step_difference"
 
 
@@ -69,8 +78,8 @@ def _check_base(a, base: torch.Tensor) -> None:
             )
 
 
-def _fused_obstacle(a, bits: int) -> str:
-    """Why the fused backend cannot run this call; "" when it can."""
+def _fused_obstacle(a, bits: int, block_size: int) -> str:
+    """Why the fused (C++) backend cannot run this call; "" when it can."""
     if a.master.device.type != "cpu":
         return f"it runs on CPU tensors, got {a.master.device}"
     if bits != 8:
@@ -80,15 +89,54 @@ def _fused_obstacle(a, bits: int) -> str:
     return ""
 
 
-def _pick(a, bits: int, backend) -> str:
+def _triton_obstacle(a, bits: int, block_size: int) -> str:
+    """Why the Triton backend cannot run this call; "" when it can."""
+    if not _rows(block_size):
+        return f"its programs hold blocks of at most 1024 elements, got block_size={block_size}"
+    return _quantize_triton_obstacle({"out": a.out})
+
+
+_OBSTACLE = {"fused": _fused_obstacle, "triton": _triton_obstacle}
+
+
+def _pick(a, bits: int, block_size: int, backend) -> str:
     if backend not in _BACKENDS:
         raise ValueError(f"{WHO}: backend must be one of {_BACKENDS[1:]} or None, got {backend!r}.")
-    if backend in ("fused", "composed"):
-        why = _fused_obstacle(a, bits) if backend == "fused" else ""
+    if backend in _OBSTACLE:
+        why = _OBSTACLE[backend](a, bits, block_size)
         if why:
-            raise ValueError(f"{WHO}: backend='fused' cannot run: {why}.")
+            raise ValueError(f"{WHO}: backend={backend!r} cannot run: {why}.")
         return backend
-    return "composed" if _fused_obstacle(a, bits) else "fused"
+    if backend == "composed":
+        return backend
+    kernel = "fused" if a.master.device.type == "cpu" else "triton"
+    return "composed" if _OBSTACLE[kernel](a, bits, block_size) else kernel
+
+
+def _launch_triton(a, base: torch.Tensor, block_size: int, bits: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    from acco_ds.ops.triton_kernels import adamw_difference as kernels  # imports triton: only at a launch
+
+    out, n = a.out, a.out.numel()
+    nb = num_blocks(n, block_size)
+    q = torch.empty(n, dtype=torch.int8, device=out.device)
+    scales = torch.empty(nb, dtype=torch.float32, device=out.device)
+    if not n:
+        return q, scales
+    hyper = a.hyper_tensor
+    if hyper is None:
+        hyper = hyper_tensor(a.lr, a.beta1, a.beta2, a.eps, a.weight_decay, a.step, device=out.device)
+    rows = _rows(block_size)
+    kernels.adamw_difference_rows[(-(-nb // rows),)](
+        a.master, a.exp_avg, a.exp_avg_sq, a.grad, base, out, q, scales, hyper,
+        a.master if a.scale_tensor is None else a.scale_tensor,
+        a.master if a.noop_flag is None else a.noop_flag,
+        float(a.grad_scale), n, nb, block_size,
+        QMAX=QMAX_OF[bits], TILE=_tile(block_size), ROWS=rows,
+        G_BF16=a.grad.dtype == torch.bfloat16, P_BF16=out.dtype == torch.bfloat16, COMMIT=bool(a.commit),
+        HAS_GSCALE=a.scale_tensor is not None, HAS_NOOP=a.noop_flag is not None,
+        enable_fp_fusion=False,
+    )  # fmt: skip
+    return q, scales
 
 
 def adamw_step_difference(
@@ -112,8 +160,10 @@ def adamw_step_difference(
     _check_base(a, base)
     _check_block_size(block_size)
     _check_bits(bits)
-    how = _pick(a, bits, backend)
+    how = _pick(a, bits, block_size, backend)
     n = out.numel()
+    if how == "triton":
+        return _launch_triton(a, base, block_size, bits)
     if how == "composed":
         own_base = base.clone() if n and _overlaps(base, out) else base
         adamw_step(master, exp_avg, exp_avg_sq, grad, out, **keywords)

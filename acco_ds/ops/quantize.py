@@ -381,13 +381,63 @@ def _pick(fn: str, backend: str | None, bits: int, **tensors: torch.Tensor) -> s
     return chosen
 
 
+def _new_outputs(x: torch.Tensor, block_size: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    q = torch.empty(x.numel(), dtype=torch.int8, device=x.device)
+    return q, torch.empty(num_blocks(x.numel(), block_size), dtype=torch.float32, device=x.device)
+
+
+def _check_outputs(out, x: torch.Tensor, block_size: int, *others: torch.Tensor) -> None:
+    """``out`` of :func:`quantize` / :func:`quantize_with_residual`: None, or (q, scales) to write: int8 of x's
+    length and fp32 of its block count, contiguous, on x's device, overlapping neither x nor ``others``."""
+    if out is None:
+        return
+    if not (
+        isinstance(out, (tuple, list)) and len(out) == 2 and all(isinstance(t, torch.Tensor) for t in out)
+    ):
+        raise TypeError(f"out must be a (q, scales) pair of tensors, got {type(out).__name__}")
+    q, scales = out
+    want = (
+        (q, "q", torch.int8, x.numel()),
+        (scales, "scales", torch.float32, num_blocks(x.numel(), block_size)),
+    )
+    for t, name, dtype, n in want:
+        if (
+            t.dtype != dtype
+            or t.dim() != 1
+            or t.numel() != n
+            or t.device != x.device
+            or not t.is_contiguous()
+        ):
+            raise ValueError(
+                f"out's {name} must be a contiguous flat {dtype} tensor of {n} elements on {x.device}, got "
+                f"{t.dtype} of shape {tuple(t.shape)} on {t.device}"
+            )
+        for other in (x, *others):
+            if _overlap(t, other):
+                raise ValueError(f"out's {name} overlaps an input")
+    if _overlap(q, scales):
+        raise ValueError("out's q and scales overlap")
+
+
+def _fill(out, q: torch.Tensor, scales: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(q, scales), copied into ``out`` when given (the reference computes new tensors)."""
+    if out is None:
+        return q, scales
+    out[0].copy_(q)
+    out[1].copy_(scales)
+    return out[0], out[1]
+
+
 def _quantize_cpp(
-    x: torch.Tensor, residual: torch.Tensor | None, block_size: int, base: torch.Tensor | None = None
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    block_size: int,
+    base: torch.Tensor | None = None,
+    out: Tuple[torch.Tensor, torch.Tensor] | None = None,
 ):
-    """(q, scales) from the CPU extension; ``residual`` (or None) updated in place; with ``base`` (no residual)
-    the values quantized are ``x - base``."""
-    q = torch.empty(x.numel(), dtype=torch.int8)
-    scales = torch.empty(num_blocks(x.numel(), block_size), dtype=torch.float32)
+    """(q, scales) from the CPU extension, written into ``out`` when given (checked by :func:`_check_outputs`);
+    ``residual`` (or None) updated in place; with ``base`` (no residual) the values quantized are ``x - base``."""
+    q, scales = out if out is not None else _new_outputs(x, block_size)
     if x.numel() and base is not None:
         _build.load("quantize_cpu").quantize_difference_cpu(
             x.data_ptr(),
@@ -448,14 +498,14 @@ def _quantize_triton(
     block_size: int,
     bits: int,
     base: torch.Tensor | None = None,
+    out: Tuple[torch.Tensor, torch.Tensor] | None = None,
 ):
-    """(q, scales) from the Triton kernel, queued on x's device; ``residual`` (or None) updated in place; with
-    ``base`` (no residual) the values quantized are ``x - base``."""
+    """(q, scales) from the Triton kernel, queued on x's device, written into ``out`` when given; ``residual``
+    (or None) updated in place; with ``base`` (no residual) the values quantized are ``x - base``."""
     from acco_ds.ops.triton_kernels import quantize as kernels  # imports triton: only once a launch is due
 
-    q = torch.empty(x.numel(), dtype=torch.int8, device=x.device)
+    q, scales = out if out is not None else _new_outputs(x, block_size)
     nb = num_blocks(x.numel(), block_size)
-    scales = torch.empty(nb, dtype=torch.float32, device=x.device)
     if nb:
         second = residual if base is None else base  # the kernels' second operand: added, or subtracted
         flags = dict(
@@ -544,19 +594,26 @@ def _dequantize_sum_triton(
 
 
 def quantize(
-    x: torch.Tensor, block_size: int, *, bits: int = 8, backend: str | None = None
+    x: torch.Tensor,
+    block_size: int,
+    *,
+    bits: int = 8,
+    backend: str | None = None,
+    out: Tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Quantize the flat fp32/bf16 tensor ``x``: returns ``(q, scales)``, q int8 of x's length (values in
     [-qmax, qmax] of ``bits``: 8 or 4), scales fp32 of ``num_blocks(len(x), block_size)``, both new tensors on
-    x's device (see the module docstring)."""
+    x's device (see the module docstring), or ``out``'s (a (q, scales) pair of those dtypes and lengths, e.g.
+    rows of a wider buffer, written in place)."""
     _check(x, block_size)
     _check_bits(bits)
+    _check_outputs(out, x, block_size)
     how = _pick("quantize", backend, bits, x=x)
     if how == "cpp":
-        return _quantize_cpp(x, None, block_size)
+        return _quantize_cpp(x, None, block_size, out=out)
     if how == "triton":
-        return _quantize_triton(x, None, block_size, bits)
-    return quantize_ref(x, block_size, bits)
+        return _quantize_triton(x, None, block_size, bits, out=out)
+    return _fill(out, *quantize_ref(x, block_size, bits))
 
 
 def dequantize(
@@ -705,20 +762,28 @@ def add_dequantized(
 
 
 def quantize_with_residual(
-    x: torch.Tensor, residual: torch.Tensor, block_size: int, *, bits: int = 8, backend: str | None = None
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    block_size: int,
+    *,
+    bits: int = 8,
+    backend: str | None = None,
+    out: Tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Error feedback: quantize ``v = x + residual`` (fp32 arithmetic) and set ``residual`` to ``v -
     dequantize(q, scales)`` in place (rounded to residual's dtype); a block with a non-finite ``v`` gets
     scale NaN and its residual zeroed. ``residual``: same length and device as x, fp32 or bf16, not
-    aliasing x (an overlap takes the torch reference). Returns ``(q, scales)`` as :func:`quantize`."""
+    aliasing x (an overlap takes the torch reference). Returns ``(q, scales)`` as :func:`quantize` (``out``
+    likewise)."""
     _check_residual(x, residual, block_size)
     _check_bits(bits)
+    _check_outputs(out, x, block_size, residual)
     how = _pick("quantize_with_residual", backend, bits, x=x, residual=residual)
     if how == "cpp":
-        return _quantize_cpp(x, residual, block_size)
+        return _quantize_cpp(x, residual, block_size, out=out)
     if how == "triton":
-        return _quantize_triton(x, residual, block_size, bits)
-    return quantize_with_residual_ref(x, residual, block_size, bits)
+        return _quantize_triton(x, residual, block_size, bits, out=out)
+    return _fill(out, *quantize_with_residual_ref(x, residual, block_size, bits))
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:

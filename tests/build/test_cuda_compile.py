@@ -282,7 +282,13 @@ def test_triton_quantize_rows_compile_vectorised(variant):
     }
     sig.update({k: "constexpr" for k in ("QMAX", "TILE", "ROWS", "X_BF16", "HAS_RES", "RES_BF16", "SUB")})
     consts = dict(
-        QMAX=127, TILE=tile, ROWS=rows, X_BF16=x_bf16, HAS_RES=res is not None, RES_BF16=res == "bf16", SUB=False
+        QMAX=127,
+        TILE=tile,
+        ROWS=rows,
+        X_BF16=x_bf16,
+        HAS_RES=res is not None,
+        RES_BF16=res == "bf16",
+        SUB=False,
     )
     ptx = quantize_compile(
         "quantize_rows", sig, consts, ("x_ptr", "res_ptr", "q_ptr", "scale_ptr", "n", "block_size")
@@ -320,3 +326,40 @@ def test_triton_dequantize_rows_compile_vectorised(add):
     want = (per_thread * (1 + (4 if add else 0)) // 16, per_thread * 4 // 16)
     got = (ptx.count("ld.global.v4.b32"), ptx.count("st.global.v4.b32"))
     assert got == want, f"add={add}: (v4 loads, v4 stores) {got}, expected {want}"
+
+
+@pytest.mark.parametrize("p_bf16", [True, False], ids=["p_bf16", "p_fp32"])
+@pytest.mark.parametrize("commit", [True, False], ids=["commit", "peek"])
+def test_triton_adamw_difference_compiles_for_sm90(commit, p_bf16):
+    """The fused AdamW + parameter difference kernel (acco_ds/ops/triton_kernels/adamw_difference.py) compiles for
+    sm_90 at block size 256 as the round job launches it (bf16 gradients, the device's scale and noop flag), with no
+    FMA (the AdamW update and the dequantized sum round each operation, as the CUDA and CPU kernels do) and the
+    IEEE division and square root (div.rn / sqrt.rn, not the approximate ones)."""
+    pytest.importorskip("triton")
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from acco_ds.ops import quantize as q
+    from acco_ds.ops.triton_kernels.adamw_difference import adamw_difference_rows
+
+    pdt = "*bf16" if p_bf16 else "*fp32"
+    sig = {
+        "p_ptr": "*fp32", "m_ptr": "*fp32", "v_ptr": "*fp32", "g_ptr": "*bf16", "base_ptr": pdt, "out_ptr": pdt,
+        "q_ptr": "*i8", "qscale_ptr": "*fp32", "hyper_ptr": "*fp32", "gscale_ptr": "*fp32", "noop_ptr": "*i32",
+        "grad_scale": "fp32", "n": "i64", "nb": "i64", "block_size": "i32",
+    }  # fmt: skip
+    consts = dict(QMAX=127, TILE=q._tile(256), ROWS=q._rows(256), G_BF16=True, P_BF16=p_bf16, COMMIT=commit,
+                  HAS_GSCALE=True, HAS_NOOP=True)  # fmt: skip
+    sig.update({k: "constexpr" for k in consts})
+    src = ASTSource(fn=adamw_difference_rows, signature=sig, constexprs=consts)
+    try:
+        compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"enable_fp_fusion": False})
+    except RuntimeError as e:
+        if "ptxas" in str(e).lower():
+            pytest.skip(f"triton cannot assemble for sm_90 here: {e}")
+        raise
+    ptx = compiled.asm["ptx"]
+    assert not FMA.search(ptx), "an FMA: the AdamW update or the dequantized sum was contracted"
+    assert "div.rn.f32" in ptx and "sqrt.rn.f32" in ptx, "the IEEE division / square root were not used"
+    assert "div.full.f32" not in ptx and "sqrt.approx.f32" not in ptx

@@ -1,11 +1,16 @@
-"""``acco_ds.ops.adamw_difference.adamw_step_difference``: the fused CPU pass (AdamW step + quantized parameter
-difference + its application) gives, bit for bit, the composition adamw_step -> quantize_difference ->
+"""``acco_ds.ops.adamw_difference.adamw_step_difference``: the fused CPU pass and the Triton kernel (under the
+interpreter) (AdamW step + quantized parameter difference + its application) give, bit for bit, the composition adamw_step -> quantize_difference ->
 add_dequantized: master, both moments, the new parameters (base + dequantized difference), q and the scales, for
 commit, peek and noop, fp32 and bf16 parameters and gradients, block sizes from 1 to longer than a work item,
 lengths that blocks do not divide, base = out (in place), out = grad (the round job's in-place buffer), a
 non-finite step (a NaN scale, base + NaN), several threads. Bad arguments are refused naming them."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +21,7 @@ from acco_ds.ops.adamw_difference import adamw_step_difference
 
 pytestmark = pytest.mark.skipif(not _build.available("adamw_cpu"), reason="the CPU extension is not built")
 
+ROOT = Path(__file__).resolve().parents[2]
 F32, BF16 = torch.float32, torch.bfloat16
 HYPER = dict(lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, step=3)
 
@@ -32,7 +38,7 @@ def _state(n: int, pdt, gdt, seed: int, bad: bool = False):
     return master, m, v, grad.to(gdt), base
 
 
-def _run(backend, state, pdt, bs, commit, noop, layout):
+def _run(backend, state, pdt, bs, commit, noop, layout, **kw):
     master, m, v, grad, base = (t.clone() for t in state)
     if layout == "base_is_out":
         out = base
@@ -42,8 +48,9 @@ def _run(backend, state, pdt, bs, commit, noop, layout):
         out = torch.full_like(base, 7.0)
     q, s = adamw_step_difference(
         master, m, v, grad, out, base, bs, backend=backend,
-        hyper_tensor=hyper_tensor(**HYPER), scale_tensor=torch.tensor([0.5]),
-        noop_flag=torch.tensor([int(noop)], dtype=torch.int32), commit=commit,
+        hyper_tensor=hyper_tensor(**HYPER, device=master.device),
+        scale_tensor=torch.tensor([0.5], device=master.device),
+        noop_flag=torch.tensor([int(noop)], dtype=torch.int32, device=master.device), commit=commit, **kw,
     )  # fmt: skip
     return {"master": master, "exp_avg": m, "exp_avg_sq": v, "out": out, "q": q, "scales": s}
 
@@ -136,3 +143,59 @@ def test_four_bits_take_the_composition():
         master, m, v, grad, out, base, 256, bits=4, hyper_tensor=hyper_tensor(**HYPER)
     )
     assert q.abs().max() <= 7
+
+
+# the Triton backend under the interpreter: small lengths (it runs each program in Python), blocks of 1 to 1024
+INTERPRETER_CASES = [(0, 256), (1, 16), (300, 7), (1000, 256), (2100, 1024)]
+
+
+def _interpret_checks() -> int:
+    """The Triton kernel against the composition, bit for bit (run with TRITON_INTERPRET=1)."""
+    assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
+    count = 0
+    for gdt, pdt, layout in DTYPES_AND_LAYOUTS:
+        for mode in ("commit", "peek", "noop"):
+            for n, bs in INTERPRETER_CASES:
+                for bits in (8, 4):
+                    bad = n % 2 == 0
+                    state = _state(n, pdt, gdt, seed=n + bs, bad=bad)
+                    args = (pdt, bs, mode != "peek", mode == "noop", layout)
+                    kw = dict(bits=bits)
+                    got, want = _run("triton", state, *args, **kw), _run("composed", state, *args, **kw)
+                    _assert_bits(got, want, (gdt, pdt, layout, mode, n, bs, bits, bad))
+                    count += 1
+    # the settings form and no gradient scale or noop flag
+    master, m, v, grad, base = _state(777, BF16, BF16, seed=9)
+    outs = []
+    for backend in ("triton", "composed"):
+        state = [t.clone() for t in (master, m, v, grad, base)]
+        out = torch.empty_like(base)
+        q, s = adamw_step_difference(*state[:4], out, state[4], 256, backend=backend, **HYPER)
+        outs.append(
+            {"master": state[0], "exp_avg": state[1], "exp_avg_sq": state[2], "out": out, "q": q, "s": s}
+        )
+    _assert_bits(outs[0], outs[1], "settings form")
+    return count + 1
+
+
+def test_triton_kernel_under_interpreter():
+    """Runs :func:`_interpret_checks` in a subprocess with TRITON_INTERPRET=1 (set before triton is imported)."""
+    pytest.importorskip("triton")
+    path = os.pathsep.join(x for x in (str(ROOT), os.environ.get("PYTHONPATH", "")) if x)
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path)
+    code = "from tests.ops.test_adamw_difference import _interpret_checks as c; print('triton checks:', c())"
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=900)  # fmt: skip
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    want = len(DTYPES_AND_LAYOUTS) * 3 * len(INTERPRETER_CASES) * 2 + 1
+    assert f"triton checks: {want}" in r.stdout, r.stdout[-2000:]
+
+
+def test_triton_backend_states_why_it_cannot_run(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    master, m, v, grad, base = _state(64, BF16, F32, seed=1)
+    out = torch.empty(64, dtype=BF16)
+    with pytest.raises(ValueError, match="backend='triton' cannot run: CPU tensors need TRITON_INTERPRET=1"):
+        adamw_step_difference(master, m, v, grad, out, base, 16, backend="triton", **HYPER)
+    with pytest.raises(ValueError, match="blocks of at most 1024 elements, got block_size=2048"):
+        adamw_step_difference(master, m, v, grad, out, base, 2048, backend="triton", **HYPER)

@@ -246,3 +246,49 @@ def test_bits_other_than_8_or_4_are_refused():
         Q.quantize_with_residual(torch.ones(4), torch.zeros(4), 4, bits=16)
     with pytest.raises(ValueError, match="packed must be flat uint8 of 2 bytes"):
         Q.unpack_int4(torch.zeros(3, dtype=torch.uint8), 4)
+
+
+BACKENDS_HERE = ["ref"] + (["cpp"] if _build.available("quantize_cpu") else [])
+
+
+@pytest.mark.parametrize("backend", BACKENDS_HERE)
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_out_rows_get_the_bits_of_new_tensors(dtype, bits, backend):
+    """``out=``: each chunk quantized straight into its row of a wider q / scales buffer (the compressed
+    reduce-scatter's layout) gives the bits of the call that allocates, residual included."""
+    world, shard, block = 3, 1001, 256
+    g = torch.Generator().manual_seed(7)
+    full = torch.randn(world * shard, generator=g).to(dtype)
+    rest_a = (torch.randn(world * shard, generator=g) * 1e-3).to(dtype)
+    rest_b = rest_a.clone()
+    q = torch.full((world, shard), 99, dtype=torch.int8)
+    scales = torch.full((world, num_blocks(shard, block)), 5.0)
+    for r, (chunk, ra, rb) in enumerate(
+        zip(full.view(world, -1), rest_a.view(world, -1), rest_b.view(world, -1))
+    ):
+        got = Q.quantize_with_residual(chunk, ra, block, bits=bits, backend=backend, out=(q[r], scales[r]))
+        want = Q.quantize_with_residual(chunk, rb, block, bits=bits, backend=backend)
+        assert got[0].data_ptr() == q[r].data_ptr() and got[1].data_ptr() == scales[r].data_ptr()
+        assert torch.equal(q[r], want[0]) and torch.equal(scales[r], want[1]), r
+        assert torch.equal(ra, rb), r
+        plain = Q.quantize(chunk, block, bits=bits, backend=backend, out=(q[r], scales[r]))
+        assert all(
+            torch.equal(a, b) for a, b in zip(plain, Q.quantize(chunk, block, bits=bits, backend=backend))
+        )
+
+
+def test_bad_out_is_refused():
+    x = torch.randn(300)
+    q, s = torch.empty(300, dtype=torch.int8), torch.empty(2)
+    with pytest.raises(TypeError, match=r"out must be a \(q, scales\) pair"):
+        Q.quantize(x, 256, out=q)
+    with pytest.raises(ValueError, match="out's q must be a contiguous flat torch.int8 tensor of 300"):
+        Q.quantize(x, 256, out=(torch.empty(299, dtype=torch.int8), s))
+    with pytest.raises(ValueError, match="out's scales must be a contiguous flat torch.float32 tensor of 2"):
+        Q.quantize(x, 256, out=(q, torch.empty(3)))
+    with pytest.raises(ValueError, match="out's scales overlaps an input"):
+        Q.quantize(x, 256, out=(q, x[:2]))
+    residual = torch.zeros(300)
+    with pytest.raises(ValueError, match="out's scales overlaps an input"):
+        Q.quantize_with_residual(x, residual, 256, out=(q, residual[:2]))

@@ -28,6 +28,7 @@ from acco_ds.ops.quantize import (
     dequantize_ref,
     dequantize_sum,
     dequantize_sum_ref,
+    num_blocks,
     quantize,
     quantize_difference,
     quantize_difference_ref,
@@ -165,7 +166,14 @@ def _rounds(dtype: torch.dtype, rdtype: torch.dtype) -> int:
         x = (torch.randn(n, generator=g) * float(torch.rand(1, generator=g)) * 10).to(dtype)
         if step % 5 == 3:
             x = special(n, block, dtype, "triton-round", step)
-        q, s = quantize_with_residual(x, residual, block, backend="triton")
+        if step % 2:  # straight into a row of a wider buffer, as the compressed reduce-scatter does
+            rows = torch.full((2, n), 99, dtype=torch.int8), torch.full((2, num_blocks(n, block)), 5.0)
+            q, s = quantize_with_residual(x, residual, block, backend="triton", out=(rows[0][1], rows[1][1]))
+            assert (
+                q.data_ptr() == rows[0][1].data_ptr() and (rows[0][0] == 99).all() and (rows[1][0] == 5).all()
+            )
+        else:
+            q, s = quantize_with_residual(x, residual, block, backend="triton")
         q_ref, s_ref = quantize_with_residual_ref(x, residual_ref, block)
         assert_same(q, q_ref, f"q, round {step}")
         assert_same(s, s_ref, f"scales, round {step}")
