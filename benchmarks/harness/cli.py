@@ -6,6 +6,7 @@ sweeps (e2e, topology) have in common."""
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from benchmarks.harness import link
 from benchmarks.harness.records import results_dir
@@ -43,10 +44,13 @@ def rates(ap: argparse.ArgumentParser, text: str | None, quick: bool, default: s
 
 def sweep_defaults(ap: argparse.ArgumentParser, a: argparse.Namespace, benchmark: str, steps: int) -> None:
     """A sweep's ``--steps`` (default ``steps``, quick 6), ``--warmup`` (default 5, quick 2; the steps
-    must exceed it by at least 3), ``--seeds`` (default 0,1,2, quick 0) and ``--prefix``."""
+    must exceed it by at least 3), ``--seeds`` (default 0,1,2, quick 0) and ``--prefix`` (with ``--from-json``:
+    the JSON's own name, so a re-render rewrites the files it came from)."""
     a.steps = a.steps or (6 if a.quick else steps)
     a.warmup = a.warmup if a.warmup is not None else (2 if a.quick else 5)
     if a.steps < a.warmup + 3:
         ap.error(f"--steps {a.steps} must exceed --warmup {a.warmup} by at least 3 to time anything")
     a.seeds = a.seeds or ([0] if a.quick else [0, 1, 2])
+    if a.prefix is None and getattr(a, "from_json", None):  # a re-render keeps the results' own name
+        a.prefix = Path(a.from_json).stem
     a.prefix = a.prefix or (f"{benchmark}_quick" if a.quick else benchmark)
