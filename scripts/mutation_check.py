@@ -259,8 +259,8 @@ MUTANTS = [
         "M26",
         "compressed rounds: the residual is not carried to the next round (zeroed before it is added)",
         "acco_ds/core/compressed_comm.py",
-        "quantize_with_residual(chunks[r], rests[r], block_size, bits=bits)",
-        "quantize_with_residual(chunks[r], rests[r].zero_(), block_size, bits=bits)",
+        "quantize_with_residual(chunks[r], rests[r], block_size, bits=bits, out=(q[r], scales[r]))",
+        "quantize_with_residual(chunks[r], rests[r].zero_(), block_size, bits=bits, out=(q[r], scales[r]))",
         ("tests/core/test_trajectories.py::test_compressed_steps_match_reference",),
     ),
     Mutant(

@@ -34,9 +34,6 @@ QUANT_BYTES = {
     # then applied (read q, the scales and the base, write the parameters)
     "qdiff": 2 + 2 + 1 + _SCALE,
     "add_deq": 1 + _SCALE + 2 + 2,
-    # a compressed all-gather's local work in one pass (CPU): the commit's 28 B, the base read (the bf16 output
-    # lines, in place), q and the scales written
-    "commit_diff": 28 + 2 + 1 + _SCALE,
 }
 QUANT_REF = {key: f"{key}_ref" for key in QUANT_BYTES}
 """The torch reference row of each compiled quantize row (its speed-up is measured against it)."""
@@ -45,12 +42,15 @@ QUANT_ANCHORS["deq_sum"] = ["deq_sum_unfused", "deq_sum_ref"]
 QUANT_ANCHORS["qdiff"] = ["qdiff_unfused", "qdiff_ref"]
 QUANT_ANCHORS["add_deq"] = ["add_deq_unfused", "add_deq_ref"]
 QUANT_ANCHORS["commit_diff"] = ["commit_diff_composed"]
+COMMIT_DIFF_BYTES = 28 + 2 + 1 + _SCALE
+"""A compressed all-gather's local work in one pass (CPU): the commit's 28 B, the base read (the bf16 output lines,
+in place), q and the scales written; its composed row is credited with the same bytes."""
 """The rows each compiled quantize row's speed is compared with (anchor time / its time)."""
 BYTES.update(QUANT_BYTES)
 BYTES.update({ref: QUANT_BYTES[key] for key, ref in QUANT_REF.items()})
 for _key in ("deq_sum", "qdiff", "add_deq"):  # credited with the fused pass's bytes: its effective GB/s
     BYTES[f"{_key}_unfused"] = QUANT_BYTES[_key]
-BYTES["commit_diff_composed"] = QUANT_BYTES["commit_diff"]
+BYTES["commit_diff"] = BYTES["commit_diff_composed"] = COMMIT_DIFF_BYTES
 LABEL = {
     "commit": "acco commit (bf16 g in, bf16 p out)",
     "peek": "acco peek (bf16 g in, bf16 p out)",
@@ -199,7 +199,7 @@ def _quant_bytes_line(res: dict) -> list:
             else ""
         )
         + (
-            f" The commit with its quantized parameter difference, {QUANT_BYTES['commit_diff']:g} B/param (the "
+            f" The commit with its quantized parameter difference, {COMMIT_DIFF_BYTES:g} B/param (the "
             "commit's 28, the base read, q and the scales written; the base is the output buffer itself, as the "
             "round's model buffer): one pass (acco_ds.ops.adamw_difference, CPU) against the composition the round "
             "ran before (a copy of the base, the commit, quantize_difference, add_dequantized), credited with the "
