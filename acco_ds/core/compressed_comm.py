@@ -20,13 +20,12 @@ pipeline's residual of that group (full size, the buffer's dtype), which only jo
 ``acco_ds.ops.quantize``: on CPU its C++ kernel where built, on CUDA its Triton kernels, else the torch
 reference (the same bits).
 
-:func:`compressed_all_gather_inplace` replaces the parameter all-gather when ``all_gather`` is compressed:
+:func:`exchange_quantized_difference` replaces the parameter all-gather when ``all_gather`` is compressed:
 rather than its new parameters, each rank sends the int8 blocks of their difference to what every replica
 already holds (the MODEL buffer at the job's launch, identical on every rank), and every rank, the owner
-included, writes ``base + dequantized difference`` into each slice (the owner's own slice in the AdamW pass
-itself where the CPU kernel runs, ``acco_ds.ops.adamw_difference``, else ``quantize_difference`` and
-``add_dequantized``, one pass each; the peers' slices by ``add_dequantized``, :func:`exchange_quantized_difference`;
-no fp32 temporary): the replicas stay bitwise identical and
+included, writes ``base + dequantized difference`` into each slice (the owner's own slice in its AdamW pass,
+``acco_ds.ops.adamw_difference``; the peers' slices by ``add_dequantized``; no fp32 temporary): the replicas stay
+bitwise identical and
 what quantization withheld is part of the next round's difference (the fp32 master is exact; the replicas
 trail it by at most half a quantization step per element). gloo: point-to-point to every peer; NCCL: one
 ``all_gather_into_tensor`` of the values and one of the scales.
@@ -53,7 +52,6 @@ from acco_ds.ops.quantize import (
     num_blocks,
     pack_int4,
     quantize,
-    quantize_difference,
     quantize_with_residual,
     store_sum,
     unpack_int4,
@@ -173,33 +171,6 @@ def _from_wire(w: torch.Tensor, n: int, bits: int) -> torch.Tensor:
     return unpack_int4(w, n) if bits == 4 else w
 
 
-def compressed_all_gather_inplace(
-    target: torch.Tensor,
-    base: torch.Tensor,
-    own_base: torch.Tensor,
-    group,
-    block_size: int,
-    traffic: Traffic,
-    bits: int = 8,
-) -> None:
-    """Give every rank every rank's new parameters through quantized differences (see the module docstring;
-    ``bits`` 8 or 4, as :func:`compressed_reduce_scatter_inplace`).
-
-    ``target`` (full, the parameter dtype): this rank's slice holds its new parameters (written by AdamW);
-    the other slices are overwritten. ``base`` (full, same dtype): what every replica holds now (the MODEL
-    buffer; may be ``target`` itself, then its slices are read before they are written). ``own_base``: a copy
-    of this rank's slice of ``base`` taken before AdamW wrote into ``target`` (needed when they alias).
-    Afterwards every slice c of ``target`` is ``(base[c] + deq(Q(new[c] - base[c])))`` in the parameter dtype,
-    computed in fp32, bit for bit the same on every rank. Collective over ``group``. (The round job computes
-    this rank's q and slice in the AdamW pass itself, ``acco_ds.ops.adamw_difference``, and calls
-    :func:`exchange_quantized_difference`.)"""
-    me = dist.get_rank(group)
-    own = target.view(dist.get_world_size(group), -1)[me]
-    q, scales = quantize_difference(own, own_base, block_size, bits=bits)
-    add_dequantized(own, own_base, q, scales, block_size)
-    exchange_quantized_difference(target, base, q, scales, group, block_size, traffic, bits)
-
-
 def exchange_quantized_difference(
     target: torch.Tensor,
     base: torch.Tensor,
@@ -212,8 +183,9 @@ def exchange_quantized_difference(
 ) -> None:
     """The exchange of a compressed all-gather: this rank's quantized difference (``q``, ``scales``: of its slice,
     whose new value ``base + deq(q, scales)`` is already in ``target``) to every peer, and every peer's applied
-    to its slice of ``target`` (``target[c] = base[c] + deq(q_c, scales_c)``, ``base`` full as in
-    :func:`compressed_all_gather_inplace`). Collective over ``group``."""
+    to its slice of ``target`` (``target[c] = base[c] + deq(q_c, scales_c)``; ``target`` and ``base``: full, the
+    parameter dtype, ``base`` what every replica holds, the MODEL buffer, which may be ``target`` itself: each slice
+    is read before it is written). Collective over ``group``."""
     world, me = dist.get_world_size(group), dist.get_rank(group)
     if world == 1:
         return

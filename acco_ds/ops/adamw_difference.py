@@ -45,6 +45,7 @@ from acco_ds.ops.quantize import (
     QMAX_OF,
     _check_bits,
     _check_block_size,
+    _new_outputs,
     _rows,
     _tile,
     add_dequantized,
@@ -118,8 +119,7 @@ def _launch_triton(a, base: torch.Tensor, block_size: int, bits: int) -> Tuple[t
 
     out, n = a.out, a.out.numel()
     nb = num_blocks(n, block_size)
-    q = torch.empty(n, dtype=torch.int8, device=out.device)
-    scales = torch.empty(nb, dtype=torch.float32, device=out.device)
+    q, scales = _new_outputs(out, block_size)
     if not n:
         return q, scales
     hyper = a.hyper_tensor
@@ -171,8 +171,7 @@ def adamw_step_difference(
         q, scales = quantize_difference(flat, own_base.view(-1), block_size, bits=bits)
         add_dequantized(flat, own_base.view(-1), q, scales, block_size)
         return q, scales
-    q = torch.empty(n, dtype=torch.int8)
-    scales = torch.empty(num_blocks(n, block_size), dtype=torch.float32)
+    q, scales = _new_outputs(out, block_size)
     if n:
         _build.load("adamw_cpu").adamw_difference_cpu(
             *_ext_args(a),

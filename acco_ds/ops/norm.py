@@ -26,9 +26,9 @@ Backends (``backend=``):
 
 from __future__ import annotations
 
-import os
-
 import torch
+
+from acco_ds.ops.quantize import _triton_obstacle as _kernel_obstacle
 
 NORM_CHUNK = {"cpu": 1 << 18, "cuda": 1 << 22}
 """Elements per fp64 partial sum of the "torch" backend, per device type (others: the CUDA value). The fp64
@@ -41,25 +41,9 @@ _TILE = 1024
 _BACKENDS = (None, "auto", "torch", "triton")
 
 
-def _triton_usable() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def _triton_obstacle(x: torch.Tensor) -> str:
-    """Why the "triton" backend cannot take x; "" when it can."""
-    if x.device.type not in ("cuda", "cpu"):
-        return f"no Triton kernel for device type {x.device.type}"
-    if x.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        return "CPU tensors need TRITON_INTERPRET=1 before triton is first imported (the Triton interpreter)"
-    if not x.is_contiguous():
-        return f"x is not contiguous (stride {x.stride()})"
-    if not _triton_usable():
-        return "triton is not installed"
-    return ""
+    """Why the "triton" backend cannot take x; "" when it can (the Triton kernels' common conditions)."""
+    return _kernel_obstacle({"x": x})
 
 
 def _pick(x: torch.Tensor, backend) -> str:

@@ -146,8 +146,13 @@ def _quant_rows(n: int, t: dict) -> list:
     return out
 
 
+def _measured(res: dict, *keys: str) -> bool:
+    """Whether any size of the results holds a row of ``keys``."""
+    return any(k in entry["median_s"] for entry in res["results"] for k in keys)
+
+
 def _has_quant(res: dict) -> bool:
-    return any(k in entry["median_s"] for entry in res["results"] for k in QUANT_ROWS)
+    return _measured(res, *QUANT_ROWS)
 
 
 def _stream_line(res: dict) -> str:
@@ -187,7 +192,7 @@ def _quant_bytes_line(res: dict) -> list:
             f" dequantize_sum: the owner's sum of {SUM_RANKS} ranks' chunks, {QUANT_BYTES['deq_sum']:g} B/param "
             "(read each rank's q and scales, write the bf16 sum once); the unfused row (what the round did before: "
             "an fp32 total written and re-read per rank, then cast) is credited with the same bytes."
-            if any("deq_sum" in entry["median_s"] for entry in res["results"])
+            if _measured(res, "deq_sum")
             else ""
         )
         + (
@@ -195,7 +200,7 @@ def _quant_bytes_line(res: dict) -> list:
             f"and the base, write q and the scales), add_dequantized {QUANT_BYTES['add_deq']:g} (read q, the scales and "
             "the base, write the parameters); their unfused rows (fp32 temporaries, as the round did before) are "
             "credited with the same bytes."
-            if any("qdiff" in entry["median_s"] for entry in res["results"])
+            if _measured(res, "qdiff")
             else ""
         )
         + (
@@ -204,7 +209,7 @@ def _quant_bytes_line(res: dict) -> list:
             "round's model buffer): one pass (acco_ds.ops.adamw_difference, CPU) against the composition the round "
             "ran before (a copy of the base, the commit, quantize_difference, add_dequantized), credited with the "
             "same bytes."
-            if any("commit_diff" in entry["median_s"] for entry in res["results"])
+            if _measured(res, "commit_diff")
             else ""
         )
     ]

@@ -241,14 +241,20 @@ def quantize_compile(kernel_name: str, sig: dict, consts: dict, divisible: tuple
     """The PTX of a quantize kernel for sm_90 as a launch on a shard compiles it: no FP fusion, 16-byte divisible
     pointers, and the integer arguments divisible by 16 (shards are multiples of 16 elements,
     acco_ds.core.buffers.ALIGN, and Triton specializes such arguments)."""
+    from acco_ds.ops.triton_kernels import quantize as kernels
+
+    return sm90_ptx(getattr(kernels, kernel_name), sig, consts, divisible)
+
+
+def sm90_ptx(fn, sig: dict, consts: dict, divisible: tuple = ()) -> str:
+    """The PTX of the Triton kernel ``fn`` for sm_90 without FP fusion (the arguments named in ``divisible``
+    marked 16-divisible); skips where this triton cannot assemble for sm_90."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from acco_ds.ops.triton_kernels import quantize as kernels
-
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(sig) if name in divisible}
-    src = ASTSource(fn=getattr(kernels, kernel_name), signature=sig, constexprs=consts, attrs=attrs)
+    src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
     try:
         compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"enable_fp_fusion": False})
     except RuntimeError as e:
@@ -336,10 +342,6 @@ def test_triton_adamw_difference_compiles_for_sm90(commit, p_bf16):
     FMA (the AdamW update and the dequantized sum round each operation, as the CUDA and CPU kernels do) and the
     IEEE division and square root (div.rn / sqrt.rn, not the approximate ones)."""
     pytest.importorskip("triton")
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from acco_ds.ops import quantize as q
     from acco_ds.ops.triton_kernels.adamw_difference import adamw_difference_rows
 
@@ -352,14 +354,7 @@ def test_triton_adamw_difference_compiles_for_sm90(commit, p_bf16):
     consts = dict(QMAX=127, TILE=q._tile(256), ROWS=q._rows(256), G_BF16=True, P_BF16=p_bf16, COMMIT=commit,
                   HAS_GSCALE=True, HAS_NOOP=True)  # fmt: skip
     sig.update({k: "constexpr" for k in consts})
-    src = ASTSource(fn=adamw_difference_rows, signature=sig, constexprs=consts)
-    try:
-        compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"enable_fp_fusion": False})
-    except RuntimeError as e:
-        if "ptxas" in str(e).lower():
-            pytest.skip(f"triton cannot assemble for sm_90 here: {e}")
-        raise
-    ptx = compiled.asm["ptx"]
+    ptx = sm90_ptx(adamw_difference_rows, sig, consts)
     assert not FMA.search(ptx), "an FMA: the AdamW update or the dequantized sum was contracted"
     assert "div.rn.f32" in ptx and "sqrt.rn.f32" in ptx, "the IEEE division / square root were not used"
     assert "div.full.f32" not in ptx and "sqrt.approx.f32" not in ptx

@@ -28,6 +28,7 @@ from acco_ds.ops.accumulate import (
     copy_flat,
     copy_flat_ref,
 )
+from tests.ops.triton_interpreter import run_this_file_interpreted
 
 ROOT = Path(__file__).resolve().parents[2]
 DTYPES = [torch.float32, torch.bfloat16]
@@ -343,21 +344,10 @@ def test_importing_acco_ds_does_not_import_triton():
 
 def test_triton_kernel_under_interpreter():
     """Runs this file's Triton checks in a subprocess with TRITON_INTERPRET=1 (set before triton is imported)."""
-    pytest.importorskip("triton")
-    path = os.pathsep.join(x for x in (str(ROOT), os.environ.get("PYTHONPATH", "")) if x)
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path)
-    # runpy, not `python <file>`: a script's folder goes first on sys.path, and tests/ has packages named like
-    # installed ones (tests/deepspeed)
-    code = (
-        f"import runpy, sys; sys.argv = [{__file__!r}, '--triton-interpret']; "
-        "runpy.run_path(sys.argv[0], run_name='__main__')"
-    )
-    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
-                       timeout=600)  # fmt: skip
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert "triton interpret checks: 24 passed" in r.stdout, r.stdout[-2000:]
-    assert "mixed alignment: 4 launches, vector path for [0, 1, 3, 6]" in r.stdout, r.stdout[-2000:]
-    assert "fold: 40 parameters x 4 micro-batches, 40 chunk tables built" in r.stdout, r.stdout[-2000:]
+    out = run_this_file_interpreted(__file__, timeout=600)
+    assert "triton interpret checks: 24 passed" in out, out[-2000:]
+    assert "mixed alignment: 4 launches, vector path for [0, 1, 3, 6]" in out, out[-2000:]
+    assert "fold: 40 parameters x 4 micro-batches, 40 chunk tables built" in out, out[-2000:]
 
 
 class _LaunchSpy:

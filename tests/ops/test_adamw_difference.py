@@ -8,9 +8,6 @@ non-finite step (a NaN scale, base + NaN), several threads. Bad arguments are re
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,10 +15,10 @@ import torch
 from acco_ds.ops import _build
 from acco_ds.ops.adamw import hyper_tensor
 from acco_ds.ops.adamw_difference import adamw_step_difference
+from tests.ops.triton_interpreter import run_interpreted
 
 pytestmark = pytest.mark.skipif(not _build.available("adamw_cpu"), reason="the CPU extension is not built")
 
-ROOT = Path(__file__).resolve().parents[2]
 F32, BF16 = torch.float32, torch.bfloat16
 HYPER = dict(lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, step=3)
 
@@ -180,15 +177,10 @@ def _interpret_checks() -> int:
 
 def test_triton_kernel_under_interpreter():
     """Runs :func:`_interpret_checks` in a subprocess with TRITON_INTERPRET=1 (set before triton is imported)."""
-    pytest.importorskip("triton")
-    path = os.pathsep.join(x for x in (str(ROOT), os.environ.get("PYTHONPATH", "")) if x)
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path)
     code = "from tests.ops.test_adamw_difference import _interpret_checks as c; print('triton checks:', c())"
-    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
-                       timeout=900)  # fmt: skip
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    out = run_interpreted(code, timeout=900)
     want = len(DTYPES_AND_LAYOUTS) * 3 * len(INTERPRETER_CASES) * 2 + 1
-    assert f"triton checks: {want}" in r.stdout, r.stdout[-2000:]
+    assert f"triton checks: {want}" in out, out[-2000:]
 
 
 def test_triton_backend_states_why_it_cannot_run(monkeypatch):

@@ -8,17 +8,13 @@ CUDA tests also check that it never makes the host wait; they are skipped withou
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 from acco_ds.ops.norm import NORM_CHUNK, PER_PROGRAM, sum_of_squares
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.ops.triton_interpreter import run_interpreted
 
 REL = 1e-7
 SMALL, LARGE = 1e-5, 1e-2
@@ -128,11 +124,8 @@ def _interpret_checks() -> int:
 
 def test_triton_kernel_under_interpreter():
     """Runs :func:`_interpret_checks` in a subprocess with TRITON_INTERPRET=1 (set before triton is imported)."""
-    pytest.importorskip("triton")
-    path = os.pathsep.join(x for x in (str(ROOT), os.environ.get("PYTHONPATH", "")) if x)
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path)
-    code = "from tests.ops.test_norm import _interpret_checks; print('norm checks:', _interpret_checks())"
-    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
-                       timeout=600)  # fmt: skip
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert f"norm checks: {2 * len(INTERPRETER_CASES) + 3}" in r.stdout, r.stdout[-2000:]
+    out = run_interpreted(
+        "from tests.ops.test_norm import _interpret_checks; print('norm checks:', _interpret_checks())",
+        timeout=600,
+    )
+    assert f"norm checks: {2 * len(INTERPRETER_CASES) + 3}" in out, out[-2000:]

@@ -46,6 +46,7 @@ from tests.ops.test_quantize_kernel import (
     special,
     sum_case,
 )
+from tests.ops.triton_interpreter import run_this_file_interpreted
 
 ROOT = Path(__file__).resolve().parents[2]
 # (length, block size): short inputs with every block size (one element per block on the shortest), longer ones
@@ -68,17 +69,8 @@ def test_importing_the_quantizer_does_not_import_triton():
 
 def test_triton_kernels_under_interpreter():
     """Runs this file's checks in a subprocess with TRITON_INTERPRET=1 (set before triton is imported)."""
-    pytest.importorskip("triton")
-    path = os.pathsep.join(x for x in (str(ROOT), os.environ.get("PYTHONPATH", "")) if x)
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path)
-    code = (
-        f"import runpy, sys; sys.argv = [{__file__!r}, '--triton-interpret']; "
-        "runpy.run_path(sys.argv[0], run_name='__main__')"
-    )
-    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
-                       timeout=900)  # fmt: skip
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert f"triton quantize checks: {_expected_checks()} passed" in r.stdout, r.stdout[-2000:]
+    out = run_this_file_interpreted(__file__, timeout=900)
+    assert f"triton quantize checks: {_expected_checks()} passed" in out, out[-2000:]
 
 
 def _bit_widths(n: int, block: int) -> tuple:

@@ -18,13 +18,7 @@ import triton
 import triton.language as tl
 
 from acco_ds.ops.triton_kernels.bf16 import bf16_to_f32, f32_to_bf16
-from acco_ds.ops.triton_kernels.quantize import (
-    _block_scale,
-    _load_f32,
-    _nonfinite,
-    _quantize_values,
-    _store_as,
-)
+from acco_ds.ops.triton_kernels.quantize import _load_f32, _quantize_tile, _row_tile, _store_as
 
 
 @triton.jit
@@ -55,10 +49,7 @@ def adamw_difference_rows(
 ):
     """See the module docstring. ``hyper_ptr``: the 8 fp32 AdamW scalars (acco_ds.ops.adamw_settings.KERNEL_FIELDS
     order); ``gscale_ptr`` (HAS_GSCALE): 1 fp32; ``noop_ptr`` (HAS_NOOP): 1 int32, nonzero = no step."""
-    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    lanes = tl.arange(0, TILE)
-    idx = rows[:, None] * block_size + lanes[None, :]
-    mask = (lanes[None, :] < block_size) & (idx < n)
+    rows, idx, mask = _row_tile(n, block_size, TILE, ROWS)
     decay = tl.load(hyper_ptr + 0)
     one_minus_beta1 = tl.load(hyper_ptr + 2)
     beta2 = tl.load(hyper_ptr + 3)
@@ -93,12 +84,5 @@ def adamw_difference_rows(
     base = _load_f32(base_ptr, idx, mask, P_BF16)  # before out is stored: base may be out
     if P_BF16:
         p = bf16_to_f32(f32_to_bf16(p))  # the new parameter as the bf16 buffer would hold it
-    d = p - base
-    bad = _nonfinite(d)
-    absmax = tl.max(tl.where(bad == 1, 0.0, tl.abs(d)), axis=1)
-    finite = tl.max(bad, axis=1) == 0
-    scale, usable, div, stored = _block_scale(absmax, finite, QMAX)
-    tl.store(qscale_ptr + rows, stored, mask=rows < nb)
-    q = _quantize_values(d, div[:, None], usable[:, None], QMAX)
-    tl.store(q_ptr + idx, q, mask=mask)
+    q, _, stored, _ = _quantize_tile(p - base, rows, idx, mask, q_ptr, qscale_ptr, nb, QMAX)
     _store_as(out_ptr, idx, base + q.to(tl.float32) * stored[:, None], mask, P_BF16)

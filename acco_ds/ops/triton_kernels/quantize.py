@@ -108,6 +108,30 @@ def _quantize_values(v, div, usable, QMAX: tl.constexpr):
 
 
 @triton.jit
+def _row_tile(n, block_size, TILE: tl.constexpr, ROWS: tl.constexpr):
+    """This program's [ROWS, TILE] tile of the row kernels: (the blocks it holds, one a row; every element's index;
+    which elements exist: inside its block and below n)."""
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    lanes = tl.arange(0, TILE)
+    idx = rows[:, None] * block_size + lanes[None, :]
+    return rows, idx, (lanes[None, :] < block_size) & (idx < n)
+
+
+@triton.jit
+def _quantize_tile(v, rows, idx, mask, q_ptr, scale_ptr, nb, QMAX: tl.constexpr):
+    """Quantizes a row tile's fp32 values ``v`` (one block a row), stores q and every row's scale (NaN for a
+    non-finite block), returns (q, each row's scale, each row's scale as stored, whether each row is finite)."""
+    bad = _nonfinite(v)
+    absmax = tl.max(tl.where(bad == 1, 0.0, tl.abs(v)), axis=1)
+    finite = tl.max(bad, axis=1) == 0
+    scale, usable, div, stored = _block_scale(absmax, finite, QMAX)
+    tl.store(scale_ptr + rows, stored, mask=rows < nb)
+    q = _quantize_values(v, div[:, None], usable[:, None], QMAX)
+    tl.store(q_ptr + idx, q, mask=mask)
+    return q, scale, stored, finite
+
+
+@triton.jit
 def quantize_rows(
     x_ptr,
     res_ptr,
@@ -127,18 +151,9 @@ def quantize_rows(
     """:func:`quantize_blocks` for blocks of at most TILE elements, ROWS blocks per program (a [ROWS, TILE] tile,
     one block a row): each value is loaded once and kept in registers between the block's absmax and its
     quantization, and a program moves ROWS * TILE elements in wide loads instead of one block's few."""
-    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    lanes = tl.arange(0, TILE)
-    idx = rows[:, None] * block_size + lanes[None, :]
-    mask = (lanes[None, :] < block_size) & (idx < n)
+    rows, idx, mask = _row_tile(n, block_size, TILE, ROWS)
     v = _load_v(x_ptr, res_ptr, idx, mask, X_BF16, HAS_RES, RES_BF16, SUB)
-    bad = _nonfinite(v)
-    absmax = tl.max(tl.where(bad == 1, 0.0, tl.abs(v)), axis=1)
-    finite = tl.max(bad, axis=1) == 0
-    scale, usable, div, stored = _block_scale(absmax, finite, QMAX)
-    tl.store(scale_ptr + rows, stored, mask=rows < nb)
-    q = _quantize_values(v, div[:, None], usable[:, None], QMAX)
-    tl.store(q_ptr + idx, q, mask=mask)
+    q, scale, _, finite = _quantize_tile(v, rows, idx, mask, q_ptr, scale_ptr, nb, QMAX)
     if HAS_RES:
         lost = v - q.to(tl.float32) * scale[:, None]  # from the int8 value, as the reference (no -0.0 from q)
         _store_as(res_ptr, idx, tl.where(finite[:, None], lost, 0.0), mask, RES_BF16)
@@ -161,10 +176,7 @@ def dequantize_rows(
     """:func:`dequantize_blocks` for blocks of at most TILE elements, ROWS blocks per program (one a row): ``out =
     q * scale``, or with ADD ``out = base + q * scale`` (fp32: the product, then the sum, one rounding each), out and
     base in fp32, or both in bf16 when BF16 (the parameter path; ``base`` may be ``out``: dequantize_add)."""
-    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    lanes = tl.arange(0, TILE)
-    idx = rows[:, None] * block_size + lanes[None, :]
-    mask = (lanes[None, :] < block_size) & (idx < n)
+    rows, idx, mask = _row_tile(n, block_size, TILE, ROWS)
     scale = tl.load(scale_ptr + rows, mask=rows < nb, other=0.0)
     d = tl.load(q_ptr + idx, mask=mask, other=0).to(tl.float32) * scale[:, None]
     if ADD:
@@ -189,10 +201,7 @@ def dequantize_sum_rows(
     """``out = sum over k of q[order[k]] * scale[order[k]]`` (fp32: the first row's products, then each next row's
     added, one rounding each), stored in out's dtype: ``q`` int8 [rows, n], ``scale`` fp32 [rows, nb], blocks of at
     most TILE elements, ROWS blocks per program (one a row of the tile), each quantized value loaded once."""
-    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    lanes = tl.arange(0, TILE)
-    idx = rows[:, None] * block_size + lanes[None, :]
-    mask = (lanes[None, :] < block_size) & (idx < n)
+    rows, idx, mask = _row_tile(n, block_size, TILE, ROWS)
     live = rows < nb
     r = tl.load(order_ptr)
     acc = (
