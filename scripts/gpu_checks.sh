@@ -171,14 +171,14 @@ step_overlap() {
 STEPS=(
   "versions 15 versions"
   "gpu 10 gpu_present"
-  "bundle 20 bundle_install"
+  "bundle 15 bundle_install"
   "install 10 step_install"
-  "build 40 build"
-  "kernels 95 step_kernels"
-  "bench_kernels 25 step_bench_kernels"
-  "pipeline 75 step_pipeline"
-  "overlap 60 step_overlap"
-  "stress 130 step_stress"
+  "build 30 build"
+  "kernels 155 step_kernels"
+  "bench_kernels 20 step_bench_kernels"
+  "pipeline 70 step_pipeline"
+  "overlap 55 step_overlap"
+  "stress 120 step_stress"
 )
 
 if [ "${1:-}" = "--step" ]; then  # run_step's child: one step, in its own time limit
