@@ -293,14 +293,15 @@ def quant_add_dequantized(backend: str, fused: bool = True):
 def commit_difference(fused: bool):
     """A compressed all-gather's local work on bf16 parameters, in place (the base is the output buffer, as the
     round's model buffer): the AdamW commit and its quantized difference in one pass (adamw_step_difference's
-    fused CPU kernel), or composed (the base copied, the commit, quantize_difference, add_dequantized)."""
+    fused kernel: C++ on the CPU, Triton on the GPU), or composed (the base copied, the commit,
+    quantize_difference, add_dequantized)."""
 
     def factory(n, device):
         from acco_ds.ops.adamw_difference import adamw_step_difference
 
         master, m, v, grad, out = _state(n, device)
         out.copy_(master)
-        backend = "fused" if fused else "composed"
+        backend = ("fused" if device == "cpu" else "triton") if fused else "composed"
         return lambda: adamw_step_difference(
             master, m, v, grad, out, out, QUANT_BLOCK, backend=backend, step=10, **HP
         )
@@ -337,7 +338,7 @@ def quant_contenders(device: str, notes: list) -> dict:
     out["deq_sum_unfused"] = quant_dequantize_sum(compiled, fused=False)
     out["qdiff_unfused"] = quant_difference(compiled, fused=False)
     out["add_deq_unfused"] = quant_add_dequantized(compiled, fused=False)
-    if device == "cpu" and _build.available("adamw_cpu"):
+    if _build.available("adamw_cpu" if device == "cpu" else "adamw_cuda"):
         out["commit_diff"] = commit_difference(fused=True)
         out["commit_diff_composed"] = commit_difference(fused=False)
     return out

@@ -43,7 +43,7 @@ QUANT_ANCHORS["qdiff"] = ["qdiff_unfused", "qdiff_ref"]
 QUANT_ANCHORS["add_deq"] = ["add_deq_unfused", "add_deq_ref"]
 QUANT_ANCHORS["commit_diff"] = ["commit_diff_composed"]
 COMMIT_DIFF_BYTES = 28 + 2 + 1 + _SCALE
-"""A compressed all-gather's local work in one pass (CPU): the commit's 28 B, the base read (the bf16 output lines,
+"""A compressed all-gather's local work in one pass: the commit's 28 B, the base read (the bf16 output lines,
 in place), q and the scales written; its composed row is credited with the same bytes."""
 """The rows each compiled quantize row's speed is compared with (anchor time / its time)."""
 BYTES.update(QUANT_BYTES)
@@ -206,7 +206,8 @@ def _quant_bytes_line(res: dict) -> list:
         + (
             f" The commit with its quantized parameter difference, {COMMIT_DIFF_BYTES:g} B/param (the "
             "commit's 28, the base read, q and the scales written; the base is the output buffer itself, as the "
-            "round's model buffer): one pass (acco_ds.ops.adamw_difference, CPU) against the composition the round "
+            "round's model buffer): one pass (acco_ds.ops.adamw_difference: C++ on the CPU, Triton on the GPU) against the "
+            "composition the round "
             "ran before (a copy of the base, the commit, quantize_difference, add_dequantized), credited with the "
             "same bytes."
             if _measured(res, "commit_diff")
