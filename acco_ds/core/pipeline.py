@@ -86,6 +86,12 @@ class PipelineStats:
     bytes_received: int = 0
     last_round_bytes_sent: int = 0
     last_round_bytes_received: int = 0
+    # seconds this rank's jobs spent in each phase (core.phase_clock: the worker thread's clock on the CPU, the side
+    # stream's timing events on CUDA), summed over the rounds read so far
+    job_reduce_scatter_s: float = 0.0
+    job_norm_s: float = 0.0
+    job_step_s: float = 0.0
+    job_all_gather_s: float = 0.0
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -485,6 +491,10 @@ class ACCOPipeline:
             self.stats.last_round_bytes_received = result.traffic.received
             self.stats.bytes_sent += result.traffic.sent
             self.stats.bytes_received += result.traffic.received
+        if result.clock is not None:
+            for phase, seconds in result.clock.seconds().items():
+                name = f"job_{phase}_s"
+                setattr(self.stats, name, getattr(self.stats, name) + seconds)
         if result.job is Job.COMMIT:
             self.committed_steps += 1
             if empty:  # nothing to commit: state and parameters unchanged

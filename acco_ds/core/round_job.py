@@ -34,6 +34,7 @@ from acco_ds.core.compressed_comm import (
     compressed_reduce_scatter_inplace,
     exchange_quantized_difference,
 )
+from acco_ds.core.phase_clock import PhaseClock
 from acco_ds.core.schedule import Job
 from acco_ds.ops.adamw import adamw_step
 from acco_ds.ops.adamw_difference import adamw_step_difference
@@ -67,6 +68,8 @@ class RoundResult:
     # bool [1] on the device, written by the job: no rank had a micro-batch. The compute side selects the norm to
     # report with it once its stream has waited for the job, without reading the summary on the host.
     empty_flag: torch.Tensor | None = None
+    # where the job spent its time (core.phase_clock; read it only after wait_summary)
+    clock: PhaseClock | None = None
 
     def wait_summary(self) -> None:
         if self.summary_ready is not None:
@@ -193,6 +196,7 @@ def run_round_job(
     parameters are all-gathered as int8 differences to ``bases[i]`` (group i's MODEL buffer at the launch,
     what every replica holds; ``ops.adamw_difference`` then ``compressed_comm.exchange_quantized_difference``)."""
     dev = groups[0].master.device
+    clock = PhaseClock(dev)
     traffic = Traffic()
     packed_params = compression is not None and compression.parameters
     if packed_params and (bases is None or len(bases) != len(groups)):
@@ -211,6 +215,7 @@ def run_round_job(
                 b.grad_bufs[g], residual, group, compression.block_size, traffic, compression.gradient_bits
             )
     grads = [b.shard_of(b.grad_bufs[g]) for b, (g, _) in zip(groups, roles)]
+    clock.mark("reduce_scatter")
 
     world = dist.get_world_size(group)
     if fixed_count is not None:
@@ -247,6 +252,7 @@ def run_round_job(
     dist.all_reduce(sumsq, op=dist.ReduceOp.SUM, group=group)
     if norm_group is not None:
         dist.all_reduce(sumsq, op=dist.ReduceOp.SUM, group=norm_group)
+    clock.mark("norm")
     grad_norm = (sumsq.sqrt() * avg_scale64).to(torch.float32)
     skipped = ~torch.isfinite(grad_norm)
     noop = (skipped | empty).to(torch.int32)
@@ -279,10 +285,13 @@ def run_round_job(
                 b.master, b.exp_avg, b.exp_avg_sq, grad, b.shard_of(target), b.shard_of(bases[i]), block,
                 bits=bits, **step,
             )  # fmt: skip
+            clock.mark("step")
             exchange_quantized_difference(target, bases[i], q, scales, group, block, traffic, bits)
         else:
             adamw_step(b.master, b.exp_avg, b.exp_avg_sq, grad, b.shard_of(target), **step)
+            clock.mark("step")
             all_gather_inplace(target, group, traffic)
+        clock.mark("all_gather")
     if job is Job.COMMIT:
         applied[0].add_((~(skipped | empty)).double())
 
@@ -295,4 +304,4 @@ def run_round_job(
         ready.record(torch.cuda.current_stream(dev))
     else:
         host = summary.clone()
-    return RoundResult(job, commit_index, grad_norm, host, ready, traffic, empty.reshape(1))
+    return RoundResult(job, commit_index, grad_norm, host, ready, traffic, empty.reshape(1), clock)

@@ -16,6 +16,7 @@ from benchmarks.harness.tables import (
     failed_section,
     fmt_opt,
     goals_table,
+    job_phase_table,
     load_line,
     notes_section,
     run_lines,
@@ -99,5 +100,6 @@ def _goals(an: dict) -> list:
 
 def render(results: dict, an: dict) -> str:
     parts = _context(results, an) + failed_section(results) + _goals(an)
-    parts += throughput_table(results, an) + wire_table(an) + steps_table(an) + budget_table(an) + _hetero(an)
+    parts += throughput_table(results, an) + wire_table(an) + job_phase_table(an)
+    parts += steps_table(an) + budget_table(an) + _hetero(an)
     return "\n".join(parts + notes_section(results))

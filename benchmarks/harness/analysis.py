@@ -46,6 +46,7 @@ import statistics
 from typing import Callable
 
 from acco_ds.cli.metrics import smoothed_loss, time_to_loss
+from acco_ds.core.phase_clock import PHASES as JOB_PHASES
 from benchmarks.harness import link
 from benchmarks.harness import seeds as sd
 
@@ -195,8 +196,19 @@ def analyse_rate(block: dict, comp: dict, gas: int, world: int, default_seed: in
             "load": [s["load_before"], s["load_after"]],
             "repeats": [x["samples_per_s"] for x in s.get("repeats", [])],
             "wire_bytes_per_step": s.get("wire_bytes_per_step"),
+            "job_phase_ms_per_round": job_phase_ms_per_round(s),
         }
     return rows
+
+
+def job_phase_ms_per_round(s: dict) -> dict | None:
+    """Where acco_ds's jobs spent their time in run ``s``: each phase's ``stats()['job_<phase>_s']`` over the
+    rank's rounds, in ms, mean over the ranks; None for DeepSpeed's contenders and runs that predate the
+    figures."""
+    stats = [x for x in s.get("acco_stats", []) if x.get("rounds") and "job_step_s" in x]
+    if not stats:
+        return None
+    return {p: statistics.mean(1e3 * x[f"job_{p}_s"] / x["rounds"] for x in stats) for p in JOB_PHASES}
 
 
 def analyse_budget(block: dict, setup: dict, default_seed: int = 0) -> dict | None:

@@ -139,6 +139,34 @@ def wire_table(an: dict, title: str = "## Bytes on the wire per optimizer step")
     return lines + [""]
 
 
+def job_phase_table(an: dict, title: str = "## Where acco_ds's rounds spend their time") -> list:
+    """The jobs' phases per round (``stats()['job_*_s']``, acco_ds.core.phase_clock), per rate and acco_ds
+    contender, beside the round's time; nothing for results that predate the figures."""
+    rows = [
+        (rate, label, r["job_phase_ms_per_round"], r["t_round_s"])
+        for rate, rs in an["tables"].items()
+        for label, r in rs.items()
+        if r.get("job_phase_ms_per_round")
+    ]
+    if not rows:
+        return []
+    lines = [
+        title,
+        "",
+        "Per round of the best-of-seeds run, mean over the ranks, in ms, measured where the job runs (the CPU "
+        "ranks' communication thread): the gradient exchange; the counts, the g~ and the norm's all-reduce (a "
+        "rank waits there for the slowest one's exchange); the AdamW step (with the quantized parameter "
+        "difference); the parameter all-gather. T_round: the step time over the rounds per step.",
+        "",
+        "| link | contender | reduce-scatter | norm | step | all-gather | job | T_round |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for rate, label, ph, t_round in rows:
+        cells = " | ".join(f"{ph[p]:.1f}" for p in ("reduce_scatter", "norm", "step", "all_gather"))
+        lines.append(f"| {rate} | {label} | {cells} | {sum(ph.values()):.1f} | {1e3 * t_round:.1f} |")
+    return lines + [""]
+
+
 def _x(s) -> str:
     return sd.fmt(s, ".2f", suffix="x")
 
