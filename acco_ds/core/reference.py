@@ -84,8 +84,8 @@ class _Exchange:
     def publish(self, new: Sequence[torch.Tensor], compute_dtype: torch.dtype) -> List[torch.Tensor]:
         """A round's new parameters (one per group, fp32) as the workers hold them after the all-gather: the
         values cast to ``compute_dtype`` without ``all_gather``; with it, the replicas moved by the dequantized
-        int8 difference of each chunk of the padded layout (what ``acco_ds.ops.adamw_difference`` and ``compressed_comm.exchange_quantized_difference`` do).
-        The first call sets the replicas from ``new`` (the initial parameters, held exactly)."""
+        int8 difference of each chunk of the padded layout (what ``acco_ds.ops.adamw_difference`` and
+        ``compressed_comm.exchange_quantized_difference`` do). The first call sets the replicas from ``new`` (the initial parameters, held exactly)."""
         if not self.spec.all_gather or self.replicas is None:
             out = [t.to(compute_dtype) for t in new]
             if self.spec.all_gather:

@@ -162,7 +162,7 @@ def job_phase_table(an: dict, title: str = "## Where acco_ds's rounds spend thei
         "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for rate, label, ph, t_round in rows:
-        cells = " | ".join(f"{ph[p]:.1f}" for p in ("reduce_scatter", "norm", "step", "all_gather"))
+        cells = " | ".join(f"{ms:.1f}" for ms in ph.values())  # analysis.JOB_PHASES' order, the header's
         lines.append(f"| {rate} | {label} | {cells} | {sum(ph.values()):.1f} | {1e3 * t_round:.1f} |")
     return lines + [""]
 
