@@ -54,7 +54,8 @@ MODULES = {
     "acco_ds._adamw_cpu": (
         "cpu",
         [("adamw/bindings.cpp", ["-DACCO_BIND_CPU"]), ("adamw/adamw_cpu.cpp", []),
-         ("adamw/adamw_difference_cpu.cpp", []), ("adamw/cuda_body_harness.cpp", [])],
+         ("adamw/adamw_difference_cpu.cpp", []), ("adamw/adamw_quantized_sum_cpu.cpp", []),
+         ("adamw/cuda_body_harness.cpp", [])],
     ),
     "acco_ds._accumulate_cpu": ("cpu", [("accumulate/bindings.cpp", []), ("accumulate/accumulate_cpu.cpp", [])]),
     "acco_ds._quantize_cpu": ("cpu", [("quantize/bindings.cpp", []), ("quantize/quantize_cpu.cpp", [])]),

@@ -311,8 +311,9 @@ MUTANTS = [
         "compressed exchange in its collective (NCCL) form: the owner sums the peers' chunks in another order "
         "than the point-to-point form (other bits at W = 3)",
         "acco_ds/core/compressed_comm.py",
-        "    dequantize_sum(chunks[me], q, scales, block_size, [(me - k) % world for k in range(world)])\n",
-        "    dequantize_sum(chunks[me], q, scales, block_size, [(me + k) % world for k in range(world)])\n",
+        "            got_q[r].copy_(_from_wire(got_wire[r], shard, bits))\n    return QuantizedShard(got_q, got_s, order)\n",
+        "            got_q[r].copy_(_from_wire(got_wire[r], shard, bits))\n"
+        "    return QuantizedShard(got_q, got_s, [(me + k) % world for k in range(world)])\n",
         ("tests/core/test_trajectories.py::test_collective_exchange_gives_the_point_to_point_bits",),
     ),
     Mutant(
@@ -322,6 +323,37 @@ MUTANTS = [
         "    scale = tl.where(scale.to(tl.float64) < wide, up, scale)\n",
         "    scale = tl.where(scale.to(tl.float64) < wide, scale, scale)\n",
         ("tests/ops/test_quantize_triton.py::test_triton_kernels_under_interpreter",),
+    ),
+    Mutant(
+        "M33",
+        "the AdamW step on the quantized chunks: an acco commit's gradient without the g~ its peek kept (C++)",
+        "csrc/adamw/adamw_quantized_sum_cpu.cpp",
+        "    if (tilde != nullptr) quant::add_tilde<G>(gs, tilde + lo, n);\n",
+        "",
+        (
+            "tests/ops/test_quantized_sum_step.py",
+            "tests/core/test_trajectories.py::test_compressed_steps_match_reference",
+        ),
+    ),
+    Mutant(
+        "M34",
+        "the norm of the quantized chunks: the squares taken before the kept g~ is added (C++)",
+        "csrc/quantize/quantize_cpu.cpp",
+        "    if (tilde != nullptr) add_tilde<S>(s, tilde + first + blo, m);\n",
+        "",
+        (
+            "tests/ops/test_quantized_sum_step.py",
+            "tests/core/test_trajectories.py::test_compressed_steps_match_reference",
+        ),
+    ),
+    Mutant(
+        "M35",
+        "the round job: a compressed peek's step reads its own buffer slice, which the unsummed exchange never "
+        "wrote, instead of the g~ its norm pass wrote",
+        "acco_ds/core/round_job.py",
+        "            source = b.tilde if unsummed else grad\n",
+        "            source = grad\n",
+        ("tests/core/test_trajectories.py::test_compressed_steps_match_reference",),
     ),
 ]
 

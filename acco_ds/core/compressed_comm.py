@@ -1,17 +1,19 @@
 """The compressed exchanges of a round (docs/ALGORITHM.md, "Compressed rounds"): the gradient
 reduce-scatter and the parameter all-gather, and the byte counts of a round's collectives.
 
-:func:`compressed_reduce_scatter_inplace` replaces the reduce-scatter of ``round_job`` when the round
-is compressed: each rank quantizes its WHOLE flat gradient buffer (``acco_ds.ops.quantize``, blockwise
-int8 with one fp32 scale per block; the blocks are cut inside each rank's shard-sized chunk, the last
-block of a chunk short), adding its error-feedback residual first and keeping what quantization lost
-in it; it sends chunk r's int8 values and scales to rank r (no backend sums int8: on gloo point-to-point,
-one peer at a time, as the uncompressed gloo path; on NCCL one ``all_to_all_single`` of the values and one of
-the scales); the owner dequantizes every rank's chunk of its shard (its own included) and sums them in fp32,
-in the order own, me-1, me-2, ... (mod W) on every backend, and writes the sum into its own slice of the
-buffer, in the buffer's dtype (gloo: as each peer's chunk arrives; NCCL, and W = 1: once all are there, in one
-pass, ``dequantize_sum``). From there the round goes on exactly as an uncompressed one (average, norm,
-clipping, AdamW, all-gather).
+:func:`exchange_quantized_gradients` replaces the reduce-scatter of ``round_job`` when the round's
+gradients are compressed: each rank quantizes its WHOLE flat gradient buffer (``acco_ds.ops.quantize``,
+blockwise int8 with one fp32 scale per block; the blocks are cut inside each rank's shard-sized chunk, the last
+block of a chunk short), adding its error-feedback residual first and keeping what quantization lost in it; it
+sends chunk r's int8 values and scales to rank r (no backend sums int8: on gloo point-to-point, one peer at a
+time, as the uncompressed gloo path; on NCCL one ``all_to_all_single`` of the values and one of the scales) and
+returns the W chunks of its own shard, unsummed (:class:`QuantizedShard`). The owner's sum of them (fp32, in the
+order own, me-1, me-2, ... mod W on every backend, stored in the buffer's dtype) is never written: the norm and
+the AdamW step read the chunks themselves (``acco_ds.ops.quantized_sum_step``); from there the round goes on
+exactly as an uncompressed one (average, norm, clipping, AdamW, all-gather).
+:func:`compressed_reduce_scatter_inplace` stores the sum in the buffer's own slice instead, where reading the
+chunks twice would move more bytes than storing the sum once (``round_job.UNSTORED_SUM_MAX_WORLD``) and where the
+norm needs it in memory (tensor parallelism's norm ranges).
 
 Threads, streams and ownership: called on the communication side (CPU: the executor's worker thread, gloo;
 CUDA: the executor's side stream, NCCL, everything queued on it) with the job's gradient buffer and the
@@ -46,14 +48,11 @@ import torch.distributed as dist
 
 from acco_ds.ops.quantize import (
     add_dequantized,
-    dequantize,
-    dequantize_add,
     dequantize_sum,
     num_blocks,
     pack_int4,
     quantize,
     quantize_with_residual,
-    store_sum,
     unpack_int4,
 )
 
@@ -100,19 +99,30 @@ class Compression:
     parameter_bits: int = 8
 
 
-def compressed_reduce_scatter_inplace(
+@dataclass(frozen=True)
+class QuantizedShard:
+    """The W ranks' quantized chunks of this rank's shard, as the owner sums them: ``q`` int8 ``[W, shard]`` and
+    ``scales`` fp32 ``[W, blocks]`` (row r: rank r's chunk, this rank's own row included), summed in ``order``
+    (own, me-1, me-2, ... mod W). New tensors of the job: the communication side owns them until it drops them."""
+
+    q: torch.Tensor
+    scales: torch.Tensor
+    order: list
+
+
+def exchange_quantized_gradients(
     full: torch.Tensor,
     residual: torch.Tensor | None,
     group,
     block_size: int,
     traffic: Traffic,
     bits: int = 8,
-) -> None:
-    """Sum ``full`` (this rank's flat gradient buffer, fp32 or bf16, length W x shard) over the ranks into
-    this rank's own slice of it, through int8 quantization (see the module docstring); the other slices
-    are left as they were. ``residual`` (same length and dtype as ``full``, or None: no error feedback)
-    is added before quantizing and overwritten with what quantization lost. ``bits``: 8, or 4 (values in
-    [-7, 7], sent two per byte, ``pack_int4``). Collective over ``group``."""
+) -> QuantizedShard:
+    """Quantize ``full`` (this rank's flat gradient buffer, fp32 or bf16, length W x shard) chunk by chunk and send
+    chunk r to rank r; returns every rank's chunk of this rank's shard, unsummed (``full`` is left as it was).
+    ``residual`` (same length and dtype as ``full``, or None: no error feedback) is added before quantizing and
+    overwritten with what quantization lost. ``bits``: 8, or 4 (values in [-7, 7], sent two per byte,
+    ``pack_int4``; the returned rows hold them unpacked, one per int8). Collective over ``group``."""
     world, me = dist.get_world_size(group), dist.get_rank(group)
     chunks = full.view(world, -1)
     shard = chunks.shape[1]
@@ -125,35 +135,54 @@ def compressed_reduce_scatter_inplace(
             quantize(chunks[r], block_size, bits=bits, out=(q[r], scales[r]))
         else:
             quantize_with_residual(chunks[r], rests[r], block_size, bits=bits, out=(q[r], scales[r]))
-    if world > 1 and point_to_point(group):
-        total = dequantize(q[me], scales[me], block_size)
-        got_q = _wire_buffer(shard, bits, full.device)
-        got_s = torch.empty(nb, dtype=torch.float32, device=full.device)
+    order = [(me - k) % world for k in range(world)]
+    if world == 1:
+        return QuantizedShard(q, scales, order)
+    got_q, got_s = torch.empty_like(q), torch.empty_like(scales)
+    if point_to_point(group):
+        got_q[me].copy_(q[me])
+        got_s[me].copy_(scales[me])
+        wire_in = _wire_buffer(shard, bits, full.device) if bits == 4 else None
         for k in range(1, world):
             dst, src = (me + k) % world, (me - k) % world
             reqs = [
                 traffic.send(_to_wire(q[dst], bits), group, dst),
                 traffic.send(scales[dst], group, dst),
-                traffic.recv(got_q, group, src),
-                traffic.recv(got_s, group, src),
+                traffic.recv(got_q[src] if wire_in is None else wire_in, group, src),
+                traffic.recv(got_s[src], group, src),
             ]
             for req in reqs:
                 req.wait()
-            dequantize_add(total, _from_wire(got_q, shard, bits), got_s, block_size)
-        store_sum(chunks[me], total)
-        return
-    if world > 1:
-        wire = torch.stack([_to_wire(q[r], bits) for r in range(world)]) if bits == 4 else q
-        got_q, got_s = torch.empty_like(wire), torch.empty_like(scales)
-        chunk_bytes = wire[0].numel() * wire.element_size() + nb * scales.element_size()
-        traffic.collective((world - 1) * chunk_bytes, (world - 1) * chunk_bytes)
-        dist.all_to_all_single(got_q, wire, group=group)
-        dist.all_to_all_single(got_s, scales, group=group)
-        # row r: rank r's chunk of this shard (row me: the copy of q[me] the all-to-all made, the same bits)
-        q = got_q if bits == 8 else torch.stack([_from_wire(got_q[r], shard, bits) for r in range(world)])
-        scales = got_s
-    # every chunk is here: one pass sums them (own, me-1, me-2, ...) into this rank's slice, in its dtype
-    dequantize_sum(chunks[me], q, scales, block_size, [(me - k) % world for k in range(world)])
+            if wire_in is not None:
+                got_q[src].copy_(_from_wire(wire_in, shard, bits))
+        return QuantizedShard(got_q, got_s, order)
+    wire = torch.stack([_to_wire(q[r], bits) for r in range(world)]) if bits == 4 else q
+    got_wire = torch.empty_like(wire) if bits == 4 else got_q
+    chunk_bytes = wire[0].numel() * wire.element_size() + nb * scales.element_size()
+    traffic.collective((world - 1) * chunk_bytes, (world - 1) * chunk_bytes)
+    dist.all_to_all_single(got_wire, wire, group=group)
+    dist.all_to_all_single(got_s, scales, group=group)
+    if bits == 4:  # row r: rank r's chunk of this shard (row me: the copy of q[me] the all-to-all made)
+        for r in range(world):
+            got_q[r].copy_(_from_wire(got_wire[r], shard, bits))
+    return QuantizedShard(got_q, got_s, order)
+
+
+def compressed_reduce_scatter_inplace(
+    full: torch.Tensor,
+    residual: torch.Tensor | None,
+    group,
+    block_size: int,
+    traffic: Traffic,
+    bits: int = 8,
+) -> None:
+    """Sum ``full`` over the ranks into this rank's own slice of it, through :func:`exchange_quantized_gradients`
+    and one ``dequantize_sum`` pass (in ``full``'s dtype); the other slices are left as they were. For the rounds
+    that store the sum (``round_job.UNSTORED_SUM_MAX_WORLD``: many ranks, tensor parallelism's norm ranges); the
+    others never do (``acco_ds.ops.quantized_sum_step``). Collective over ``group``."""
+    got = exchange_quantized_gradients(full, residual, group, block_size, traffic, bits)
+    me = dist.get_rank(group)
+    dequantize_sum(full.view(got.q.shape[0], -1)[me], got.q, got.scales, block_size, got.order)
 
 
 def _wire_buffer(n: int, bits: int, device) -> torch.Tensor:

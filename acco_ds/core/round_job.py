@@ -33,6 +33,7 @@ from acco_ds.core.compressed_comm import (
     Traffic,
     compressed_reduce_scatter_inplace,
     exchange_quantized_difference,
+    exchange_quantized_gradients,
 )
 from acco_ds.core.phase_clock import PhaseClock
 from acco_ds.core.schedule import Job
@@ -40,8 +41,14 @@ from acco_ds.ops.adamw import adamw_step
 from acco_ds.ops.adamw_difference import adamw_step_difference
 from acco_ds.ops.adamw_settings import AdamWSettings
 from acco_ds.ops.norm import sum_of_squares
+from acco_ds.ops.quantized_sum_step import adamw_step_quantized_sum, quantized_sum_of_squares
 
 _SUMMARY_FIXED = 4  # skipped, empty, count, round_count; then one count per rank
+
+UNSTORED_SUM_MAX_WORLD = 5
+"""Largest data-parallel world whose compressed rounds leave the owner's sum of the W quantized chunks unstored
+(the norm's pass and the step read the chunks: 2 W bytes per element, ``acco_ds.ops.quantized_sum_step``); from
+W = 6 on, storing the sum once and reading it twice (W + 6 bytes in bf16) moves fewer."""
 
 
 Hyper = AdamWSettings
@@ -190,7 +197,10 @@ def run_round_job(
     to all-gather each rank's ``local_count`` (adaptive; a number, put on the device by a fill).
 
     ``compression``: None, or this round's gradients are exchanged in int8 blocks
-    (``compressed_comm.compressed_reduce_scatter_inplace``), with ``residuals[i]`` (the pipeline's
+    (``compressed_comm.exchange_quantized_gradients``; the W chunks of the shard are never summed into memory: the
+    norm and the step read them, ``ops.quantized_sum_step``, and a peek's pass writes the sum into the g~ it keeps;
+    above :data:`UNSTORED_SUM_MAX_WORLD` ranks and with tensor parallelism's norm ranges
+    ``compressed_reduce_scatter_inplace`` stores the sum first), with ``residuals[i]`` (the pipeline's
     error-feedback residual of group i, written in place) when ``compression.error_feedback`` (an uncompressed
     COMMIT adds the residual to its buffer and zeroes it: the peeks' quantization error is sent exactly); and/or its new
     parameters are all-gathered as int8 differences to ``bases[i]`` (group i's MODEL buffer at the launch,
@@ -201,6 +211,15 @@ def run_round_job(
     packed_params = compression is not None and compression.parameters
     if packed_params and (bases is None or len(bases) != len(groups)):
         raise ValueError("run_round_job: a compressed all-gather needs one base buffer per group")
+    # compressed gradients: the W quantized chunks of each shard stay unsummed (norm and step read them), except
+    # at W > UNSTORED_SUM_MAX_WORLD and where tensor parallelism's norm ranges need the sum in memory
+    unsummed = (
+        compression is not None
+        and compression.gradients
+        and dist.get_world_size(group) <= UNSTORED_SUM_MAX_WORLD
+        and all(b.norm_ranges is None for b in groups)
+    )
+    shards: List[Any] = [None] * len(groups)
     for i, (b, (g, _)) in enumerate(zip(groups, roles)):
         if compression is None or not compression.gradients:
             if job is Job.COMMIT and residuals is not None and residuals[i] is not None:
@@ -211,7 +230,8 @@ def run_round_job(
             reduce_scatter_inplace(b.grad_bufs[g], group, traffic)
         else:
             residual = residuals[i] if compression.error_feedback else None
-            compressed_reduce_scatter_inplace(
+            how = exchange_quantized_gradients if unsummed else compressed_reduce_scatter_inplace
+            shards[i] = how(
                 b.grad_bufs[g], residual, group, compression.block_size, traffic, compression.gradient_bits
             )
     grads = [b.shard_of(b.grad_bufs[g]) for b, (g, _) in zip(groups, roles)]
@@ -227,13 +247,17 @@ def run_round_job(
     count = rank_counts.sum().reshape(1)
     round_count = count
 
-    if job is Job.PEEK and groups[0].tilde is not None:
+    keeps_tilde = job is Job.PEEK and groups[0].tilde is not None
+    adds_tilde = job is Job.COMMIT and groups[0].tilde is not None
+    if keeps_tilde:
         for b, grad in zip(groups, grads):
-            b.tilde.copy_(grad)
+            if not unsummed:
+                b.tilde.copy_(grad)
         tilde_count[0] = count.clone()
-    elif job is Job.COMMIT and groups[0].tilde is not None:
+    elif adds_tilde:
         for b, grad in zip(groups, grads):
-            grad.add_(b.tilde)
+            if not unsummed:
+                grad.add_(b.tilde)
         count = count + tilde_count[0]
 
     # a round no rank put a micro-batch in (a drain can end one, see ACCOPipeline._agree_on_round_count)
@@ -243,8 +267,13 @@ def run_round_job(
     avg_scale = avg_scale64.to(torch.float32)
     # the norm in fp64 up to its final value, as DeepSpeed's (acco_ds.ops.norm)
     sumsq = torch.zeros(1, dtype=torch.float64, device=dev)
-    for b, grad in zip(groups, grads):
-        if b.norm_ranges is None:
+    for b, grad, got in zip(groups, grads, shards):
+        if unsummed:  # the sum (+ the kept g~ in a commit; into the g~ in a peek) straight from the chunks
+            sumsq += quantized_sum_of_squares(
+                got.q, got.scales, compression.block_size, got.order, grad.dtype,
+                tilde=b.tilde if adds_tilde else None, tilde_out=b.tilde if keeps_tilde else None,
+            )  # fmt: skip
+        elif b.norm_ranges is None:
             sumsq += sum_of_squares(grad)
         else:  # tensor parallelism: a replicated parameter counts on one tensor-parallel rank only
             for lo, hi in b.norm_ranges:
@@ -277,19 +306,33 @@ def run_round_job(
             noop_flag=noop,
             commit=job is Job.COMMIT,
         )
-        if packed_params:
-            # the step, this rank's quantized difference to what the replicas hold and its application, one pass
-            # where the CPU kernel runs (base may be the target itself: read before it is written)
-            bits, block = compression.parameter_bits, compression.block_size
-            q, scales = adamw_step_difference(
-                b.master, b.exp_avg, b.exp_avg_sq, grad, b.shard_of(target), b.shard_of(bases[i]), block,
-                bits=bits, **step,
+        out = b.shard_of(target)
+        # the replicas' parameters (may be the target itself: each element is read before it is written)
+        base = b.shard_of(bases[i]) if packed_params else None
+        bits = compression.parameter_bits if packed_params else 8
+        got = shards[i] if unsummed and not keeps_tilde else None  # a peek's sum is in the g~ by now
+        if got is not None:
+            diff = adamw_step_quantized_sum(
+                b.master, b.exp_avg, b.exp_avg_sq, got.q, got.scales, compression.block_size, got.order,
+                grad.dtype, out, tilde=b.tilde if adds_tilde else None, base=base, bits=bits, **step,
             )  # fmt: skip
-            clock.mark("step")
-            exchange_quantized_difference(target, bases[i], q, scales, group, block, traffic, bits)
         else:
-            adamw_step(b.master, b.exp_avg, b.exp_avg_sq, grad, b.shard_of(target), **step)
-            clock.mark("step")
+            source = b.tilde if unsummed else grad
+            if packed_params:
+                # the step, this rank's quantized difference to what the replicas hold and its application,
+                # one pass where the CPU kernel runs
+                diff = adamw_step_difference(
+                    b.master, b.exp_avg, b.exp_avg_sq, source, out, base, compression.block_size, bits=bits, **step
+                )  # fmt: skip
+            else:
+                adamw_step(b.master, b.exp_avg, b.exp_avg_sq, source, out, **step)
+        clock.mark("step")
+        if packed_params:
+            q, scales = diff
+            exchange_quantized_difference(
+                target, bases[i], q, scales, group, compression.block_size, traffic, bits
+            )
+        else:
             all_gather_inplace(target, group, traffic)
         clock.mark("all_gather")
     if job is Job.COMMIT:

@@ -309,6 +309,45 @@ def commit_difference(fused: bool):
     return factory
 
 
+def sum_commit(fused: bool):
+    """The owner's half of a compressed commit from SUM_RANKS ranks' int8 chunks (bf16 gradients and parameters):
+    the norm's pass and the commit's pass each reading the chunks (acco_ds.ops.quantized_sum_step: C++ on the CPU,
+    Triton on the GPU), or composed as the round ran before (dequantize_sum into the bf16 gradient slice, its sum of
+    squares, the commit on it)."""
+
+    def factory(n, device):
+        import torch
+
+        from acco_ds.ops.adamw import adamw_step
+        from acco_ds.ops.norm import sum_of_squares
+        from acco_ds.ops.quantize import dequantize_sum, quantize
+        from acco_ds.ops.quantized_sum_step import adamw_step_quantized_sum, quantized_sum_of_squares
+
+        master, m, v, grad, out = _state(n, device)
+        parts = [quantize(torch.randn(n, device=device) * 1e-3, QUANT_BLOCK) for _ in range(SUM_RANKS)]
+        q, scales = torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts])
+        order, bf16 = list(range(SUM_RANKS)), torch.bfloat16
+        if fused:
+            backend = "fused" if device == "cpu" else "triton"
+
+            def one_pass_each():
+                quantized_sum_of_squares(q, scales, QUANT_BLOCK, order, bf16, backend=backend)
+                adamw_step_quantized_sum(
+                    master, m, v, q, scales, QUANT_BLOCK, order, bf16, out, backend=backend, step=10, **HP
+                )
+
+            return one_pass_each
+
+        def composed():
+            dequantize_sum(grad, q, scales, QUANT_BLOCK, order)
+            sum_of_squares(grad)
+            adamw_step(master, m, v, grad, out, step=10, **HP)
+
+        return composed
+
+    return factory
+
+
 def quant_contenders(device: str, notes: list) -> dict:
     """The quantize rows (compiled and torch reference), or none with a note saying why."""
     import torch
@@ -341,6 +380,8 @@ def quant_contenders(device: str, notes: list) -> dict:
     if _build.available("adamw_cpu" if device == "cpu" else "adamw_cuda"):
         out["commit_diff"] = commit_difference(fused=True)
         out["commit_diff_composed"] = commit_difference(fused=False)
+        out["sum_commit"] = sum_commit(fused=True)
+        out["sum_commit_composed"] = sum_commit(fused=False)
     return out
 
 

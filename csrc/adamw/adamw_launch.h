@@ -8,6 +8,7 @@
 #include <stdint.h>
 
 #include <string>
+#include <vector>
 
 #include "adamw/adamw_kernel_body.h"
 #include "common/dtype.h"
@@ -46,6 +47,15 @@ void adamw_cpu(const AdamWKernelArgs& a, int g_dtype, int out_dtype, bool commit
 // block_size) of cast(new) - base, and out = base + q * scale (adamw_difference_cpu.cpp states the contract).
 void adamw_difference_cpu(const AdamWKernelArgs& a, int g_dtype, int out_dtype, bool commit, uintptr_t base,
                           uintptr_t q, uintptr_t scales, int64_t block_size, int num_threads);
+
+// CPU: the step (as adamw_cpu, `out` required) whose gradient is the sum of W quantized rows (q_rows[r]: int8, n;
+// scale_rows[r]: fp32, one per block of block_size; summed in the vectors' order as dequantize_sum_cpu stores it in
+// g_dtype) plus `tilde` (g_dtype, n) when tilde != 0; with base != 0 also adamw_difference_cpu's difference (dq,
+// dscales). adamw_quantized_sum_cpu.cpp states the contract.
+void adamw_quantized_sum_cpu(const AdamWKernelArgs& a, int g_dtype, int out_dtype, bool commit,
+                             const std::vector<uintptr_t>& q_rows, const std::vector<uintptr_t>& scale_rows,
+                             uintptr_t tilde, int64_t block_size, uintptr_t base, uintptr_t dq, uintptr_t dscales,
+                             int num_threads);
 
 // CPU harness: runs the CUDA kernel body for every (block, thread) of a grid_dim x kBlock grid.
 // grid_dim <= 0 uses the launcher's grid (adamw_grid). Throws std::runtime_error on a misaligned vector

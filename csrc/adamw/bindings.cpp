@@ -87,6 +87,24 @@ PYBIND11_MODULE(_adamw_cpu, mod) {
       "AdamW arguments, then base, q, scales, block_size, num_threads. Use acco_ds.ops.adamw_difference.",
       py::call_guard<py::gil_scoped_release>());
   mod.def(
+      "adamw_quantized_sum_cpu",
+      [](ACCO_ADAMW_ARGS, const std::vector<uintptr_t>& q_rows, const std::vector<uintptr_t>& scale_rows,
+         uintptr_t tilde, int64_t block_size, uintptr_t base, uintptr_t dq, uintptr_t dscales, int num_threads) {
+        ACCO_MAKE_ARGS();
+        if (out == 0 || out_dtype < 0) throw std::invalid_argument("adamw_quantized_sum_cpu needs an out buffer");
+        if (block_size < 1) throw std::invalid_argument("adamw_quantized_sum_cpu: block_size must be >= 1");
+        if (q_rows.empty() || q_rows.size() != scale_rows.size())
+          throw std::invalid_argument("adamw_quantized_sum_cpu: need as many scale rows as q rows, at least one");
+        if (base != 0 && (dq == 0 || dscales == 0))
+          throw std::invalid_argument("adamw_quantized_sum_cpu: a base needs the difference's q and scales");
+        acco::adamw_quantized_sum_cpu(a, g_dtype, out_dtype, commit, q_rows, scale_rows, tilde, block_size, base, dq,
+                                      dscales, num_threads);
+      },
+      "The AdamW step on the sum of W quantized rows (+ tilde), never stored: the AdamW arguments (grad 0, grad "
+      "dtype = the sum's), then q_rows, scale_rows, tilde, block_size, base, dq, dscales, num_threads. Use "
+      "acco_ds.ops.quantized_sum_step.",
+      py::call_guard<py::gil_scoped_release>());
+  mod.def(
       "adamw_cuda_body_on_cpu",
       [](ACCO_ADAMW_ARGS, int64_t grid_dim, int64_t block_dim) {
         ACCO_MAKE_ARGS();

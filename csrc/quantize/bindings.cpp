@@ -63,6 +63,22 @@ PYBIND11_MODULE(_quantize_cpu, mod) {
       "out (fp32 or bf16, n) = the sum of q_r * scale_r over the rows in their order (fp32 arithmetic).",
       py::call_guard<py::gil_scoped_release>());
   mod.def(
+      "quantized_sum_squares_cpu",
+      [](const std::vector<uintptr_t>& q_rows, const std::vector<uintptr_t>& scale_rows, int64_t n, int64_t block_size,
+         int dtype, uintptr_t tilde, uintptr_t tilde_out, int num_threads) {
+        acco::check_dtype("dtype", dtype, false);
+        check_sizes("quantized_sum_squares_cpu", n, block_size);
+        if (q_rows.empty() || q_rows.size() != scale_rows.size())
+          throw std::invalid_argument("quantized_sum_squares_cpu: need as many scale rows as q rows, at least one; "
+                                      "got " + std::to_string(q_rows.size()) + " and " +
+                                      std::to_string(scale_rows.size()));
+        return acco::quantized_sum_squares_cpu(q_rows, scale_rows, n, block_size, dtype, tilde, tilde_out,
+                                               num_threads);
+      },
+      "The fp64 sum of squares of the rows' sum (as dequantize_sum_cpu stores it in dtype, plus tilde when given); "
+      "tilde_out receives the sum. Use acco_ds.ops.quantized_sum_step.",
+      py::call_guard<py::gil_scoped_release>());
+  mod.def(
       "quantize_difference_cpu",
       [](uintptr_t x, uintptr_t base, int dtype, int64_t n, int64_t block_size, uintptr_t q, uintptr_t scales,
          int num_threads) {

@@ -1,5 +1,6 @@
-// The blockwise quantizer's per-block rules on the CPU, shared by the quantize launchers (quantize_cpu.cpp) and the
-// fused AdamW + parameter difference (csrc/adamw/adamw_difference_cpu.cpp). Inline functions of plain C++; each
+// The blockwise quantizer's per-block rules on the CPU, shared by the quantize launchers (quantize_cpu.cpp), the
+// fused AdamW + parameter difference (csrc/adamw/adamw_difference_cpu.cpp) and the AdamW step on the quantized
+// rows' sum (csrc/adamw/adamw_quantized_sum_cpu.cpp). Inline functions of plain C++; each
 // translation unit compiles them inside its own instruction-set variants (csrc/common/cpu.h) with
 // -ffp-contract=off, so every variant and every caller gives the same bits (acco_ds/ops/quantize.py states the
 // rules; its torch reference is the oracle).
@@ -91,6 +92,54 @@ inline __attribute__((always_inline)) void add_deq_impl(const int8_t* __restrict
 #pragma omp simd
     for (int64_t i = lo; i < lo + end; ++i) out[i] = from_f32<O>(to_f32(base[i]) + static_cast<float>(q[i]) * s);
   }
+}
+
+// The owner's sum of W ranks' quantized chunks, one block at a time in pieces of kSumTile elements: an fp32
+// accumulator starts at the first row's q * scale and adds each further row's q * scale in `rows` order (the
+// product rounded, then the sum: dequantize + dequantize_add, W - 1 times), then is stored in out's dtype.
+constexpr int64_t kSumTile = 256;
+template <typename O>
+inline __attribute__((always_inline)) void deq_sum_impl(const int8_t* const* q, const float* const* scales,
+                                                        int64_t rows, int64_t first, O* __restrict out,
+                                                        int64_t len, int64_t bs) {
+  alignas(64) float acc[kSumTile];
+  for (int64_t blo = 0; blo < len; blo += bs) {  // a work item starts on a block boundary (for_items)
+    const int64_t b = (first + blo) / bs;
+    const int64_t block_len = std::min(bs, len - blo);
+    for (int64_t lo = blo; lo < blo + block_len; lo += kSumTile) {
+      const int64_t m = std::min(kSumTile, blo + block_len - lo);
+      const int8_t* __restrict q0 = q[0] + first + lo;
+      const float s0 = scales[0][b];
+#pragma omp simd
+      for (int64_t i = 0; i < m; ++i) acc[i] = static_cast<float>(q0[i]) * s0;
+      int64_t r = 1;
+      for (; r + 1 < rows; r += 2) {  // two rows a sweep of acc (the same operations, in the same order)
+        const int8_t* __restrict qa = q[r] + first + lo;
+        const int8_t* __restrict qb = q[r + 1] + first + lo;
+        const float sa = scales[r][b], sb = scales[r + 1][b];
+#pragma omp simd
+        for (int64_t i = 0; i < m; ++i) {
+          const float a = acc[i] + static_cast<float>(qa[i]) * sa;
+          acc[i] = a + static_cast<float>(qb[i]) * sb;
+        }
+      }
+      if (r < rows) {
+        const int8_t* __restrict qr = q[r] + first + lo;
+        const float sr = scales[r][b];
+#pragma omp simd
+        for (int64_t i = 0; i < m; ++i) acc[i] = acc[i] + static_cast<float>(qr[i]) * sr;
+      }
+#pragma omp simd
+      for (int64_t i = 0; i < m; ++i) out[lo + i] = from_f32<O>(acc[i]);
+    }
+  }
+}
+
+// s[i] = s[i] + tilde[i] in fp32, stored in S: the acco commit's `grad += tilde` on a block of the rows' sum.
+template <typename S>
+inline __attribute__((always_inline)) void add_tilde(S* __restrict s, const S* __restrict tilde, int64_t len) {
+#pragma omp simd
+  for (int64_t i = 0; i < len; ++i) s[i] = from_f32<S>(to_f32(s[i]) + to_f32(tilde[i]));
 }
 
 // Calls run(first element, elements) for every work item (whole blocks, about kChunk elements), over at most

@@ -49,45 +49,68 @@ inline __attribute__((always_inline)) void deq_impl(const int8_t* __restrict q, 
   }
 }
 
-// The owner's sum of W ranks' quantized chunks, one block at a time in pieces of kSumTile elements: an fp32
-// accumulator starts at the first row's q * scale and adds each further row's q * scale in `rows` order (the
-// product rounded, then the sum: dequantize + dequantize_add, W - 1 times), then is stored in out's dtype.
-constexpr int64_t kSumTile = 256;
-template <typename O>
-inline __attribute__((always_inline)) void deq_sum_impl(const int8_t* const* q, const float* const* scales,
-                                                        int64_t rows, int64_t first, O* __restrict out,
-                                                        int64_t len, int64_t bs) {
-  alignas(64) float acc[kSumTile];
-  for (int64_t blo = 0; blo < len; blo += bs) {  // a work item starts on a block boundary (for_items)
-    const int64_t b = (first + blo) / bs;
-    const int64_t block_len = std::min(bs, len - blo);
-    for (int64_t lo = blo; lo < blo + block_len; lo += kSumTile) {
-      const int64_t m = std::min(kSumTile, blo + block_len - lo);
-      const int8_t* __restrict q0 = q[0] + first + lo;
-      const float s0 = scales[0][b];
+// The fp64 sum of squares of the rows' sum (+ tilde), block by block through a scratch block of S; tilde_out
+// (when given) receives the sum. Eight fixed fp64 lanes, added in lane order at the end: the same bits whatever the
+// instruction set (no reassociation left to the compiler).
+constexpr int kSqLanes = 8;
+template <typename S>
+inline __attribute__((always_inline)) double sq_sum_impl(const int8_t* const* q, const float* const* scales,
+                                                         int64_t rows, int64_t first, int64_t len, int64_t bs,
+                                                         const void* tildev, void* tilde_outv, void* scratchv) {
+  const S* tilde = static_cast<const S*>(tildev);
+  S* tilde_out = static_cast<S*>(tilde_outv);
+  S* __restrict s = static_cast<S*>(scratchv);
+  double lanes[kSqLanes] = {0, 0, 0, 0, 0, 0, 0, 0};
+  for (int64_t blo = 0; blo < len; blo += bs) {
+    const int64_t m = std::min(bs, len - blo);
+    deq_sum_impl<S>(q, scales, rows, first + blo, s, m, bs);
+    if (tilde != nullptr) add_tilde<S>(s, tilde + first + blo, m);
+    if (tilde_out != nullptr) std::copy(s, s + m, tilde_out + first + blo);
+    int64_t i = 0;
+    for (; i + kSqLanes <= m; i += kSqLanes) {
 #pragma omp simd
-      for (int64_t i = 0; i < m; ++i) acc[i] = static_cast<float>(q0[i]) * s0;
-      int64_t r = 1;
-      for (; r + 1 < rows; r += 2) {  // two rows a sweep of acc (the same operations, in the same order)
-        const int8_t* __restrict qa = q[r] + first + lo;
-        const int8_t* __restrict qb = q[r + 1] + first + lo;
-        const float sa = scales[r][b], sb = scales[r + 1][b];
-#pragma omp simd
-        for (int64_t i = 0; i < m; ++i) {
-          const float a = acc[i] + static_cast<float>(qa[i]) * sa;
-          acc[i] = a + static_cast<float>(qb[i]) * sb;
-        }
+      for (int k = 0; k < kSqLanes; ++k) {
+        const double x = to_f32(s[i + k]);
+        lanes[k] += x * x;
       }
-      if (r < rows) {
-        const int8_t* __restrict qr = q[r] + first + lo;
-        const float sr = scales[r][b];
-#pragma omp simd
-        for (int64_t i = 0; i < m; ++i) acc[i] = acc[i] + static_cast<float>(qr[i]) * sr;
-      }
-#pragma omp simd
-      for (int64_t i = 0; i < m; ++i) out[lo + i] = from_f32<O>(acc[i]);
+    }
+    for (int k = 0; i < m; ++i, ++k) {
+      const double x = to_f32(s[i]);
+      lanes[k] += x * x;
     }
   }
+  double total = 0.0;
+  for (int k = 0; k < kSqLanes; ++k) total += lanes[k];
+  return total;
+}
+
+using SqItem = double (*)(const int8_t* const*, const float* const*, int64_t, int64_t, int64_t, int64_t, const void*,
+                          void*, void*);
+template <typename S>
+double sq_sum_base(const int8_t* const* q, const float* const* s, int64_t rows, int64_t first, int64_t len, int64_t bs,
+                   const void* t, void* to, void* scratch) {
+  return sq_sum_impl<S>(q, s, rows, first, len, bs, t, to, scratch);
+}
+#if ACCO_HAVE_ISA_VARIANTS
+template <typename S>
+ACCO_TARGET_AVX2 double sq_sum_avx2(const int8_t* const* q, const float* const* s, int64_t rows, int64_t first,
+                                    int64_t len, int64_t bs, const void* t, void* to, void* scratch) {
+  return sq_sum_impl<S>(q, s, rows, first, len, bs, t, to, scratch);
+}
+template <typename S>
+ACCO_TARGET_AVX512 double sq_sum_avx512(const int8_t* const* q, const float* const* s, int64_t rows, int64_t first,
+                                        int64_t len, int64_t bs, const void* t, void* to, void* scratch) {
+  return sq_sum_impl<S>(q, s, rows, first, len, bs, t, to, scratch);
+}
+#endif
+
+template <typename S>
+SqItem pick_sq_sum1() {
+#if ACCO_HAVE_ISA_VARIANTS
+  if (kIsa == Isa::kAvx512) return &sq_sum_avx512<S>;
+  if (kIsa == Isa::kAvx2) return &sq_sum_avx2<S>;
+#endif
+  return &sq_sum_base<S>;
 }
 
 // One work item: `len` elements from its first block on (pointers already offset), blocks of `bs`.
@@ -241,6 +264,31 @@ void dequantize_sum_cpu(const std::vector<uintptr_t>& q_rows, const std::vector<
   for_items(n, block_size, num_threads, [&](int64_t first, int64_t len, int64_t) {
     fn(q.data(), s.data(), rows, first, reinterpret_cast<char*>(out) + first * os, len, block_size);
   });
+}
+
+double quantized_sum_squares_cpu(const std::vector<uintptr_t>& q_rows, const std::vector<uintptr_t>& scale_rows,
+                                 int64_t n, int64_t block_size, int dtype, uintptr_t tilde, uintptr_t tilde_out,
+                                 int num_threads) {
+  const int64_t rows = static_cast<int64_t>(q_rows.size());
+  std::vector<const int8_t*> q(rows);
+  std::vector<const float*> s(rows);
+  for (int64_t r = 0; r < rows; ++r) {
+    q[r] = reinterpret_cast<const int8_t*>(q_rows[r]);
+    s[r] = reinterpret_cast<const float*>(scale_rows[r]);
+  }
+  const SqItem fn = dtype == kBF16 ? pick_sq_sum1<uint16_t>() : pick_sq_sum1<float>();
+  const int64_t es = elem_size(dtype);
+  // one partial per work item, summed in item order: the same value whatever the number of threads
+  const int64_t per_item = std::max<int64_t>(1, kChunk / block_size) * block_size;
+  std::vector<double> partial(static_cast<size_t>((n + per_item - 1) / per_item), 0.0);
+  for_items(n, block_size, num_threads, [&](int64_t first, int64_t len, int64_t) {
+    std::vector<char> scratch(static_cast<size_t>(std::min(block_size, len) * es));
+    partial[first / per_item] = fn(q.data(), s.data(), rows, first, len, block_size, reinterpret_cast<const void*>(tilde),
+                                   reinterpret_cast<void*>(tilde_out), scratch.data());
+  });
+  double total = 0.0;
+  for (const double p : partial) total += p;
+  return total;
 }
 
 void quantize_difference_cpu(uintptr_t x, uintptr_t base, int dtype, int64_t n, int64_t block_size, uintptr_t q,

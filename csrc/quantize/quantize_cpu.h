@@ -31,6 +31,13 @@ void dequantize_cpu(uintptr_t q, uintptr_t scales, int64_t n, int64_t block_size
 void dequantize_sum_cpu(const std::vector<uintptr_t>& q_rows, const std::vector<uintptr_t>& scale_rows, int64_t n,
                         int64_t block_size, uintptr_t out, int out_dtype, int num_threads);
 
+// The same sum, stored in `dtype` (fp32 or bf16), plus tilde (`dtype`, n) when tilde != 0, never stored in full: the
+// fp64 sum of the squares of its n values (each square exact, the sums in an order fixed by n and block_size);
+// tilde_out (`dtype`, n; when != 0) receives the values.
+double quantized_sum_squares_cpu(const std::vector<uintptr_t>& q_rows, const std::vector<uintptr_t>& scale_rows,
+                                 int64_t n, int64_t block_size, int dtype, uintptr_t tilde, uintptr_t tilde_out,
+                                 int num_threads);
+
 // A parameter difference: q, scales of v = x - base (both of `dtype`, n; base only read), v in fp32.
 void quantize_difference_cpu(uintptr_t x, uintptr_t base, int dtype, int64_t n, int64_t block_size, uintptr_t q,
                              uintptr_t scales, int num_threads);

@@ -135,6 +135,13 @@ COLLECTIVE_TWINS = {
     "acco_fp32_int8_collective": "acco_fp32_int8",
     "acco_fp32_int4_peek_and_all_gather_collective": "acco_fp32_int4_peek_and_all_gather",
 }
+# The owner's sum of the quantized chunks stored once (round_job.UNSTORED_SUM_MAX_WORLD, as from W = 6 on) rather
+# than read by the norm's and the step's passes: the same bits but the norm's fp64 order (clipping is off)
+STORED_SUM_TWINS = {
+    "acco_bf16_int8_stored_sum": "acco_bf16_int8",
+    "acco_bf16_int8_all_gather_stored_sum": "acco_bf16_int8_all_gather",
+    "dpu_fp32_int8_stored_sum": "dpu_fp32_int8",
+}
 LONG_STEPS = 40  # the replicas after many compressed steps
 LONG = (
     "acco_bf16_int8_long",
@@ -187,6 +194,11 @@ def scenarios(world: int) -> list:
         opt["params"]["compression"] = comp
         config = ds_config(opt, d, "noclip")
         out.append({"name": name, "steps": STEPS, "config": config, "collective_exchange": True})
+    for name, twin in STORED_SUM_TWINS.items():
+        m, d, comp = COMPRESSED[twin]
+        opt = acco_opt(m)
+        opt["params"]["compression"] = comp
+        out.append({"name": name, "steps": STEPS, "config": ds_config(opt, d, "noclip"), "stored_sum": True})
     name, m, d, comp = LONG
     opt = acco_opt(m)
     opt["params"]["compression"] = comp
@@ -630,6 +642,23 @@ def test_collective_exchange_gives_the_point_to_point_bits(run, name):
         assert _same(got["moments"][key], want["moments"][key]), f"{name} W={world}: {key} differs"
     for a, b in zip(got["stats_per_rank"], want["stats_per_rank"]):
         assert (a["bytes_sent"], a["bytes_received"]) == (b["bytes_sent"], b["bytes_received"]), (a, b)
+
+
+@pytest.mark.parametrize("name", STORED_SUM_TWINS)
+def test_stored_sum_gives_the_unstored_bits(run, name):
+    """The owner's sum of the quantized chunks stored once (the many-rank path) gives the run whose norm and step
+    read the chunks (acco_ds.ops.quantized_sum_step) bit for bit: parameters, moments, every rank's residual and
+    replica; the reported norms within the order of their fp64 additions."""
+    world, results = run
+    got, want = results[name], results[STORED_SUM_TWINS[name]]
+    for key in ("traj", "residuals_per_rank", "final_model_per_rank"):
+        assert _same(got[key], want[key]), f"{name} W={world}: {key} differs from the unstored run"
+    for key in ("exp_avg", "exp_avg_sq"):
+        assert _same(got["moments"][key], want["moments"][key]), f"{name} W={world}: {key} differs"
+    assert len(got["norms"]) == len(want["norms"])
+    for t, (a, b) in enumerate(zip(got["norms"], want["norms"])):
+        close = a is None or abs(a - b) <= 1e-6 * abs(b)
+        assert (a is None) == (b is None) and close, f"{name} W={world}: norm of step {t}: {a} vs {b}"
 
 
 def _same(a, b) -> bool:

@@ -16,10 +16,11 @@ import torch
 from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state  # noqa: E402
 
 import acco_ds  # noqa: E402,F401
-from acco_ds.core import compressed_comm, snapshot
+from acco_ds.core import compressed_comm, round_job, snapshot
 from tests.ranks import rank_start, toy  # noqa: E402
 
 P2P = compressed_comm.point_to_point
+UNSTORED_SUM_MAX_WORLD = round_job.UNSTORED_SUM_MAX_WORLD
 
 
 def run_scenario(sc: dict, rank: int) -> dict:
@@ -83,6 +84,8 @@ def main() -> None:
     for sc in rank_start.load_scenarios(args.scenarios):
         # "collective_exchange": the compressed exchanges take their collective (NCCL) form on gloo as well
         compressed_comm.point_to_point = (lambda group: False) if sc.get("collective_exchange") else P2P
+        # "stored_sum": the owner stores the sum of the quantized chunks, as from W = 6 on
+        round_job.UNSTORED_SUM_MAX_WORLD = 0 if sc.get("stored_sum") else UNSTORED_SUM_MAX_WORLD
         results[sc["name"]] = run_scenario(sc, rank)
         results[sc["name"]]["world_size"] = torch.distributed.get_world_size()
     rank_start.attach_per_rank(results, "stats_per_rank", lambda r: r.get("stats"))
