@@ -45,10 +45,12 @@ from acco_ds.ops.quantized_sum_step import adamw_step_quantized_sum, quantized_s
 
 _SUMMARY_FIXED = 4  # skipped, empty, count, round_count; then one count per rank
 
-UNSTORED_SUM_MAX_WORLD = 5
+UNSTORED_SUM_MAX_WORLD = 3
 """Largest data-parallel world whose compressed rounds leave the owner's sum of the W quantized chunks unstored
-(the norm's pass and the step read the chunks: 2 W bytes per element, ``acco_ds.ops.quantized_sum_step``); from
-W = 6 on, storing the sum once and reading it twice (W + 6 bytes in bf16) moves fewer."""
+(the norm's pass and the step read the chunks: 2 W bytes per element of the shard, ``acco_ds.ops.quantized_sum_step``)
+rather than storing it once and reading it twice (W + 6 bytes in bf16). Fewer bytes up to W = 5, but each pass also
+recomputes the sum: on the CPU (benchmarks/results/kernels/quantized_sum_cpu/, a commit with bf16 gradients) the
+unstored form took 0.88-0.97x the stored form's time at W = 2 and 0.98-1.05x at W = 4."""
 
 
 Hyper = AdamWSettings

@@ -25,7 +25,8 @@ the composition's only in the order of its fp64 additions (as the norm's backend
 
 Bytes per element of the shard: the composition reads the W int8 chunks once, writes the sum (2 B in bf16),
 reads it for the norm and for the step: W + 6 (bf16, scales aside). These read the chunks twice: 2 W, fewer up to
-W = 5; on the CPU the composition also runs through an fp32 total when the chunks arrive one by one (gloo).
+W = 5, though each pass recomputes the sum (the round job reads the chunks twice up to W = 3:
+``acco_ds.core.round_job.UNSTORED_SUM_MAX_WORLD``).
 
 Arguments: ``q`` int8 ``[rows, n]`` and ``scales`` fp32 ``[rows, num_blocks(n)]``, contiguous, on master's
 device; ``order``: the distinct rows to sum, in the summation order (at least one); ``tilde`` / ``tilde_out``: flat

@@ -177,8 +177,9 @@ def buffers(
 def compression_buffers(D: int, comm_D: int, W: int, block: int = COMPRESSION_BLOCK) -> List[Buffer]:
     """What int8 compression adds to an acco_ds mode (``acco_ds.core.compressed_comm``): the error-feedback
     residual, held (one full buffer in the comm dtype: the most compression may cost over the same mode
-    uncompressed, in held memory); while a round exchanges, the whole buffer's int8 values and fp32 scales and
-    one fp32 shard-sized chunk being quantized or summed."""
+    uncompressed, in held memory); while a round exchanges, the whole buffer's int8 values and fp32 scales (sent)
+    and every rank's chunk of this rank's shard (received: W shards of int8 and scales, which the norm and the
+    step read unsummed; no fp32 temporary)."""
     c = "D" if comm_D == D else "C"
     return [
         Buffer("error-feedback residual (full, comm dtype)", comm_D, "held", c),
@@ -188,7 +189,12 @@ def compression_buffers(D: int, comm_D: int, W: int, block: int = COMPRESSION_BL
             "transient",
             "1 + 4/B",
         ),
-        Buffer("fp32 chunk quantized or summed (one shard)", FP32 / W, "transient", "4/W"),
+        Buffer(
+            "the W ranks' int8 chunks + scales of this rank's shard (received)",
+            1 + 4 / block,
+            "transient",
+            "1 + 4/B",
+        ),
     ]
 
 

@@ -157,13 +157,20 @@ def opt_bytes_per_param(kind: str, D: int, C: int) -> int:
     raise ValueError(f"unknown optimizer step kind {kind!r}")
 
 
+UNSTORED_SUM_MAX_WORLD = 3
+"""``acco_ds.core.round_job.UNSTORED_SUM_MAX_WORLD`` (the planner stands alone; a test keeps the two equal)."""
+
+
 def quant_bytes_per_param(D: int, C: int, W: int) -> float:
     """Bytes a compressed round's quantize / dequantize passes stream per parameter of the full buffer (all
     int8): the gradients quantized with the residual (read the gradient and the residual, write q and the
-    residual: ``3 C + 1``), the owner's dequantize-and-sum of W chunks into its shard (``(W + C) / W``), the
+    residual: ``3 C + 1``), the owner's W chunks of its shard read by the norm's and the step's passes (``2``,
+    up to :data:`UNSTORED_SUM_MAX_WORLD` ranks; beyond, summed once into the shard: ``(W + C) / W``), the
     parameter difference of the shard quantized (``(2 D + 1) / W``) and applied to every chunk (read the
-    base and q, write the parameter: ``2 D + 1``). The scales are left out (4/B of the values)."""
-    return 3 * C + 1 + (W + C) / W + (2 * D + 1) / W + 2 * D + 1
+    base and q, write the parameter: ``2 D + 1``). The scales are left out (4/B of the values), and so is the
+    step's and the norm's read of a stored sum (counted with the step)."""
+    owner_sum = 2 if W <= UNSTORED_SUM_MAX_WORLD else (W + C) / W
+    return 3 * C + 1 + owner_sum + (2 * D + 1) / W + 2 * D + 1
 
 
 def exposed_overlapped_reduce(t_reduce: float, t_backward: float, n_buckets: int, can_overlap: bool) -> float:

@@ -309,8 +309,8 @@ def commit_difference(fused: bool):
     return factory
 
 
-def sum_commit(fused: bool):
-    """The owner's half of a compressed commit from SUM_RANKS ranks' int8 chunks (bf16 gradients and parameters):
+def sum_commit(fused: bool, ranks: int = SUM_RANKS):
+    """The owner's half of a compressed commit from ``ranks`` ranks' int8 chunks (bf16 gradients and parameters):
     the norm's pass and the commit's pass each reading the chunks (acco_ds.ops.quantized_sum_step: C++ on the CPU,
     Triton on the GPU), or composed as the round ran before (dequantize_sum into the bf16 gradient slice, its sum of
     squares, the commit on it)."""
@@ -324,9 +324,9 @@ def sum_commit(fused: bool):
         from acco_ds.ops.quantized_sum_step import adamw_step_quantized_sum, quantized_sum_of_squares
 
         master, m, v, grad, out = _state(n, device)
-        parts = [quantize(torch.randn(n, device=device) * 1e-3, QUANT_BLOCK) for _ in range(SUM_RANKS)]
+        parts = [quantize(torch.randn(n, device=device) * 1e-3, QUANT_BLOCK) for _ in range(ranks)]
         q, scales = torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts])
-        order, bf16 = list(range(SUM_RANKS)), torch.bfloat16
+        order, bf16 = list(range(ranks)), torch.bfloat16
         if fused:
             backend = "fused" if device == "cpu" else "triton"
 
@@ -380,8 +380,10 @@ def quant_contenders(device: str, notes: list) -> dict:
     if _build.available("adamw_cpu" if device == "cpu" else "adamw_cuda"):
         out["commit_diff"] = commit_difference(fused=True)
         out["commit_diff_composed"] = commit_difference(fused=False)
-        out["sum_commit"] = sum_commit(fused=True)
-        out["sum_commit_composed"] = sum_commit(fused=False)
+        for ranks in (2, SUM_RANKS):
+            key = "sum_commit" if ranks == SUM_RANKS else f"sum_commit_w{ranks}"
+            out[key] = sum_commit(fused=True, ranks=ranks)
+            out[f"{key}_composed"] = sum_commit(fused=False, ranks=ranks)
     return out
 
 

@@ -43,6 +43,7 @@ QUANT_ANCHORS["qdiff"] = ["qdiff_unfused", "qdiff_ref"]
 QUANT_ANCHORS["add_deq"] = ["add_deq_unfused", "add_deq_ref"]
 QUANT_ANCHORS["commit_diff"] = ["commit_diff_composed"]
 QUANT_ANCHORS["sum_commit"] = ["sum_commit_composed"]
+QUANT_ANCHORS["sum_commit_w2"] = ["sum_commit_w2_composed"]
 COMMIT_DIFF_BYTES = 28 + 2 + 1 + _SCALE
 """A compressed all-gather's local work in one pass: the commit's 28 B, the base read (the bf16 output lines,
 in place), q and the scales written; its composed row is credited with the same bytes."""
@@ -52,11 +53,19 @@ BYTES.update({ref: QUANT_BYTES[key] for key, ref in QUANT_REF.items()})
 for _key in ("deq_sum", "qdiff", "add_deq"):  # credited with the fused pass's bytes: its effective GB/s
     BYTES[f"{_key}_unfused"] = QUANT_BYTES[_key]
 BYTES["commit_diff"] = BYTES["commit_diff_composed"] = COMMIT_DIFF_BYTES
-SUM_COMMIT_BYTES = 2 * SUM_RANKS * (1 + _SCALE) + 24 + 2
-"""An owner's compressed commit from the chunks: the norm's and the commit's passes each read every rank's q and
-scales, the commit reads and writes the fp32 state (24 B) and writes the bf16 parameters; its composed row
-(dequantize_sum, the norm, the commit: SUM_RANKS * (1 + scale) + 2 + 2 + 28 B) is credited with the same bytes."""
+
+
+def sum_commit_bytes(ranks: int) -> float:
+    """An owner's compressed commit from ``ranks`` ranks' chunks: the norm's and the commit's passes each read every
+    rank's q and scales, the commit reads and writes the fp32 state (24 B) and writes the bf16 parameters; its
+    composed row (dequantize_sum, the norm, the commit: ranks * (1 + scale) + 2 + 2 + 28 B) is credited with the same
+    bytes."""
+    return 2 * ranks * (1 + _SCALE) + 24 + 2
+
+
+SUM_COMMIT_BYTES = sum_commit_bytes(SUM_RANKS)
 BYTES["sum_commit"] = BYTES["sum_commit_composed"] = SUM_COMMIT_BYTES
+BYTES["sum_commit_w2"] = BYTES["sum_commit_w2_composed"] = sum_commit_bytes(2)
 LABEL = {
     "commit": "acco commit (bf16 g in, bf16 p out)",
     "peek": "acco peek (bf16 g in, bf16 p out)",
@@ -88,6 +97,8 @@ LABEL = {
     "commit_diff_composed": "acco composed: copy of the base, commit, quantize_difference, add_dequantized",
     "sum_commit": f"acco norm + commit read from {SUM_RANKS} ranks' int8 chunks (bf16 g, bf16 p)",
     "sum_commit_composed": "acco composed: dequantize_sum into bf16, norm, commit",
+    "sum_commit_w2": "acco norm + commit read from 2 ranks' int8 chunks (bf16 g, bf16 p)",
+    "sum_commit_w2_composed": "acco composed, 2 ranks: dequantize_sum into bf16, norm, commit",
 }
 OWN = ("commit", "peek", "acc_bf16_fp32", "acc_bf16_bf16", "read_floor")
 QUANT_ROWS = (
@@ -102,6 +113,8 @@ QUANT_ROWS = (
     "add_deq_unfused",
     "commit_diff",
     "commit_diff_composed",
+    "sum_commit_w2",
+    "sum_commit_w2_composed",
     "sum_commit",
     "sum_commit_composed",
     "qres_fp32_ref",
@@ -224,10 +237,11 @@ def _quant_bytes_line(res: dict) -> list:
             else ""
         )
         + (
-            f" The owner's compressed commit from {SUM_RANKS} ranks' chunks, {SUM_COMMIT_BYTES:g} B/param: the norm's "
-            "and the commit's passes each read the chunks (acco_ds.ops.quantized_sum_step: C++ on the CPU, Triton on "
-            "the GPU), against the composition the round ran before (dequantize_sum into the bf16 gradient slice, its "
-            "sum of squares, the commit), credited with the same bytes."
+            f" The owner's compressed commit from {SUM_RANKS} ranks' chunks, {SUM_COMMIT_BYTES:g} B/param"
+            + (f" (from 2 ranks' {sum_commit_bytes(2):g})" if _measured(res, "sum_commit_w2") else "")
+            + ": the norm's and the commit's passes each read the chunks (acco_ds.ops.quantized_sum_step: C++ on the "
+            "CPU, Triton on the GPU), against the composition the round ran before (dequantize_sum into the bf16 "
+            "gradient slice, its sum of squares, the commit), credited with the same bytes."
             if _measured(res, "sum_commit")
             else ""
         )

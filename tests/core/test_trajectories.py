@@ -135,7 +135,7 @@ COLLECTIVE_TWINS = {
     "acco_fp32_int8_collective": "acco_fp32_int8",
     "acco_fp32_int4_peek_and_all_gather_collective": "acco_fp32_int4_peek_and_all_gather",
 }
-# The owner's sum of the quantized chunks stored once (round_job.UNSTORED_SUM_MAX_WORLD, as from W = 6 on) rather
+# The owner's sum of the quantized chunks stored once (round_job.UNSTORED_SUM_MAX_WORLD, as from W = 4 on) rather
 # than read by the norm's and the step's passes: the same bits but the norm's fp64 order (clipping is off)
 STORED_SUM_TWINS = {
     "acco_bf16_int8_stored_sum": "acco_bf16_int8",

@@ -148,6 +148,21 @@ def test_compressed_rounds_against_a_hand_computed_case():
     assert "has run on one GPU only" in plan.row("acco-int8").note
 
 
+def test_owner_sum_bytes_follow_the_round_job():
+    """Up to the round job's UNSTORED_SUM_MAX_WORLD the owner's W chunks are read by two passes (2 bytes per
+    parameter of the buffer); beyond, summed once into the shard ((W + C) / W)."""
+    from acco_ds.core import round_job
+    from acco_ds.plan import model
+
+    assert model.UNSTORED_SUM_MAX_WORLD == round_job.UNSTORED_SUM_MAX_WORLD
+    top = model.UNSTORED_SUM_MAX_WORLD
+    rest = lambda W: 3 * 2 + 1 + (2 * 2 + 1) / W + 2 * 2 + 1  # noqa: E731  bf16 everywhere, the other passes
+    assert model.quant_bytes_per_param(2, 2, top) == pytest.approx(rest(top) + 2)
+    assert model.quant_bytes_per_param(2, 2, top + 1) == pytest.approx(
+        rest(top + 1) + (top + 1 + 2) / (top + 1)
+    )
+
+
 def test_latency_terms_and_a_compute_bound_case():
     """One node of 4, 1B bf16 parameters, 100 GB/s, 10 us per ring step, t_mb 100 ms, GAS 4."""
     i = PlanInputs(
@@ -252,8 +267,8 @@ def test_memory_is_bench_memorys_analytic_bytes_per_parameter():
         ):  # the error-feedback residual: one full buffer, comm dtype
             assert held[name + "-int8"] == pytest.approx(held[name] + C)
             peak = {r.contender: r.memory_bytes_per_param for r in plan.rows}
-            # while a round exchanges: the buffer's int8 values and scales, one fp32 chunk of a shard
-            assert peak[name + "-int8"] == pytest.approx(peak[name] + C + 1 + 4 / 256 + 4 / W)
+            # while a round exchanges: the buffer's int8 values and scales sent, the W chunks of a shard received
+            assert peak[name + "-int8"] == pytest.approx(peak[name] + C + 2 * (1 + 4 / 256))
     # the bench's ZeRO configs (one bucket of the model for zero1, a quarter for zero2) are the defaults
     assert bench_mm.buffers("zero1", 2, 2) == memory_model.buffers("zero1", 2, 2, bucket_frac=1.0)
     assert bench_mm.buffers("zero2", 2, 2) == memory_model.buffers("zero2", 2, 2, bucket_frac=0.25)

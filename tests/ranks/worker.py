@@ -84,7 +84,7 @@ def main() -> None:
     for sc in rank_start.load_scenarios(args.scenarios):
         # "collective_exchange": the compressed exchanges take their collective (NCCL) form on gloo as well
         compressed_comm.point_to_point = (lambda group: False) if sc.get("collective_exchange") else P2P
-        # "stored_sum": the owner stores the sum of the quantized chunks, as from W = 6 on
+        # "stored_sum": the owner stores the sum of the quantized chunks, as from W = 4 on
         round_job.UNSTORED_SUM_MAX_WORLD = 0 if sc.get("stored_sum") else UNSTORED_SUM_MAX_WORLD
         results[sc["name"]] = run_scenario(sc, rank)
         results[sc["name"]]["world_size"] = torch.distributed.get_world_size()
