@@ -114,8 +114,8 @@ def _case_goals(case: dict, rows: list, D: int, W: int) -> list:
                 f"{case['key']}: acco-int8 holds at most one buffer in the comm dtype ({D} B/param) over acco",
                 f"{extra_held:+.3f} B/param held (the residual, counted in the code); at the peak "
                 f"{(packed['peak'] - acco['peak']) / case['params']:+.2f} B/param measured "
-                f"(analytic {packed['analytic_peak'] - acco['analytic_peak']:+.2f}: the residual and a round's "
-                "int8 values and fp32 chunk)",
+                f"(analytic {packed['analytic_peak'] - acco['analytic_peak']:+.2f}: the residual, a round's "
+                "int8 values sent and the shard's chunks received)",
                 "met" if extra_held <= D + 1e-9 else "**missed**",
             )
         )
