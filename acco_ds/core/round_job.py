@@ -49,8 +49,9 @@ UNSTORED_SUM_MAX_WORLD = 3
 """Largest data-parallel world whose compressed rounds leave the owner's sum of the W quantized chunks unstored
 (the norm's pass and the step read the chunks: 2 W bytes per element of the shard, ``acco_ds.ops.quantized_sum_step``)
 rather than storing it once and reading it twice (W + 6 bytes in bf16). Fewer bytes up to W = 5, but each pass also
-recomputes the sum: on the CPU (benchmarks/results/kernels/quantized_sum_cpu/, a commit with bf16 gradients) the
-unstored form took 0.88-0.97x the stored form's time at W = 2 and 0.98-1.05x at W = 4."""
+recomputes the sum: on the CPU (benchmarks/results/kernels/quantized_sum_cpu/run1, run2: a commit with bf16
+gradients, 1M to 100M elements) the unstored form ran 1.03-1.26x as fast as the stored one at W = 2, 1.10-1.26x at
+W = 3 (one run) and 0.92-1.12x at W = 4."""
 
 
 Hyper = AdamWSettings

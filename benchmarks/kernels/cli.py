@@ -380,7 +380,7 @@ def quant_contenders(device: str, notes: list) -> dict:
     if _build.available("adamw_cpu" if device == "cpu" else "adamw_cuda"):
         out["commit_diff"] = commit_difference(fused=True)
         out["commit_diff_composed"] = commit_difference(fused=False)
-        for ranks in (2, SUM_RANKS):
+        for ranks in (2, 3, SUM_RANKS):
             key = "sum_commit" if ranks == SUM_RANKS else f"sum_commit_w{ranks}"
             out[key] = sum_commit(fused=True, ranks=ranks)
             out[f"{key}_composed"] = sum_commit(fused=False, ranks=ranks)

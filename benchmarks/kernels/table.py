@@ -44,6 +44,7 @@ QUANT_ANCHORS["add_deq"] = ["add_deq_unfused", "add_deq_ref"]
 QUANT_ANCHORS["commit_diff"] = ["commit_diff_composed"]
 QUANT_ANCHORS["sum_commit"] = ["sum_commit_composed"]
 QUANT_ANCHORS["sum_commit_w2"] = ["sum_commit_w2_composed"]
+QUANT_ANCHORS["sum_commit_w3"] = ["sum_commit_w3_composed"]
 COMMIT_DIFF_BYTES = 28 + 2 + 1 + _SCALE
 """A compressed all-gather's local work in one pass: the commit's 28 B, the base read (the bf16 output lines,
 in place), q and the scales written; its composed row is credited with the same bytes."""
@@ -66,6 +67,7 @@ def sum_commit_bytes(ranks: int) -> float:
 SUM_COMMIT_BYTES = sum_commit_bytes(SUM_RANKS)
 BYTES["sum_commit"] = BYTES["sum_commit_composed"] = SUM_COMMIT_BYTES
 BYTES["sum_commit_w2"] = BYTES["sum_commit_w2_composed"] = sum_commit_bytes(2)
+BYTES["sum_commit_w3"] = BYTES["sum_commit_w3_composed"] = sum_commit_bytes(3)
 LABEL = {
     "commit": "acco commit (bf16 g in, bf16 p out)",
     "peek": "acco peek (bf16 g in, bf16 p out)",
@@ -99,6 +101,8 @@ LABEL = {
     "sum_commit_composed": "acco composed: dequantize_sum into bf16, norm, commit",
     "sum_commit_w2": "acco norm + commit read from 2 ranks' int8 chunks (bf16 g, bf16 p)",
     "sum_commit_w2_composed": "acco composed, 2 ranks: dequantize_sum into bf16, norm, commit",
+    "sum_commit_w3": "acco norm + commit read from 3 ranks' int8 chunks (bf16 g, bf16 p)",
+    "sum_commit_w3_composed": "acco composed, 3 ranks: dequantize_sum into bf16, norm, commit",
 }
 OWN = ("commit", "peek", "acc_bf16_fp32", "acc_bf16_bf16", "read_floor")
 QUANT_ROWS = (
@@ -115,6 +119,8 @@ QUANT_ROWS = (
     "commit_diff_composed",
     "sum_commit_w2",
     "sum_commit_w2_composed",
+    "sum_commit_w3",
+    "sum_commit_w3_composed",
     "sum_commit",
     "sum_commit_composed",
     "qres_fp32_ref",
@@ -238,7 +244,13 @@ def _quant_bytes_line(res: dict) -> list:
         )
         + (
             f" The owner's compressed commit from {SUM_RANKS} ranks' chunks, {SUM_COMMIT_BYTES:g} B/param"
-            + (f" (from 2 ranks' {sum_commit_bytes(2):g})" if _measured(res, "sum_commit_w2") else "")
+            + (
+                f" (from 2 ranks' {sum_commit_bytes(2):g}, from 3 ranks' {sum_commit_bytes(3):g})"
+                if _measured(res, "sum_commit_w3")
+                else f" (from 2 ranks' {sum_commit_bytes(2):g})"
+                if _measured(res, "sum_commit_w2")
+                else ""
+            )
             + ": the norm's and the commit's passes each read the chunks (acco_ds.ops.quantized_sum_step: C++ on the "
             "CPU, Triton on the GPU), against the composition the round ran before (dequantize_sum into the bf16 "
             "gradient slice, its sum of squares, the commit), credited with the same bytes."
