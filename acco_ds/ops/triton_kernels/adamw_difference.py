@@ -10,6 +10,9 @@ block (:mod:`.quantize`'s rules: scale rounded up, IEEE quotient rounded half to
 non-finite block); ``out = base + q * scale`` stored in the parameter dtype. COMMIT writes master, exp_avg and
 exp_avg_sq unless the device's noop flag is set (then the new parameter is the master, cast). ``base`` may be
 ``out`` (each element's base is loaded before its output is stored); ``grad`` may be ``out`` likewise.
+
+Its two halves are jit functions of their own, which :mod:`.quantized_sum_step` shares: ``adamw_tile`` (the step
+of one tile from an fp32 gradient) and ``apply_difference`` (the quantized difference and its application).
 """
 
 from __future__ import annotations
@@ -50,6 +53,47 @@ def adamw_difference_rows(
     """See the module docstring. ``hyper_ptr``: the 8 fp32 AdamW scalars (acco_ds.ops.adamw_settings.KERNEL_FIELDS
     order); ``gscale_ptr`` (HAS_GSCALE): 1 fp32; ``noop_ptr`` (HAS_NOOP): 1 int32, nonzero = no step."""
     rows, idx, mask = _row_tile(n, block_size, TILE, ROWS)
+    g = tl.load(g_ptr + idx, mask=mask, other=0)
+    if G_BF16:
+        g = bf16_to_f32(g)
+    p = adamw_tile(
+        p_ptr,
+        m_ptr,
+        v_ptr,
+        g,
+        idx,
+        mask,
+        hyper_ptr,
+        gscale_ptr,
+        noop_ptr,
+        grad_scale,
+        COMMIT,
+        HAS_GSCALE,
+        HAS_NOOP,
+    )
+    apply_difference(p, base_ptr, out_ptr, q_ptr, qscale_ptr, rows, idx, mask, nb, QMAX, P_BF16)
+
+
+@triton.jit
+def adamw_tile(
+    p_ptr,
+    m_ptr,
+    v_ptr,
+    g,
+    idx,
+    mask,
+    hyper_ptr,
+    gscale_ptr,
+    noop_ptr,
+    grad_scale,
+    COMMIT: tl.constexpr,
+    HAS_GSCALE: tl.constexpr,
+    HAS_NOOP: tl.constexpr,
+):
+    """The AdamW step of one tile with the fp32 gradient ``g`` (unscaled): csrc/adamw/adamw_math.h's operations in
+    their order, the gradient times ``grad_scale * gscale[0]`` (HAS_GSCALE); COMMIT stores master, exp_avg and
+    exp_avg_sq unless the device's noop flag is set (HAS_NOOP). Returns the new parameters (the master where the flag
+    is set), fp32."""
     decay = tl.load(hyper_ptr + 0)
     one_minus_beta1 = tl.load(hyper_ptr + 2)
     beta2 = tl.load(hyper_ptr + 3)
@@ -63,9 +107,6 @@ def adamw_difference_rows(
     p0 = tl.load(p_ptr + idx, mask=mask, other=0.0)
     m = tl.load(m_ptr + idx, mask=mask, other=0.0)
     v = tl.load(v_ptr + idx, mask=mask, other=0.0)
-    g = tl.load(g_ptr + idx, mask=mask, other=0)
-    if G_BF16:
-        g = bf16_to_f32(g)
     g = g * s
     p = p0 * decay
     m = m + one_minus_beta1 * (g - m)
@@ -81,7 +122,17 @@ def adamw_difference_rows(
         tl.store(p_ptr + idx, p, mask=live)
         tl.store(m_ptr + idx, m, mask=live)
         tl.store(v_ptr + idx, v, mask=live)
-    base = _load_f32(base_ptr, idx, mask, P_BF16)  # before out is stored: base may be out
+    return p
+
+
+@triton.jit
+def apply_difference(
+    p, base_ptr, out_ptr, q_ptr, qscale_ptr, rows, idx, mask, nb, QMAX: tl.constexpr, P_BF16: tl.constexpr
+):
+    """The new parameters ``p`` (fp32) as the replicas will hold them: their difference to ``base`` (cast to the
+    parameter dtype first) quantized per block into ``q`` / ``qscale``, and ``out = base + q * scale`` stored in the
+    parameter dtype (``base`` is loaded before ``out`` is stored: it may be ``out``)."""
+    base = _load_f32(base_ptr, idx, mask, P_BF16)
     if P_BF16:
         p = bf16_to_f32(f32_to_bf16(p))  # the new parameter as the bf16 buffer would hold it
     q, _, stored, _ = _quantize_tile(p - base, rows, idx, mask, q_ptr, qscale_ptr, nb, QMAX)

@@ -24,8 +24,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from acco_ds.ops.triton_kernels.adamw_difference import adamw_tile, apply_difference
 from acco_ds.ops.triton_kernels.bf16 import bf16_to_f32, f32_to_bf16
-from acco_ds.ops.triton_kernels.quantize import _load_f32, _quantize_tile, _row_tile, _store_as
+from acco_ds.ops.triton_kernels.quantize import _load_f32, _row_tile, _store_as
 
 
 @triton.jit
@@ -135,40 +136,23 @@ def adamw_quantized_sum_rows(
     ``qscale`` / ``order`` / ``tilde``: the rows as :func:`quantized_sum_squares_rows`'s; ``dq`` int8 [n] and
     ``dscale`` fp32 [nb] (DIFF): the quantized difference."""
     rows, idx, mask = _row_tile(n, block_size, TILE, ROWS)
-    decay = tl.load(hyper_ptr + 0)
-    one_minus_beta1 = tl.load(hyper_ptr + 2)
-    beta2 = tl.load(hyper_ptr + 3)
-    one_minus_beta2 = tl.load(hyper_ptr + 4)
-    bc2_sqrt = tl.load(hyper_ptr + 5)
-    eps = tl.load(hyper_ptr + 6)
-    step_size = tl.load(hyper_ptr + 7)
-    s = grad_scale
-    if HAS_GSCALE:
-        s = grad_scale * tl.load(gscale_ptr)
-    p0 = tl.load(p_ptr + idx, mask=mask, other=0.0)
-    m = tl.load(m_ptr + idx, mask=mask, other=0.0)
-    v = tl.load(v_ptr + idx, mask=mask, other=0.0)
     g = _rows_sum(q_ptr, qscale_ptr, order_ptr, tilde_ptr, rows, idx, mask, n, nb, nrows, S_BF16, HAS_TILDE)
-    g = g * s
-    p = p0 * decay
-    m = m + one_minus_beta1 * (g - m)
-    v = beta2 * v + one_minus_beta2 * g * g
-    denom = tl.math.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps
-    p = p - step_size * tl.math.div_rn(m, denom)
-    live = mask
-    if HAS_NOOP:
-        stepping = (idx * 0 + tl.load(noop_ptr)) == 0  # the device's flag, as a tensor of the tile's shape
-        p = tl.where(stepping, p, p0)
-        live = mask & stepping
-    if COMMIT:
-        tl.store(p_ptr + idx, p, mask=live)
-        tl.store(m_ptr + idx, m, mask=live)
-        tl.store(v_ptr + idx, v, mask=live)
+    p = adamw_tile(
+        p_ptr,
+        m_ptr,
+        v_ptr,
+        g,
+        idx,
+        mask,
+        hyper_ptr,
+        gscale_ptr,
+        noop_ptr,
+        grad_scale,
+        COMMIT,
+        HAS_GSCALE,
+        HAS_NOOP,
+    )
     if DIFF:
-        base = _load_f32(base_ptr, idx, mask, P_BF16)  # before out is stored: base may be out
-        if P_BF16:
-            p = bf16_to_f32(f32_to_bf16(p))  # the new parameter as the bf16 buffer would hold it
-        dq, _, stored, _ = _quantize_tile(p - base, rows, idx, mask, dq_ptr, dscale_ptr, nb, QMAX)
-        _store_as(out_ptr, idx, base + dq.to(tl.float32) * stored[:, None], mask, P_BF16)
+        apply_difference(p, base_ptr, out_ptr, dq_ptr, dscale_ptr, rows, idx, mask, nb, QMAX, P_BF16)
     else:
         _store_as(out_ptr, idx, p, mask, P_BF16)
