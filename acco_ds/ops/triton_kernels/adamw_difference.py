@@ -57,20 +57,8 @@ def adamw_difference_rows(
     if G_BF16:
         g = bf16_to_f32(g)
     p = adamw_tile(
-        p_ptr,
-        m_ptr,
-        v_ptr,
-        g,
-        idx,
-        mask,
-        hyper_ptr,
-        gscale_ptr,
-        noop_ptr,
-        grad_scale,
-        COMMIT,
-        HAS_GSCALE,
-        HAS_NOOP,
-    )
+        p_ptr, m_ptr, v_ptr, g, idx, mask, hyper_ptr, gscale_ptr, noop_ptr, grad_scale, COMMIT, HAS_GSCALE, HAS_NOOP
+    )  # fmt: skip
     apply_difference(p, base_ptr, out_ptr, q_ptr, qscale_ptr, rows, idx, mask, nb, QMAX, P_BF16)
 
 

@@ -138,20 +138,8 @@ def adamw_quantized_sum_rows(
     rows, idx, mask = _row_tile(n, block_size, TILE, ROWS)
     g = _rows_sum(q_ptr, qscale_ptr, order_ptr, tilde_ptr, rows, idx, mask, n, nb, nrows, S_BF16, HAS_TILDE)
     p = adamw_tile(
-        p_ptr,
-        m_ptr,
-        v_ptr,
-        g,
-        idx,
-        mask,
-        hyper_ptr,
-        gscale_ptr,
-        noop_ptr,
-        grad_scale,
-        COMMIT,
-        HAS_GSCALE,
-        HAS_NOOP,
-    )
+        p_ptr, m_ptr, v_ptr, g, idx, mask, hyper_ptr, gscale_ptr, noop_ptr, grad_scale, COMMIT, HAS_GSCALE, HAS_NOOP
+    )  # fmt: skip
     if DIFF:
         apply_difference(p, base_ptr, out_ptr, dq_ptr, dscale_ptr, rows, idx, mask, nb, QMAX, P_BF16)
     else:
