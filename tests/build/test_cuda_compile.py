@@ -358,3 +358,42 @@ def test_triton_adamw_difference_compiles_for_sm90(commit, p_bf16):
     assert not FMA.search(ptx), "an FMA: the AdamW update or the dequantized sum was contracted"
     assert "div.rn.f32" in ptx and "sqrt.rn.f32" in ptx, "the IEEE division / square root were not used"
     assert "div.full.f32" not in ptx and "sqrt.approx.f32" not in ptx
+
+
+@pytest.mark.parametrize("diff", [True, False], ids=["difference", "plain"])
+@pytest.mark.parametrize("commit", [True, False], ids=["commit", "peek"])
+def test_triton_quantized_sum_step_compiles_for_sm90(commit, diff):
+    """The AdamW step read from the quantized chunks (acco_ds/ops/triton_kernels/quantized_sum_step.py) compiles for
+    sm_90 at block size 256 as the round job launches it (a bf16 sum with the kept g~, bf16 parameters, the device's
+    scale and noop flag), with no FMA and the IEEE division and square root; so does its norm's kernel."""
+    pytest.importorskip("triton")
+    from acco_ds.ops import quantize as q
+    from acco_ds.ops.triton_kernels.quantized_sum_step import (
+        adamw_quantized_sum_rows,
+        quantized_sum_squares_rows,
+    )
+
+    sig = {
+        "p_ptr": "*fp32", "m_ptr": "*fp32", "v_ptr": "*fp32", "q_ptr": "*i8", "qscale_ptr": "*fp32",
+        "order_ptr": "*i64", "tilde_ptr": "*bf16", "base_ptr": "*bf16", "out_ptr": "*bf16", "dq_ptr": "*i8",
+        "dscale_ptr": "*fp32", "hyper_ptr": "*fp32", "gscale_ptr": "*fp32", "noop_ptr": "*i32", "grad_scale": "fp32",
+        "n": "i64", "nb": "i64", "block_size": "i32", "nrows": "i32",
+    }  # fmt: skip
+    consts = dict(QMAX=127, TILE=q._tile(256), ROWS=q._rows(256), S_BF16=True, P_BF16=True, COMMIT=commit,
+                  HAS_GSCALE=True, HAS_NOOP=True, HAS_TILDE=True, DIFF=diff)  # fmt: skip
+    sig.update({k: "constexpr" for k in consts})
+    ptx = sm90_ptx(adamw_quantized_sum_rows, sig, consts)
+    assert not FMA.search(ptx), "an FMA: the rows' sum or the AdamW update was contracted"
+    assert "div.rn.f32" in ptx and "sqrt.rn.f32" in ptx, "the IEEE division / square root were not used"
+    assert "div.full.f32" not in ptx and "sqrt.approx.f32" not in ptx
+    norm_sig = {
+        "q_ptr": "*i8", "scales_ptr": "*fp32", "order_ptr": "*i64", "tilde_ptr": "*bf16", "tilde_out_ptr": "*bf16",
+        "partials_ptr": "*fp64", "n": "i64", "nb": "i64", "block_size": "i32", "nrows": "i32",
+    }  # fmt: skip
+    norm_consts = dict(
+        TILE=q._tile(256), ROWS=q._rows(256), S_BF16=True, HAS_TILDE=not commit, HAS_TILDE_OUT=commit
+    )
+    norm_sig.update({k: "constexpr" for k in norm_consts})
+    assert not FMA.search(sm90_ptx(quantized_sum_squares_rows, norm_sig, norm_consts)), (
+        "an FMA in the rows' sum"
+    )
