@@ -47,6 +47,12 @@ __all__ = [
 ]
 
 
+PORT_ATTEMPTS = 3
+"""Launches ``run_local`` and ``run_deepspeed`` make when rank 0 cannot listen on the port it was given
+(EADDRINUSE: free_port() saw it free, another process took it before rank 0 listened)."""
+_PORT_TAKEN = "EADDRINUSE"
+
+
 def deepspeed_cmd() -> list:
     """The ``deepspeed`` launcher command (``acco_ds.cli.launch.launcher_prefix``)."""
     return launcher_prefix()
@@ -78,14 +84,18 @@ def rank_env(accelerator: str = "cpu", **extra) -> dict:
 def run_deepspeed(script: Path, world: int, args: list, timeout: float = 600, env: dict | None = None):
     """Run ``deepspeed --num_gpus world script args`` on 127.0.0.1 and return the CompletedProcess (raises
     on failure with the ranks' output in the message); removes the ranks' DeepSpeed shm buffers after."""
-    port = free_port()
-    cmd = cli_launch.runner_command(world, port, target=str(script), extra=[str(a) for a in args])
-    try:
-        proc = subprocess.run(
-            cmd, env=env or rank_env(), capture_output=True, text=True, timeout=timeout, cwd=REPO
-        )
-    finally:
-        cli_launch.cleanup_shm(port, world)
+    for attempt in range(1, PORT_ATTEMPTS + 1):
+        port = free_port()
+        cmd = cli_launch.runner_command(world, port, target=str(script), extra=[str(a) for a in args])
+        try:
+            proc = subprocess.run(
+                cmd, env=env or rank_env(), capture_output=True, text=True, timeout=timeout, cwd=REPO
+            )
+        finally:
+            cli_launch.cleanup_shm(port, world)
+        # as run_local: the port was taken before rank 0 listened on it, nothing ran
+        if proc.returncode == 0 or attempt == PORT_ATTEMPTS or _PORT_TAKEN not in proc.stdout + proc.stderr:
+            break
     if proc.returncode != 0:
         tail = (proc.stdout + proc.stderr)[-6000:]
         raise AssertionError(f"deepspeed launch failed (rc={proc.returncode}): {' '.join(cmd)}\n{tail}")
@@ -107,6 +117,21 @@ def run_local(
             f"ACCO_DS_TEST_NO_LAUNCH=1 (make test-fast) but this test starts ranks of {script}. Mark it "
             "@pytest.mark.launcher (or the module with pytestmark = pytest.mark.launcher)."
         )
+    for attempt in range(1, PORT_ATTEMPTS + 1):
+        why, rc, text, cmds = _launch_once(script, world, args, timeout, env)
+        # the port free_port() saw free was taken before rank 0 listened on it (another process's connection got
+        # it as its ephemeral port): nothing ran, start again on another port
+        if not why or attempt == PORT_ATTEMPTS or not any(_PORT_TAKEN in t for t in text):
+            break
+    if why and (check or why.startswith("did not finish")):
+        tails = "\n".join(t[-3000:] for t in text)
+        raise AssertionError(f"ranks of {script} (world {world}) {why}: {' '.join(cmds[0])}\n{tails}")
+    return subprocess.CompletedProcess(cmds[0], rc, stdout="\n".join(text), stderr="")
+
+
+def _launch_once(script: Path, world: int, args: list, timeout: float, env: dict | None):
+    """One launch of ``run_local``'s ranks on a fresh port: (why it failed or "", return code, each rank's output,
+    the ranks' commands)."""
     port = free_port()
     base = dict(env or rank_env())
     base.update(
@@ -133,10 +158,7 @@ def run_local(
         for r, fh in enumerate(outs):
             fh.seek(0)
             text.append(f"--- rank {r} (exit {procs[r].returncode}) ---\n{fh.read()}")
-    if why and (check or why.startswith("did not finish")):
-        tails = "\n".join(t[-3000:] for t in text)
-        raise AssertionError(f"ranks of {script} (world {world}) {why}: {' '.join(cmds[0])}\n{tails}")
-    return subprocess.CompletedProcess(cmds[0], rc, stdout="\n".join(text), stderr="")
+    return why, rc, text, cmds
 
 
 def _wait_all(procs: list, deadline: float, timeout: float) -> tuple:

@@ -121,3 +121,39 @@ def test_run_local_stops_the_other_ranks_when_one_fails(tmp_path):
     assert time.monotonic() - t0 < 60 and "rank 0 says hello" in str(err.value)
     proc = run_local(script, 2, ["fail"], timeout=120, check=False)
     assert proc.returncode == 3 and "rank 1 says hello" in proc.stdout
+
+
+GLOO_SCRIPT = """
+import torch.distributed as dist
+dist.init_process_group("gloo")
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.launcher
+def test_run_local_starts_again_when_the_port_was_taken(tmp_path, monkeypatch):
+    """The port free_port() returned is taken (here by a listening socket) before rank 0 listens on it: rank 0 fails
+    with EADDRINUSE, and run_local launches again on another port instead of failing the test."""
+    import socket
+
+    from tests.ranks import launch
+
+    script = tmp_path / "gloo_rank.py"
+    script.write_text(GLOO_SCRIPT)
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        ports = [taken.getsockname()[1]]
+        real = launch.free_port
+        monkeypatch.setattr(launch, "free_port", lambda: ports.pop(0) if ports else real())
+        proc = launch.run_local(script, 2, [], timeout=120)
+        assert not ports, "the taken port was not tried first"
+    assert proc.returncode == 0
+    monkeypatch.setattr(launch, "PORT_ATTEMPTS", 1)
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:  # one attempt: the failure is reported
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        monkeypatch.setattr(launch, "free_port", lambda: taken.getsockname()[1])
+        with pytest.raises(AssertionError, match="EADDRINUSE"):
+            launch.run_local(script, 2, [], timeout=120)
