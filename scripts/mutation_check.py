@@ -251,8 +251,8 @@ MUTANTS = [
         "M25",
         "compressed rounds: error feedback dropped (the residual is never added nor kept)",
         "acco_ds/core/round_job.py",
-        "residual = residuals[i] if compression.error_feedback else None",
-        "residual = None",
+        "                residuals[i] if compression.error_feedback else None,\n",
+        "                None,\n",
         ("tests/core/test_trajectories.py::test_compressed_steps_match_reference",),
     ),
     Mutant(

@@ -216,13 +216,14 @@ def run_round_job(
         raise ValueError("run_round_job: a compressed all-gather needs one base buffer per group")
     # compressed gradients: the W quantized chunks of each shard stay unsummed (norm and step read them), except
     # at W > UNSTORED_SUM_MAX_WORLD and where tensor parallelism's norm ranges need the sum in memory
+    world = dist.get_world_size(group)
     unsummed = (
         compression is not None
         and compression.gradients
-        and dist.get_world_size(group) <= UNSTORED_SUM_MAX_WORLD
+        and world <= UNSTORED_SUM_MAX_WORLD
         and all(b.norm_ranges is None for b in groups)
     )
-    shards: List[Any] = [None] * len(groups)
+    shards: List[Any] = [None] * len(groups)  # each group's QuantizedShard, where unsummed
     for i, (b, (g, _)) in enumerate(zip(groups, roles)):
         if compression is None or not compression.gradients:
             if job is Job.COMMIT and residuals is not None and residuals[i] is not None:
@@ -232,15 +233,21 @@ def run_round_job(
                 residuals[i].zero_()
             reduce_scatter_inplace(b.grad_bufs[g], group, traffic)
         else:
-            residual = residuals[i] if compression.error_feedback else None
-            how = exchange_quantized_gradients if unsummed else compressed_reduce_scatter_inplace
-            shards[i] = how(
-                b.grad_bufs[g], residual, group, compression.block_size, traffic, compression.gradient_bits
+            args = (
+                b.grad_bufs[g],
+                residuals[i] if compression.error_feedback else None,
+                group,
+                compression.block_size,
+                traffic,
+                compression.gradient_bits,
             )
+            if unsummed:
+                shards[i] = exchange_quantized_gradients(*args)
+            else:
+                compressed_reduce_scatter_inplace(*args)
     grads = [b.shard_of(b.grad_bufs[g]) for b, (g, _) in zip(groups, roles)]
     clock.mark("reduce_scatter")
 
-    world = dist.get_world_size(group)
     if fixed_count is not None:
         rank_counts = torch.full((world,), float(fixed_count), dtype=torch.float64, device=dev)
     else:
@@ -252,14 +259,15 @@ def run_round_job(
 
     keeps_tilde = job is Job.PEEK and groups[0].tilde is not None
     adds_tilde = job is Job.COMMIT and groups[0].tilde is not None
+    # unsummed, the norm's pass writes the g~ a peek keeps and the step adds the one a commit uses
     if keeps_tilde:
-        for b, grad in zip(groups, grads):
-            if not unsummed:
+        if not unsummed:
+            for b, grad in zip(groups, grads):
                 b.tilde.copy_(grad)
         tilde_count[0] = count.clone()
     elif adds_tilde:
-        for b, grad in zip(groups, grads):
-            if not unsummed:
+        if not unsummed:
+            for b, grad in zip(groups, grads):
                 grad.add_(b.tilde)
         count = count + tilde_count[0]
 

@@ -188,8 +188,9 @@ def dequantize_add_ref(out: torch.Tensor, q: torch.Tensor, scales: torch.Tensor,
     out.add_(dequantize_ref(q, scales, block_size))
 
 
-def _check_sum(out: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, block_size: int, order) -> list:
-    """Validate :func:`dequantize_sum`'s arguments; returns the row order as a list of ints."""
+def _check_rows(q: torch.Tensor, scales: torch.Tensor, block_size: int, order) -> list:
+    """Validate W ranks' quantized rows (``q`` int8 ``[rows, n]``, ``scales`` fp32 ``[rows, blocks]``) and the order
+    they are summed in; returns the order as a list of ints."""
     _check_block_size(block_size)
     if q.dtype != torch.int8 or q.dim() != 2:
         raise TypeError(f"q must be an int8 [rows, n] tensor, got {q.dtype} of shape {tuple(q.shape)}")
@@ -200,16 +201,30 @@ def _check_sum(out: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, block_s
             f"scales must be fp32 of shape ({rows}, {nb}) for q of shape {tuple(q.shape)} in blocks of {block_size}, "
             f"got {scales.dtype} of shape {tuple(scales.shape)}"
         )
+    order = list(range(rows)) if order is None else [int(r) for r in order]
+    if not order or len(set(order)) != len(order) or not all(0 <= r < rows for r in order):
+        raise ValueError(f"order must name distinct rows of q (0 to {rows - 1}), at least one; got {order}")
+    return order
+
+
+def _check_sum(out: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, block_size: int, order) -> list:
+    """Validate :func:`dequantize_sum`'s arguments; returns the row order as a list of ints."""
+    order = _check_rows(q, scales, block_size, order)
     _check(out, block_size, "out")
+    n = q.shape[1]
     if out.numel() != n or out.device != q.device or scales.device != q.device:
         raise ValueError(
             f"out must have q's row length and device ({n} on {q.device}), got {out.numel()} on {out.device}; "
             f"scales on {scales.device}"
         )
-    order = list(range(rows)) if order is None else [int(r) for r in order]
-    if not order or len(set(order)) != len(order) or not all(0 <= r < rows for r in order):
-        raise ValueError(f"order must name distinct rows of q (0 to {rows - 1}), at least one; got {order}")
     return order
+
+
+def _order_on(order: list, device: torch.device) -> torch.Tensor:
+    """The summation order as an int64 tensor on ``device`` for a Triton launch (on CUDA copied from pinned memory
+    without blocking the host, on the current stream)."""
+    t = torch.tensor(order, dtype=torch.int64)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
 
 
 def dequantize_sum_ref(
@@ -574,13 +589,10 @@ def _dequantize_sum_triton(
             _dequantize_triton(total, q[r], scales[r], block_size, add=True)
         store_sum(out, total)
         return
-    rows_dev = torch.tensor(order, dtype=torch.int64)
-    if q.device.type == "cuda":
-        rows_dev = rows_dev.pin_memory().to(q.device, non_blocking=True)
     kernels.dequantize_sum_rows[(-(-nb // rows),)](
         q,
         scales,
-        rows_dev,
+        _order_on(order, q.device),
         out,
         n,
         nb,

@@ -64,8 +64,9 @@ from acco_ds.ops.quantize import (
     _DTYPE_CODE,
     QMAX_OF,
     _check_bits,
-    _check_sum,
+    _check_rows,
     _new_outputs,
+    _order_on,
     _rows,
     _tile,
     dequantize_sum,
@@ -93,9 +94,10 @@ def _check_sum_args(who: str, q, scales, block_size: int, order, dtype, shards: 
         raise TypeError(f"{who}: dtype (the sum's) must be torch.float32 or torch.bfloat16, got {dtype!r}.")
     if not isinstance(q, torch.Tensor) or not isinstance(scales, torch.Tensor):
         raise TypeError(f"{who}: q and scales must be tensors.")
-    n = q.shape[1] if q.dim() == 2 else -1
-    # dequantize_sum's own checks (q [rows, n] int8, scales [rows, blocks] fp32, order), through a probe shard
-    order = _check_sum(torch.empty(max(n, 0), dtype=dtype, device=q.device), q, scales, block_size, order)
+    order = _check_rows(q, scales, block_size, order)
+    n = q.shape[1]
+    if scales.device != q.device:
+        raise ValueError(f"{who}: scales are on {scales.device} but q is on {q.device}; use one device.")
     if not q.is_contiguous() or not scales.is_contiguous():
         raise ValueError(
             f"{who}: q and scales must be contiguous, got strides {q.stride()} and {scales.stride()}."
@@ -152,11 +154,6 @@ def _composed_sum(q, scales, block_size: int, order: list, dtype, tilde) -> torc
     return s
 
 
-def _order_tensor(order: list, device: torch.device) -> torch.Tensor:
-    t = torch.tensor(order, dtype=torch.int64)
-    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
-
-
 def quantized_sum_of_squares(
     q: torch.Tensor,
     scales: torch.Tensor,
@@ -208,7 +205,7 @@ def quantized_sum_of_squares(
     programs = -(-nb // rows)
     partials = torch.empty(programs, dtype=torch.float64, device=q.device)
     kernels.quantized_sum_squares_rows[(programs,)](
-        q, scales, _order_tensor(order, q.device),
+        q, scales, _order_on(order, q.device),
         q if tilde is None else tilde, q if tilde_out is None else tilde_out, partials,
         n, nb, block_size, len(order),
         TILE=_tile(block_size), ROWS=rows, S_BF16=dtype == torch.bfloat16,
@@ -298,7 +295,7 @@ def _launch_triton(a, q, scales, block_size, order, dtype, tilde, base, dq, dsca
     rows = _rows(block_size)
     diff = base is not None
     kernels.adamw_quantized_sum_rows[(-(-nb // rows),)](
-        a.master, a.exp_avg, a.exp_avg_sq, q, scales, _order_tensor(order, out.device),
+        a.master, a.exp_avg, a.exp_avg_sq, q, scales, _order_on(order, out.device),
         q if tilde is None else tilde, base if diff else out, out,
         dq if diff else q, dscales if diff else scales, hyper,
         a.master if a.scale_tensor is None else a.scale_tensor,

@@ -122,14 +122,8 @@ void adamw_quantized_sum_cpu(const AdamWKernelArgs& args, int g_dtype, int out_d
   if (a.hyper_ptr != nullptr) a.h = load_hyper(a.hyper_ptr);  // host memory here: read once, by value
   const bool noop = a.noop_ptr != nullptr && *a.noop_ptr != 0;
   const float s = a.scale_ptr != nullptr ? a.grad_scale * *a.scale_ptr : a.grad_scale;
-  const int64_t rows = static_cast<int64_t>(q_rows.size());
-  std::vector<const int8_t*> q(rows);
-  std::vector<const float*> sc(rows);
-  for (int64_t r = 0; r < rows; ++r) {
-    q[r] = reinterpret_cast<const int8_t*>(q_rows[r]);
-    sc[r] = reinterpret_cast<const float*>(scale_rows[r]);
-  }
-  const SumSource src{q.data(), sc.data(), rows, reinterpret_cast<const void*>(tilde)};
+  const quant::QuantRows rows(q_rows, scale_rows);
+  const SumSource src{rows.q.data(), rows.scales.data(), rows.size(), reinterpret_cast<const void*>(tilde)};
   const bool diff = base != 0;
   const Difference d{reinterpret_cast<const void*>(base), reinterpret_cast<int8_t*>(dq),
                      reinterpret_cast<float*>(dscales)};

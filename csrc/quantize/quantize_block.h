@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <limits>
+#include <vector>
 
 #include "common/bf16.h"
 #include "common/cpu.h"
@@ -93,6 +94,19 @@ inline __attribute__((always_inline)) void add_deq_impl(const int8_t* __restrict
     for (int64_t i = lo; i < lo + end; ++i) out[i] = from_f32<O>(to_f32(base[i]) + static_cast<float>(q[i]) * s);
   }
 }
+
+// W ranks' quantized rows as the launchers take them (their addresses), as pointers in summation order.
+struct QuantRows {
+  std::vector<const int8_t*> q;
+  std::vector<const float*> scales;
+  QuantRows(const std::vector<uintptr_t>& q_rows, const std::vector<uintptr_t>& scale_rows) {
+    for (size_t r = 0; r < q_rows.size(); ++r) {
+      q.push_back(reinterpret_cast<const int8_t*>(q_rows[r]));
+      scales.push_back(reinterpret_cast<const float*>(scale_rows[r]));
+    }
+  }
+  int64_t size() const { return static_cast<int64_t>(q.size()); }
+};
 
 // The owner's sum of W ranks' quantized chunks, one block at a time in pieces of kSumTile elements: an fp32
 // accumulator starts at the first row's q * scale and adds each further row's q * scale in `rows` order (the

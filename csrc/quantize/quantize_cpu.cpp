@@ -252,30 +252,19 @@ void dequantize_cpu(uintptr_t q, uintptr_t scales, int64_t n, int64_t block_size
 
 void dequantize_sum_cpu(const std::vector<uintptr_t>& q_rows, const std::vector<uintptr_t>& scale_rows, int64_t n,
                         int64_t block_size, uintptr_t out, int out_dtype, int num_threads) {
-  const int64_t rows = static_cast<int64_t>(q_rows.size());
-  std::vector<const int8_t*> q(rows);
-  std::vector<const float*> s(rows);
-  for (int64_t r = 0; r < rows; ++r) {
-    q[r] = reinterpret_cast<const int8_t*>(q_rows[r]);
-    s[r] = reinterpret_cast<const float*>(scale_rows[r]);
-  }
+  const QuantRows rows(q_rows, scale_rows);
   const DeqSumItem fn = out_dtype == kBF16 ? pick_deq_sum1<uint16_t>() : pick_deq_sum1<float>();
   const int64_t os = elem_size(out_dtype);
   for_items(n, block_size, num_threads, [&](int64_t first, int64_t len, int64_t) {
-    fn(q.data(), s.data(), rows, first, reinterpret_cast<char*>(out) + first * os, len, block_size);
+    fn(rows.q.data(), rows.scales.data(), rows.size(), first, reinterpret_cast<char*>(out) + first * os, len,
+       block_size);
   });
 }
 
 double quantized_sum_squares_cpu(const std::vector<uintptr_t>& q_rows, const std::vector<uintptr_t>& scale_rows,
                                  int64_t n, int64_t block_size, int dtype, uintptr_t tilde, uintptr_t tilde_out,
                                  int num_threads) {
-  const int64_t rows = static_cast<int64_t>(q_rows.size());
-  std::vector<const int8_t*> q(rows);
-  std::vector<const float*> s(rows);
-  for (int64_t r = 0; r < rows; ++r) {
-    q[r] = reinterpret_cast<const int8_t*>(q_rows[r]);
-    s[r] = reinterpret_cast<const float*>(scale_rows[r]);
-  }
+  const QuantRows rows(q_rows, scale_rows);
   const SqItem fn = dtype == kBF16 ? pick_sq_sum1<uint16_t>() : pick_sq_sum1<float>();
   const int64_t es = elem_size(dtype);
   // one partial per work item, summed in item order: the same value whatever the number of threads
@@ -283,8 +272,9 @@ double quantized_sum_squares_cpu(const std::vector<uintptr_t>& q_rows, const std
   std::vector<double> partial(static_cast<size_t>((n + per_item - 1) / per_item), 0.0);
   for_items(n, block_size, num_threads, [&](int64_t first, int64_t len, int64_t) {
     std::vector<char> scratch(static_cast<size_t>(std::min(block_size, len) * es));
-    partial[first / per_item] = fn(q.data(), s.data(), rows, first, len, block_size, reinterpret_cast<const void*>(tilde),
-                                   reinterpret_cast<void*>(tilde_out), scratch.data());
+    partial[first / per_item] = fn(rows.q.data(), rows.scales.data(), rows.size(), first, len, block_size,
+                                   reinterpret_cast<const void*>(tilde), reinterpret_cast<void*>(tilde_out),
+                                   scratch.data());
   });
   double total = 0.0;
   for (const double p : partial) total += p;

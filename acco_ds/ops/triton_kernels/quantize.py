@@ -202,6 +202,14 @@ def dequantize_sum_rows(
     added, one rounding each), stored in out's dtype: ``q`` int8 [rows, n], ``scale`` fp32 [rows, nb], blocks of at
     most TILE elements, ROWS blocks per program (one a row of the tile), each quantized value loaded once."""
     rows, idx, mask = _row_tile(n, block_size, TILE, ROWS)
+    acc = rows_sum_fp32(q_ptr, scale_ptr, order_ptr, rows, idx, mask, n, nb, num_rows)
+    _store_as(out_ptr, idx, acc, mask, OUT_BF16)
+
+
+@triton.jit
+def rows_sum_fp32(q_ptr, scale_ptr, order_ptr, rows, idx, mask, n, nb, num_rows):
+    """The tile's ``sum over k of q[order[k]] * scale[order[k]]`` in fp32 (the first row's products, then each next
+    row's added, one rounding each; launch without FP fusion): ``q`` int8 [rows, n], ``scale`` fp32 [rows, nb]."""
     live = rows < nb
     r = tl.load(order_ptr)
     acc = (
@@ -212,7 +220,7 @@ def dequantize_sum_rows(
         r = tl.load(order_ptr + k)
         scale = tl.load(scale_ptr + r * nb + rows, mask=live, other=0.0)
         acc = acc + tl.load(q_ptr + r * n + idx, mask=mask, other=0).to(tl.float32) * scale[:, None]
-    _store_as(out_ptr, idx, acc, mask, OUT_BF16)
+    return acc
 
 
 @triton.jit

@@ -26,7 +26,7 @@ import triton.language as tl
 
 from acco_ds.ops.triton_kernels.adamw_difference import adamw_tile, apply_difference
 from acco_ds.ops.triton_kernels.bf16 import bf16_to_f32, f32_to_bf16
-from acco_ds.ops.triton_kernels.quantize import _load_f32, _row_tile, _store_as
+from acco_ds.ops.triton_kernels.quantize import _load_f32, _row_tile, _store_as, rows_sum_fp32
 
 
 @triton.jit
@@ -53,16 +53,7 @@ def _rows_sum(
     HAS_TILDE: tl.constexpr,
 ):
     """The tile's sums ``s`` (module docstring) as fp32 values of the sum's dtype; 0 where no element is."""
-    live = rows < nb
-    r = tl.load(order_ptr)
-    acc = (
-        tl.load(q_ptr + r * n + idx, mask=mask, other=0).to(tl.float32)
-        * tl.load(scale_ptr + r * nb + rows, mask=live, other=0.0)[:, None]
-    )
-    for k in range(1, nrows):
-        r = tl.load(order_ptr + k)
-        scale = tl.load(scale_ptr + r * nb + rows, mask=live, other=0.0)
-        acc = acc + tl.load(q_ptr + r * n + idx, mask=mask, other=0).to(tl.float32) * scale[:, None]
+    acc = rows_sum_fp32(q_ptr, scale_ptr, order_ptr, rows, idx, mask, n, nb, nrows)
     s = _round_to(acc, S_BF16)
     if HAS_TILDE:
         s = _round_to(s + _load_f32(tilde_ptr, idx, mask, S_BF16), S_BF16)
