@@ -7,7 +7,8 @@ what they hold:
 - ``acco_ds._adamw_cpu``: the CPU AdamW launcher and the CPU harness of the CUDA AdamW body; g++ (or $CXX),
   OpenMP, pybind11 only (no libtorch).
 - ``acco_ds._accumulate_cpu``: the CPU gradient accumulate / cast-copy launcher; the same toolchain.
-- ``acco_ds._quantize_cpu``: the CPU blockwise int8 quantize / dequantize launchers; the same toolchain.
+- ``acco_ds._quantize_cpu``: the CPU blockwise int8 quantize / dequantize launchers and the fused round end's
+  (fold_quantize); the same toolchain.
 - ``acco_ds._adamw_cuda``: the CUDA AdamW launcher; nvcc for sm_80 and sm_90 (+ PTX for newer GPUs), cudart
   linked statically.
 
@@ -58,7 +59,10 @@ MODULES = {
          ("adamw/cuda_body_harness.cpp", [])],
     ),
     "acco_ds._accumulate_cpu": ("cpu", [("accumulate/bindings.cpp", []), ("accumulate/accumulate_cpu.cpp", [])]),
-    "acco_ds._quantize_cpu": ("cpu", [("quantize/bindings.cpp", []), ("quantize/quantize_cpu.cpp", [])]),
+    "acco_ds._quantize_cpu": (
+        "cpu",
+        [("quantize/bindings.cpp", []), ("quantize/quantize_cpu.cpp", []), ("quantize/fold_quantize_cpu.cpp", [])],
+    ),
     "acco_ds._adamw_cuda": ("cuda", [("adamw/adamw_cuda.cu", []), ("adamw/bindings.cpp", ["-DACCO_BIND_CUDA"])]),
 }  # fmt: skip
 # No -march=native (the modules must run on any x86-64: csrc/common/cpu.h picks AVX-512/AVX2 at load), no

@@ -39,13 +39,14 @@ ALLOWED = {
     "comm_dtype": "'auto', 'bf16' or 'fp32'",
     "max_micro_batches_per_round": "null (no bound) or an integer >= 1, with accumulation='adaptive'",
     "comm_timeout_s": f"a number of seconds in [{MIN_TIMEOUT_S:g}, {MAX_TIMEOUT_S:g}]",
-    "compression": "an object with keys among commit, peek, block_size, error_feedback, all_gather, e.g. "
+    "compression": "an object with keys among commit, peek, block_size, error_feedback, all_gather, fuse_round_end, e.g. "
     '{"commit": "int8", "peek": "int8", "block_size": 256, "error_feedback": true}',
     "compression.commit": "'none', 'int8' or 'int4'",
     "compression.peek": "'none', 'int8' or 'int4' (the last two with mode='acco' only: dpu and sync have no peek)",
     "compression.block_size": f"an integer in [1, {MAX_BLOCK_SIZE}]",
     "compression.error_feedback": "true or false",
     "compression.all_gather": "'none', 'int8' or 'int4'",
+    "compression.fuse_round_end": "true or false",
 }
 """What each option accepts, quoted in the error messages."""
 
@@ -98,6 +99,13 @@ class CompressionConfig(BaseModel):
     new parameters and what every replica already holds; every rank applies the same dequantized difference,
     so the replicas stay bitwise identical and trail the fp32 master by at most half a quantization step."""
 
+    fuse_round_end: bool = True
+    """Quantize a compressed round's gradients in its last micro-batch's gradient hooks, each parameter's blocks as
+    its gradient arrives (``acco_ds.core.fused_round_end``), rather than in a separate pass of the round's job:
+    the same bits, one read and one write of the gradient buffer fewer. Applies where the round's end is known
+    before that backward (fixed accumulation); adaptive rounds always quantize in their job. ``false`` keeps the
+    separate pass everywhere (to measure the difference)."""
+
     _choice = field_validator("commit", "peek", "all_gather", mode="before")(classmethod(_string))
 
     @field_validator("block_size", mode="before")
@@ -109,7 +117,7 @@ class CompressionConfig(BaseModel):
             raise ValueError(f"must be in [1, {MAX_BLOCK_SIZE}]")
         return int(v)
 
-    @field_validator("error_feedback", mode="before")
+    @field_validator("error_feedback", "fuse_round_end", mode="before")
     @classmethod
     def _bool(cls, v):
         if not isinstance(v, bool):

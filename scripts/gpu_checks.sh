@@ -154,6 +154,7 @@ step_install() {
 }
 step_kernels() { pytest_step kernels tests/gpu/test_kernels_gpu.py tests/gpu/test_quantize_gpu.py tests/gpu/test_norm_gpu.py tests/gpu/test_adamw_difference_gpu.py; }
 step_fused_sum() { pytest_step fused_sum tests/gpu/test_quantized_sum_step_gpu.py; }
+step_fold_quantize() { pytest_step fold_quantize tests/gpu/test_fold_quantize_gpu.py; }
 step_pipeline() { pytest_step pipeline tests/gpu/test_pipeline_gpu.py; }
 step_stress() { pytest_step stress tests/gpu/test_stress_gpu.py; }
 step_bench_kernels() {
@@ -169,7 +170,9 @@ step_overlap() {
 # Measured on the second H100 run (2026-11-28): versions 11 s, gpu 6, bundle 12, install 4, build 22, kernels 70,
 # bench_kernels 13, pipeline 62, overlap 44; stress three launches of the toy scenarios of about 35 s each (the
 # third was cut at 100 s). The fourth (H200): kernels 120+ (cut), pipeline 57, overlap 45, stress 108; fused_sum
-# (the Triton passes that read the quantized chunks, about 25 compilations) has not run yet.
+# (the Triton passes that read the quantized chunks, about 25 compilations) has not run yet, nor has fold_quantize
+# (the fused round end's fold + quantize kernels against the CPU reference, 10M elements; about 9 compilations),
+# whose 20 s were taken from stress (the last, optional step, already cut at 90 s).
 STEPS=(
   "versions 15 versions"
   "gpu 10 gpu_present"
@@ -178,10 +181,11 @@ STEPS=(
   "build 30 build"
   "kernels 155 step_kernels"
   "fused_sum 30 step_fused_sum"
+  "fold_quantize 20 step_fold_quantize"
   "bench_kernels 25 step_bench_kernels"
   "pipeline 70 step_pipeline"
   "overlap 50 step_overlap"
-  "stress 90 step_stress"
+  "stress 70 step_stress"
 )
 
 if [ "${1:-}" = "--step" ]; then  # run_step's child: one step, in its own time limit

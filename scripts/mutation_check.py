@@ -355,6 +355,35 @@ MUTANTS = [
         "            source = grad\n",
         ("tests/core/test_trajectories.py::test_compressed_steps_match_reference",),
     ),
+    Mutant(
+        "M36",
+        "the fused round end: the folds quantize without the error-feedback residual (what earlier rounds withheld "
+        "is never sent, and the residual keeps the stale value)",
+        "acco_ds/core/fused_round_end.py",
+        "        self.residuals = [r if compression.error_feedback else None for r in residuals]\n",
+        "        self.residuals = [None for r in residuals]\n",
+        ("tests/core/test_fused_round_end.py::test_fused_round_end_gives_the_unfused_bits",),
+    ),
+    Mutant(
+        "M37",
+        "the fused round end: the leftover pass skips the blocks of a parameter that got no gradient in the last "
+        "micro-batch (their q and scales are never written)",
+        "acco_ds/core/fused_round_end.py",
+        "            covered = (self.owner >= 0) & folded[self.owner.clamp(min=0)]\n",
+        "            covered = self.owner >= 0\n",
+        ("tests/core/test_fused_round_end.py::test_fused_round_end_gives_the_unfused_bits",),
+    ),
+    Mutant(
+        "M38",
+        "the fused round end: the first fold writes the residual without waiting for the job in flight to release "
+        "it (it reads what that job has not written yet)",
+        "acco_ds/core/fused_round_end.py",
+        "                self.releases[group].wait(self.job_finished, self.timeout_s)\n",
+        "                pass\n",
+        (
+            "tests/core/test_fused_round_end.py::test_the_first_fold_waits_for_the_job_that_holds_the_residual",
+        ),
+    ),
 ]
 
 

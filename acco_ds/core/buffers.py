@@ -32,6 +32,9 @@ Storage, by dtypes and mode (N = padded_numel, S = shard_numel, D = dtype size):
   sync (gathered into the model's own buffer while the compute waits). ``.grad`` cannot be a view of
   another dtype: a post-accumulate-grad hook folds each parameter's gradient into ACC as backward
   produces it and frees it (``install_fold_hooks``).
+- the last micro-batch of a compressed round (either layout, ``core.fused_round_end``): the same hooks hand
+  each parameter's gradient to the fused round end (``begin_fused_fold``; same dtypes: the ``.grad`` are None
+  for that backward), which folds it into ACC and quantizes the blocks it covers whole in one pass.
 
 Shards (this rank's S elements, comm side only except while drained): the fp32 master weights,
 ``exp_avg``, ``exp_avg_sq``; in acco the reduced g~ sum the last peek kept (``tilde``), in the comm
@@ -156,6 +159,7 @@ class GroupBuffers:
         self.exp_avg_sq = torch.zeros(s, dtype=torch.float32, device=dev)
         self.tilde = torch.zeros(s, dtype=comm_dtype, device=dev) if keep_tilde else None
         self._fold_handles: list = []
+        self._fuser = None  # core.fused_round_end: where the gradients of a fused round end go
         self.norm_ranges: list | None = None  # None: the whole shard counts in the gradient norm
         # (flat, its per-parameter views, their data pointers) for every full buffer: the buffers live as long
         # as the group, so the views are made once (a view per parameter per call cost the host ~15 us each)
@@ -232,13 +236,21 @@ class GroupBuffers:
         accumulated it, then free it, so no full set of ``.grad`` tensors ever exists."""
         if self.shared or self._fold_handles:
             return
-        for p, off in zip(self.params, self.layout.offsets):
-            self._fold_handles.append(p.register_post_accumulate_grad_hook(self._make_fold(off)))
+        self._install_hooks()
 
-    def _make_fold(self, off: int):
+    def _install_hooks(self) -> None:
+        for index, p in enumerate(self.params):
+            self._fold_handles.append(p.register_post_accumulate_grad_hook(self._make_fold(index)))
+
+    def _make_fold(self, index: int):
+        off = self.layout.offsets[index]
+
         def fold(p: torch.Tensor) -> None:
             if p.grad is not None:
-                accumulate_grads(self.acc_flat, [p.grad], [off], 1.0)
+                if self._fuser is not None:
+                    self._fuser(index, p.grad)
+                else:
+                    accumulate_grads(self.acc_flat, [p.grad], [off], 1.0)
                 p.grad = None
 
         return fold
@@ -247,6 +259,28 @@ class GroupBuffers:
         for h in self._fold_handles:
             h.remove()
         self._fold_handles = []
+
+    def begin_fused_fold(self, fuser) -> None:
+        """The next backward's gradients go to ``fuser(parameter index, grad)`` (``core.fused_round_end``) instead
+        of the buffer: same dtypes, every ``.grad`` is set to None (autograd then hands each parameter its
+        gradient of this backward alone) and the hooks are installed until :meth:`end_fused_fold`; mixed dtypes,
+        the fold hooks route it there."""
+        if self._fuser is not None:
+            raise RuntimeError("acco_ds: a fused round end is already in progress for this group")
+        self._fuser = fuser
+        if self.shared:
+            for p in self.params:
+                p.grad = None
+            self._install_hooks()
+
+    def end_fused_fold(self) -> None:
+        """Back to the plain accumulation (same dtypes: the hooks removed; the next backward's prologue points
+        the ``.grad`` at the new ACC buffer)."""
+        if self._fuser is None:
+            return
+        self._fuser = None
+        if self.shared:
+            self.remove_fold_hooks()
 
     def set_norm_ranges(self, counted: Sequence[bool], count_replicated: bool) -> None:
         """Tensor parallelism: which parts of this rank's shard enter the gradient norm. ``counted[i]``:

@@ -42,6 +42,7 @@ adaptive counts' all-gather (8 bytes per rank) are not counted.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -117,24 +118,38 @@ def exchange_quantized_gradients(
     block_size: int,
     traffic: Traffic,
     bits: int = 8,
+    quantized: tuple | None = None,
+    on_quantized: Callable[[], None] | None = None,
 ) -> QuantizedShard:
     """Quantize ``full`` (this rank's flat gradient buffer, fp32 or bf16, length W x shard) chunk by chunk and send
     chunk r to rank r; returns every rank's chunk of this rank's shard, unsummed (``full`` is left as it was).
     ``residual`` (same length and dtype as ``full``, or None: no error feedback) is added before quantizing and
     overwritten with what quantization lost. ``bits``: 8, or 4 (values in [-7, 7], sent two per byte,
-    ``pack_int4``; the returned rows hold them unpacked, one per int8). Collective over ``group``."""
+    ``pack_int4``; the returned rows hold them unpacked, one per int8). ``quantized``: the ``(q, scales)`` rows the
+    fused round end already computed (``core.fused_round_end``: flat, ``full``'s length and W x blocks), sent as
+    they are (``full`` and ``residual`` are then not read); the exchange owns them from the call on.
+    ``on_quantized`` is called once the residual is no longer touched (before the first send). Collective over
+    ``group``."""
     world, me = dist.get_world_size(group), dist.get_rank(group)
     chunks = full.view(world, -1)
     shard = chunks.shape[1]
     nb = num_blocks(shard, block_size)
-    q = torch.empty((world, shard), dtype=torch.int8, device=full.device)
-    scales = torch.empty((world, nb), dtype=torch.float32, device=full.device)
-    rests = None if residual is None else residual.view(world, -1)
-    for r in range(world):  # each chunk's blocks straight into its row of q and scales
-        if rests is None:
-            quantize(chunks[r], block_size, bits=bits, out=(q[r], scales[r]))
-        else:
-            quantize_with_residual(chunks[r], rests[r], block_size, bits=bits, out=(q[r], scales[r]))
+    if quantized is not None:
+        q, scales = quantized[0].view(world, shard), quantized[1].view(world, nb)
+        if full.device.type == "cuda":  # allocated on the compute stream, read on this one
+            q.record_stream(torch.cuda.current_stream(full.device))
+            scales.record_stream(torch.cuda.current_stream(full.device))
+    else:
+        q = torch.empty((world, shard), dtype=torch.int8, device=full.device)
+        scales = torch.empty((world, nb), dtype=torch.float32, device=full.device)
+        rests = None if residual is None else residual.view(world, -1)
+        for r in range(world):  # each chunk's blocks straight into its row of q and scales
+            if rests is None:
+                quantize(chunks[r], block_size, bits=bits, out=(q[r], scales[r]))
+            else:
+                quantize_with_residual(chunks[r], rests[r], block_size, bits=bits, out=(q[r], scales[r]))
+    if on_quantized is not None:
+        on_quantized()
     order = [(me - k) % world for k in range(world)]
     if world == 1:
         return QuantizedShard(q, scales, order)
@@ -175,12 +190,17 @@ def compressed_reduce_scatter_inplace(
     block_size: int,
     traffic: Traffic,
     bits: int = 8,
+    quantized: tuple | None = None,
+    on_quantized: Callable[[], None] | None = None,
 ) -> None:
     """Sum ``full`` over the ranks into this rank's own slice of it, through :func:`exchange_quantized_gradients`
-    and one ``dequantize_sum`` pass (in ``full``'s dtype); the other slices are left as they were. For the rounds
-    that store the sum (``round_job.UNSTORED_SUM_MAX_WORLD``: many ranks, tensor parallelism's norm ranges); the
-    others never do (``acco_ds.ops.quantized_sum_step``). Collective over ``group``."""
-    got = exchange_quantized_gradients(full, residual, group, block_size, traffic, bits)
+    (``quantized``, ``on_quantized``: as there) and one ``dequantize_sum`` pass (in ``full``'s dtype); the other
+    slices are left as they were. For the rounds that store the sum (``round_job.UNSTORED_SUM_MAX_WORLD``: many
+    ranks, tensor parallelism's norm ranges); the others never do (``acco_ds.ops.quantized_sum_step``). Collective
+    over ``group``."""
+    got = exchange_quantized_gradients(
+        full, residual, group, block_size, traffic, bits, quantized, on_quantized
+    )
     me = dist.get_rank(group)
     dequantize_sum(full.view(got.q.shape[0], -1)[me], got.q, got.scales, block_size, got.order)
 

@@ -60,10 +60,14 @@ from acco_ds.core import schedule
 from acco_ds.core.buffers import GroupBuffers, GroupLayout
 from acco_ds.core.comm import check_reducible, make_control_group, make_executor, new_subgroup
 from acco_ds.core.compressed_comm import Compression
+from acco_ds.core.fused_round_end import BlockOwners, FusedRoundEnd, ResidualRelease
 from acco_ds.core.liveness import BlockBoard
 from acco_ds.core.round_job import RoundResult, all_gather_inplace, run_round_job
 from acco_ds.core.schedule import Job, RoundCounter
 from acco_ds.ops.adamw_settings import AdamWSettings
+
+UNDECLARED = object()
+"""``on_backward_start``'s default ``boundary``: the caller does not say what the micro-batch's end will be."""
 
 
 @dataclass
@@ -79,6 +83,7 @@ class PipelineStats:
     skipped_steps: int = 0  # commits skipped for a non-finite gradient (state and parameters unchanged)
     skipped_peeks: int = 0  # peeks skipped for a non-finite g~ (the estimate is then theta itself)
     empty_commits: int = 0  # commits with no micro-batch on any rank (ended by a drain): no-ops
+    fused_round_ends: int = 0  # compressed rounds quantized in their last backward (core.fused_round_end)
     last_round_counts: List[int] = field(default_factory=list)
     # bytes this rank put on / took off the wire in its rounds' gradient exchange and parameter all-gather,
     # counted at the send/receive calls (core.compressed_comm.Traffic); totals and the last round read
@@ -237,6 +242,11 @@ class ACCOPipeline:
         )
         self.last_grad_norm: torch.Tensor | None = None
         self.stats = PipelineStats()
+        # fused round ends (core.fused_round_end): the one in progress, the block owners of each group (built
+        # at the first), and the residual releases of the job in flight
+        self._fused: FusedRoundEnd | None = None
+        self._block_owners: List[BlockOwners] | None = None
+        self._in_flight_releases: List[ResidualRelease] | None = None
 
     @property
     def state_step(self) -> int:
@@ -249,9 +259,15 @@ class ACCOPipeline:
         self.step_tensor.fill_(float(value))
 
     # -- compute side -------------------------------------------------------------------------
-    def on_backward_start(self) -> None:
+    def on_backward_start(self, boundary=UNDECLARED, hold: bool = False) -> None:
         """Before a micro-batch's backward: ``.grad`` views into the ACC buffer (user code or
         ``engine.zero_grad()`` may have set them to None; the accumulated sum lives in the buffer).
+
+        ``boundary`` / ``hold``: what the caller will pass to :meth:`on_micro_batch_end` after this backward,
+        declared now (the DeepSpeed engine knows its boundary before the backward). With them, a micro-batch that
+        will end a compressed round (fixed accumulation) quantizes the round's gradients as its backward produces
+        them (``core.fused_round_end``); :meth:`on_micro_batch_end` must then end that round as declared.
+        Undeclared (the default), the round's job quantizes them.
 
         sync (DeepSpeed ZeRO-1's semantics): when every ``.grad`` was set to None since the last
         backward (``engine.zero_grad()``) while the step holds micro-batches, their gradients are dropped,
@@ -265,11 +281,58 @@ class ACCOPipeline:
                 "engine.optimizer.train() (the HF Trainer does) or leave the committed_weights() block before "
                 "training; engine.train() / module.train() switch back at the next forward."
             )
+        if self._fused is not None:
+            raise RuntimeError(
+                "acco_ds: a backward started while the previous micro-batch's fused round end is unfinished (its "
+                "backward failed or on_micro_batch_end was not called): the round's gradients are partly quantized "
+                "and cannot be recovered. Restart from a checkpoint."
+            )
         if self.mode == "sync" and self.counter.count > 0 and self._grads_cleared():
             for b in self.groups:
                 b.acc_flat.zero_()
         for b in self.groups:
             b.point_grads()
+        if boundary is not UNDECLARED:
+            self._begin_fused_round_end(boundary, hold)
+
+    def _predicted_round_end(self, boundary, hold: bool) -> schedule.RoundEnd | None:
+        """The round end :meth:`on_micro_batch_end` will make after this micro-batch, given what the caller
+        declared; None where it ends no round or is not known before the backward (adaptive accumulation)."""
+        if hold or self.adaptive:
+            return None
+        ends_step = self.step_count + 1 >= self.gas if boundary is None else bool(boundary)
+        if ends_step:
+            return schedule.plan_boundary(self.mode, self.phase_round)
+        if (
+            schedule.ends_by_count(self.mode, self.phase_round, False)
+            and self.counter.count + 1 >= self.counter.share
+        ):
+            return schedule.plan(self.mode, self.phase_round)
+        return None
+
+    def _begin_fused_round_end(self, boundary, hold: bool) -> None:
+        plan = self._predicted_round_end(boundary, hold)
+        if plan is None or not self.cfg.compression.fuse_round_end:
+            return
+        comp = self.compression[plan.job]
+        if comp is None or not comp.gradients:
+            return
+        if self.mode == "sync" and self.counter.count + 1 != self.gas:
+            return  # a short sync step scales its buffer before the job (end_round): that job quantizes
+        if self._block_owners is None:
+            self._block_owners = [BlockOwners(b, comp.block_size) for b in self.groups]
+        ticket = None if self.in_flight is None else self.in_flight[0]
+        self._fused = FusedRoundEnd(
+            plan,
+            self.groups,
+            self._block_owners,
+            comp,
+            self.residuals,
+            self._in_flight_releases if ticket is not None else None,
+            (lambda: self.executor.done(ticket)) if ticket is not None else (lambda: True),
+            self.cfg.comm_timeout_s,
+        )
+        self._fused.begin()
 
     def _grads_cleared(self) -> bool:
         return all(b.shared for b in self.groups) and all(
@@ -278,6 +341,19 @@ class ACCOPipeline:
 
     def on_micro_batch_end(self, boundary: bool | None = None, hold: bool = False) -> None:
         """After a micro-batch's backward (see the module docstring for ``boundary`` and ``hold``)."""
+        self._micro_batch_end(boundary, hold)
+        if self._fused is not None:
+            self._fused.abandon()
+            self._fused = None
+            raise RuntimeError(
+                f"acco_ds: on_micro_batch_end(boundary={boundary!r}, hold={hold!r}) did not end the round that "
+                "on_backward_start declared this micro-batch would end (the engine's accumulation boundary or "
+                "no_sync() changed during the backward?); the round's gradients were quantized as they arrived and "
+                "cannot be recovered. Restart from a checkpoint; declare to on_backward_start what "
+                "on_micro_batch_end will be told, or set optimizer.params.compression.fuse_round_end=false."
+            )
+
+    def _micro_batch_end(self, boundary: bool | None, hold: bool) -> None:
         self._record_hypers()
         for b in self.groups:
             b.check_grads()
@@ -399,6 +475,23 @@ class ACCOPipeline:
         if self.mode == "sync" and 0 < self.counter.count != self.gas:
             for b in self.groups:
                 b.acc_flat.mul_(self.counter.count / self.gas)
+        prequantized = None
+        if self._fused is not None:
+            fused, self._fused = self._fused, None
+            if (fused.plan.job, fused.plan.alone) != (plan.job, plan.alone):
+                fused.abandon()
+                raise RuntimeError(
+                    f"acco_ds: the round ends with a {plan.job.value} where its last backward was declared to end "
+                    f"it with a {fused.plan.job.value}; its gradients were quantized for that one. Restart from a "
+                    "checkpoint, or set optimizer.params.compression.fuse_round_end=false."
+                )
+            prequantized = fused.finish()
+            self.stats.fused_round_ends += 1
+        releases = (
+            [ResidualRelease(self.device) for _ in self.groups]
+            if any(r is not None for r in self.residuals)
+            else None
+        )
         commit_index = self.commits_launched
         roles = [b.start_job(in_place=plan.wait_now) for b in self.groups]
         job = partial(
@@ -420,9 +513,12 @@ class ACCOPipeline:
             compression=self.compression[plan.job],
             residuals=self.residuals,
             bases=[b.model_flat for b in self.groups],
+            prequantized=prequantized,
+            releases=releases,
         )
         name = f"round {self.round_index} ({plan.job.value} of step {commit_index})"
         self.in_flight = (self.executor.launch(name, job), plan)
+        self._in_flight_releases = releases
         self.stats.rounds += 1
         self.round_index += 1
         self.phase_round = 0 if plan.alone else self.phase_round + 1
@@ -446,6 +542,7 @@ class ACCOPipeline:
         result: RoundResult = self.executor.wait(ticket)
         self.stats.comm_wait_s += time.perf_counter() - t0
         self.in_flight = None
+        self._in_flight_releases = None
         for b in self.groups:
             b.finish_job()
             b.point_params()
@@ -610,6 +707,7 @@ class ACCOPipeline:
 
         drain(self)
         self.in_flight = None
+        self._in_flight_releases = None
         for i, b in enumerate(self.groups):
             viewed = b.params[0].data.data_ptr()
             flat = b.model_flat

@@ -185,6 +185,8 @@ def run_round_job(
     compression: Compression | None = None,
     residuals: Sequence[torch.Tensor | None] | None = None,
     bases: Sequence[torch.Tensor] | None = None,
+    prequantized: Sequence[tuple] | None = None,
+    releases: Sequence[Any] | None = None,
 ) -> RoundResult:
     """One round's communication. ``roles[i]`` is group i's ``(grad buffer, param target)`` index pair
     from ``GroupBuffers.start_job``.
@@ -207,7 +209,10 @@ def run_round_job(
     error-feedback residual of group i, written in place) when ``compression.error_feedback`` (an uncompressed
     COMMIT adds the residual to its buffer and zeroes it: the peeks' quantization error is sent exactly); and/or its new
     parameters are all-gathered as int8 differences to ``bases[i]`` (group i's MODEL buffer at the launch,
-    what every replica holds; ``ops.adamw_difference`` then ``compressed_comm.exchange_quantized_difference``)."""
+    what every replica holds; ``ops.adamw_difference`` then ``compressed_comm.exchange_quantized_difference``).
+    ``prequantized[i]``: group i's ``(q, scales)`` rows when the round end already quantized its gradients
+    (``core.fused_round_end``; the job owns them and leaves the residual alone). ``releases[i]`` (a
+    ``fused_round_end.ResidualRelease``) is released once this job no longer touches group i's residual."""
     dev = groups[0].master.device
     clock = PhaseClock(dev)
     traffic = Traffic()
@@ -225,12 +230,15 @@ def run_round_job(
     )
     shards: List[Any] = [None] * len(groups)  # each group's QuantizedShard, where unsummed
     for i, (b, (g, _)) in enumerate(zip(groups, roles)):
+        release = releases[i].release if releases is not None else None
         if compression is None or not compression.gradients:
             if job is Job.COMMIT and residuals is not None and residuals[i] is not None:
                 # an uncompressed commit sends what the compressed peeks withheld: the committed gradient is
                 # then the exact sum, the peeks' quantization error stays out of the committed state
                 b.grad_bufs[g].add_(residuals[i])
                 residuals[i].zero_()
+            if release is not None:
+                release()
             reduce_scatter_inplace(b.grad_bufs[g], group, traffic)
         else:
             args = (
@@ -240,6 +248,8 @@ def run_round_job(
                 compression.block_size,
                 traffic,
                 compression.gradient_bits,
+                None if prequantized is None else prequantized[i],
+                release,
             )
             if unsummed:
                 shards[i] = exchange_quantized_gradients(*args)

@@ -214,6 +214,7 @@ def restore(pipeline, snap: Dict[str, Any]) -> None:
     check_compatible(pipeline, snap)
     drain(pipeline)
     pipeline.in_flight = None
+    pipeline._in_flight_releases = None  # a restored job is finished: it holds no residual
     dev = pipeline.device
     in_flight = snap["in_flight"] is not None
     for b, g in zip(pipeline.groups, snap["groups"]):

@@ -3,7 +3,9 @@
 What the engine calls and what happens:
 - ``backward_prologue()`` before every micro-batch backward: the parameters' ``.grad`` are views
   into the round's communication buffer, so autograd accumulates into it in place (bf16 parameters
-  with fp32 communication: hooks fold each gradient into it as backward produces it).
+  with fp32 communication: hooks fold each gradient into it as backward produces it). The engine's
+  boundary and ``no_sync()`` are declared to the pipeline there: the last micro-batch of a compressed
+  round quantizes its gradients as they arrive (``core.fused_round_end``).
 - ``set_gradient_accumulation_boundary(flag)`` (ZeROOptimizer's) in every backward's prologue and from
   ``engine.set_gradient_accumulation_boundary`` (accelerate, the HF Trainer, loops that mark their own
   boundaries): the engine, not a count, says which micro-batch ends an optimizer step.
@@ -202,7 +204,17 @@ class ACCOZeroOptimizer(ZeROOptimizer):
 
     # -- what the engine calls ----------------------------------------------------------------
     def backward_prologue(self):
-        self.pipeline.on_backward_start()
+        """Before a micro-batch backward; the engine's boundary and ``no_sync()`` are known by now (DeepSpeed sets
+        them before ``engine.backward``), and the epilogue reads the same ones: declared to the pipeline, they let
+        a compressed round's last micro-batch quantize its gradients as they arrive (``core.fused_round_end``)."""
+        engine = self.engine
+        if engine is None:
+            self.pipeline.on_backward_start(boundary=None)
+            return
+        self.pipeline.on_backward_start(
+            boundary=bool(engine.is_gradient_accumulation_boundary()),
+            hold=bool(getattr(engine, "inside_no_sync_ctxt", False)),
+        )
 
     def backward_epilogue(self, **kwargs):
         """After a micro-batch backward: hand the pipeline the engine's word on it (see the module

@@ -40,7 +40,7 @@ _ALIASES = {"cpu": "adamw_cpu", "cuda": "adamw_cuda"}
 _lock = threading.Lock()
 _cache: Dict[str, Tuple[object | None, str]] = {}
 
-ABI_VERSION = 6
+ABI_VERSION = 7
 """The argument layout the Python fronts use (csrc/common/bindings.h's kAbiVersion must match)."""
 
 DISABLE_ENV = "ACCO_DS_DISABLE_EXT"

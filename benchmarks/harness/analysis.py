@@ -70,6 +70,8 @@ ORDER = (
     "acco-int8-peek-int4",
     "acco-adaptive-int8-peek-int4",
     "dpu-int8",
+    "acco-int8-unfused",
+    "acco-int4-unfused",
 )
 
 

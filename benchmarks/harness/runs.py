@@ -67,6 +67,9 @@ CONTENDERS = {
     "acco-int4": ("acco", "fixed"),
     "acco-adaptive-int4": ("acco", "adaptive"),
     "dpu-int8": ("dpu", "fixed"),  # the peek ablation's "none at all": no estimate, int8 commits
+    # the rounds quantized by their jobs, not in their last backward's gradient hooks (core.fused_round_end)
+    "acco-int8-unfused": ("acco", "fixed"),
+    "acco-int4-unfused": ("acco", "fixed"),
 }
 # what acco-plan recommends: int8 gradients (commit and peek) and parameter differences
 INT8 = dict(COMPRESSION_CONFIG)
@@ -92,6 +95,8 @@ CONFIG_CHANGES = {
     # the peek's exchange left out altogether: dpu (each round commits, with the delay, and no estimate) with
     # acco-int8's commits and parameter differences
     "dpu-int8": {"optimizer.params.compression": INT8_NO_PEEK},
+    "acco-int8-unfused": {"optimizer.params.compression": {**INT8, "fuse_round_end": False}},
+    "acco-int4-unfused": {"optimizer.params.compression": {**INT4, "fuse_round_end": False}},
 }
 """What a contender changes in its mode's DeepSpeed config: a top-level key, or ``optimizer.params.<key>``."""
 

@@ -207,6 +207,39 @@ def quant_residual(dtype, backend: str):
     return factory
 
 
+def fold_quantize_row(buffer_dtype, fused: bool):
+    """The round end of a compressed round for one parameter of ``n`` elements (one chunk, W = 1): its last bf16
+    gradient folded into the ``buffer_dtype`` gradient buffer and quantized with the residual (``buffer_dtype``), in
+    one pass (``acco_ds.ops.fold_quantize``: the buffer read, not written), or as two passes (the accumulation into
+    the buffer, then ``quantize_with_residual`` of it). Compiled backends: C++ on the CPU, Triton on the GPU."""
+
+    def factory(n, device):
+        import torch
+
+        from acco_ds.ops.accumulate import accumulate_grads
+        from acco_ds.ops.fold_quantize import fold_quantize
+        from acco_ds.ops.quantize import num_blocks, quantize_with_residual
+
+        backend = "cpp" if device == "cpu" else "triton"
+        buffer = torch.randn(n, device=device).to(buffer_dtype)
+        grad = (torch.randn(n, device=device) * 1e-3).to(torch.bfloat16)
+        residual = (torch.randn(n, device=device) * 1e-4).to(buffer_dtype)
+        q = torch.empty(n, dtype=torch.int8, device=device)
+        scales = torch.empty(num_blocks(n, QUANT_BLOCK), dtype=torch.float32, device=device)
+        if fused:
+            return lambda: fold_quantize(
+                buffer, grad, 0, n, residual, q, scales, QUANT_BLOCK, backend=backend
+            )
+
+        def two_passes():
+            accumulate_grads(buffer, [grad], [0], backend=backend)
+            quantize_with_residual(buffer, residual, QUANT_BLOCK, backend=backend, out=(q, scales))
+
+        return two_passes
+
+    return factory
+
+
 def quant_dequantize_add(backend: str):
     """dequantize_add of one rank's int8 chunk into the owner's fp32 sum, blocks of QUANT_BLOCK."""
 
@@ -377,6 +410,9 @@ def quant_contenders(device: str, notes: list) -> dict:
     out["deq_sum_unfused"] = quant_dequantize_sum(compiled, fused=False)
     out["qdiff_unfused"] = quant_difference(compiled, fused=False)
     out["add_deq_unfused"] = quant_add_dequantized(compiled, fused=False)
+    for key, dtype in (("fold_qres_bf16", torch.bfloat16), ("fold_qres_fp32", torch.float32)):
+        out[key] = fold_quantize_row(dtype, fused=True)
+        out[f"{key}_unfused"] = fold_quantize_row(dtype, fused=False)
     if _build.available("adamw_cpu" if device == "cpu" else "adamw_cuda"):
         out["commit_diff"] = commit_difference(fused=True)
         out["commit_diff_composed"] = commit_difference(fused=False)

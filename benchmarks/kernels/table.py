@@ -35,6 +35,13 @@ QUANT_BYTES = {
     "qdiff": 2 + 2 + 1 + _SCALE,
     "add_deq": 1 + _SCALE + 2 + 2,
 }
+FOLD_BYTES = {
+    # a parameter's last bf16 gradient folded into the buffer and quantized with the residual, one pass: read the
+    # buffer and the gradient, read + write the residual, write q and the scales (the buffer is not written); the
+    # two passes it replaces (accumulate, then quantize_with_residual) are credited with the same bytes
+    "fold_qres_bf16": 2 + 2 + 2 + 2 + 1 + _SCALE,
+    "fold_qres_fp32": 4 + 2 + 4 + 4 + 1 + _SCALE,
+}
 QUANT_REF = {key: f"{key}_ref" for key in QUANT_BYTES}
 """The torch reference row of each compiled quantize row (its speed-up is measured against it)."""
 QUANT_ANCHORS = {key: [ref] for key, ref in QUANT_REF.items()}
@@ -42,6 +49,8 @@ QUANT_ANCHORS["deq_sum"] = ["deq_sum_unfused", "deq_sum_ref"]
 QUANT_ANCHORS["qdiff"] = ["qdiff_unfused", "qdiff_ref"]
 QUANT_ANCHORS["add_deq"] = ["add_deq_unfused", "add_deq_ref"]
 QUANT_ANCHORS["commit_diff"] = ["commit_diff_composed"]
+QUANT_ANCHORS["fold_qres_bf16"] = ["fold_qres_bf16_unfused"]
+QUANT_ANCHORS["fold_qres_fp32"] = ["fold_qres_fp32_unfused"]
 QUANT_ANCHORS["sum_commit"] = ["sum_commit_composed"]
 QUANT_ANCHORS["sum_commit_w2"] = ["sum_commit_w2_composed"]
 QUANT_ANCHORS["sum_commit_w3"] = ["sum_commit_w3_composed"]
@@ -54,6 +63,8 @@ BYTES.update({ref: QUANT_BYTES[key] for key, ref in QUANT_REF.items()})
 for _key in ("deq_sum", "qdiff", "add_deq"):  # credited with the fused pass's bytes: its effective GB/s
     BYTES[f"{_key}_unfused"] = QUANT_BYTES[_key]
 BYTES["commit_diff"] = BYTES["commit_diff_composed"] = COMMIT_DIFF_BYTES
+for _key, _bytes in FOLD_BYTES.items():
+    BYTES[_key] = BYTES[f"{_key}_unfused"] = _bytes
 
 
 def sum_commit_bytes(ranks: int) -> float:
@@ -95,6 +106,10 @@ LABEL = {
     "add_deq": "acco add_dequantized bf16 base + deq",
     "add_deq_unfused": "acco unfused: fp32 base, dequantize_add, bf16 copy",
     "add_deq_ref": "torch reference add_dequantized",
+    "fold_qres_bf16": "acco fold_quantize: last bf16 grad + bf16 buffer + bf16 residual -> int8, one pass",
+    "fold_qres_bf16_unfused": "acco two passes: accumulate into the bf16 buffer, quantize_with_residual",
+    "fold_qres_fp32": "acco fold_quantize: last bf16 grad + fp32 buffer + fp32 residual -> int8, one pass",
+    "fold_qres_fp32_unfused": "acco two passes: accumulate into the fp32 buffer, quantize_with_residual",
     "commit_diff": "acco commit + quantized parameter difference, one pass (bf16 g, bf16 p in place)",
     "commit_diff_composed": "acco composed: copy of the base, commit, quantize_difference, add_dequantized",
     "sum_commit": f"acco norm + commit read from {SUM_RANKS} ranks' int8 chunks (bf16 g, bf16 p)",
@@ -115,6 +130,10 @@ QUANT_ROWS = (
     "qdiff_unfused",
     "add_deq",
     "add_deq_unfused",
+    "fold_qres_bf16",
+    "fold_qres_bf16_unfused",
+    "fold_qres_fp32",
+    "fold_qres_fp32_unfused",
     "commit_diff",
     "commit_diff_composed",
     "sum_commit_w2",

@@ -13,7 +13,7 @@ namespace acco {
 
 // Bumped whenever an entry point's arguments change; acco_ds/ops/_build.py refuses a module with another
 // value (a stale build) instead of failing at the first call.
-constexpr int kAbiVersion = 6;
+constexpr int kAbiVersion = 7;
 
 inline void check_dtype(const char* what, int code, bool allow_none) {
   if (code == kF32 || code == kBF16 || (allow_none && code == -1)) return;

@@ -1,9 +1,11 @@
 // pybind11 bindings of the CPU blockwise int8 quantize / dequantize launchers (no libtorch): module
 // acco_ds._quantize_cpu.
 //
-// Raw addresses (tensor.data_ptr()) and sizes in; the Python front (acco_ds/ops/quantize.py) has already
-// checked dtypes, device, contiguity, sizes, alignment and that the buffers do not overlap, and allocated the
-// outputs. Every entry point releases the GIL. Dtype codes: csrc/common/dtype.h (-1: no residual).
+// Raw addresses (tensor.data_ptr()) and sizes in; the Python fronts (acco_ds/ops/quantize.py,
+// acco_ds/ops/fold_quantize.py) have already checked dtypes, device, contiguity, sizes, alignment and that the
+// buffers do not overlap, and allocated the outputs; the entry points check what they need to stay in bounds
+// (sizes, dtype codes, the fused round end's geometry) and raise ValueError otherwise. Every entry point releases
+// the GIL. Dtype codes: csrc/common/dtype.h (-1: no residual).
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -22,6 +24,23 @@ void check_sizes(const char* fn, int64_t n, int64_t block_size) {
   if (n < 0 || block_size < 1)
     throw std::invalid_argument(std::string(fn) + ": need n >= 0 and block_size >= 1, got n = " +
                                 std::to_string(n) + ", block_size = " + std::to_string(block_size));
+}
+
+// The fused round end's geometry: a flat buffer of world chunks of `chunk` elements, blocks of block_size, qmax
+// 127 (8 bits) or 7 (4 bits), and a residual address given exactly when its dtype code is not -1.
+void check_rows(const char* fn, int64_t chunk, int64_t world, int64_t block_size, int qmax, uintptr_t residual,
+                int residual_dtype) {
+  const std::string f(fn);
+  if (chunk < 1 || world < 1)
+    throw std::invalid_argument(f + ": need chunk >= 1 and world >= 1, got chunk = " + std::to_string(chunk) +
+                                ", world = " + std::to_string(world));
+  check_sizes(fn, chunk, block_size);
+  if (qmax != 127 && qmax != 7)
+    throw std::invalid_argument(f + ": qmax must be 127 (8 bits) or 7 (4 bits), got " + std::to_string(qmax));
+  if ((residual == 0) != (residual_dtype == -1))
+    throw std::invalid_argument(f + ": residual's address and dtype code disagree (address " +
+                                std::to_string(residual) + ", dtype code " + std::to_string(residual_dtype) +
+                                "): give both, or 0 and -1 for no residual");
 }
 
 }  // namespace
@@ -97,6 +116,43 @@ PYBIND11_MODULE(_quantize_cpu, mod) {
         acco::add_dequantized_cpu(q, scales, base, out, dtype, n, block_size, num_threads);
       },
       "out = base + q * scale of its block (fp32 arithmetic), stored in base's dtype; out may be base.",
+      py::call_guard<py::gil_scoped_release>());
+  mod.def(
+      "fold_quantize_cpu",
+      [](uintptr_t buffer, int buffer_dtype, uintptr_t grad, int grad_dtype, int64_t offset, int64_t numel,
+         int64_t chunk, int64_t world, uintptr_t residual, int residual_dtype, uintptr_t q, uintptr_t scales,
+         int64_t block_size, int qmax, int num_threads) {
+        acco::check_dtype("buffer dtype", buffer_dtype, false);
+        acco::check_dtype("grad dtype", grad_dtype, false);
+        acco::check_dtype("residual dtype", residual_dtype, true);
+        check_rows("fold_quantize_cpu", chunk, world, block_size, qmax, residual, residual_dtype);
+        if (offset < 0 || numel < 0 || offset > world * chunk - numel)
+          throw std::invalid_argument("fold_quantize_cpu: grad (" + std::to_string(numel) + " elements at offset " +
+                                      std::to_string(offset) + ") does not fit in the buffer of " +
+                                      std::to_string(world * chunk) + " elements");
+        acco::fold_quantize_cpu(buffer, buffer_dtype, grad, grad_dtype, offset, numel, chunk, world, residual,
+                                residual_dtype, q, scales, block_size, qmax, num_threads);
+      },
+      "Fold grad into buffer[offset : offset + numel]: the blocks it covers whole quantized from "
+      "cast(buffer + grad) (+ residual, which becomes v - q * scale) into q and scales (the buffer not written "
+      "there), the other elements accumulated into the buffer. Use acco_ds.ops.fold_quantize.",
+      py::call_guard<py::gil_scoped_release>());
+  mod.def(
+      "quantize_listed_blocks_cpu",
+      [](uintptr_t buffer, int buffer_dtype, int64_t chunk, int64_t world, uintptr_t residual, int residual_dtype,
+         uintptr_t q, uintptr_t scales, int64_t block_size, int qmax, uintptr_t blocks, int64_t num_listed,
+         int num_threads) {
+        acco::check_dtype("buffer dtype", buffer_dtype, false);
+        acco::check_dtype("residual dtype", residual_dtype, true);
+        check_rows("quantize_listed_blocks_cpu", chunk, world, block_size, qmax, residual, residual_dtype);
+        if (num_listed < 0 || (num_listed > 0 && blocks == 0))
+          throw std::invalid_argument("quantize_listed_blocks_cpu: need the address of num_listed >= 0 block "
+                                      "indices, got num_listed = " + std::to_string(num_listed));
+        acco::quantize_listed_blocks_cpu(buffer, buffer_dtype, chunk, world, residual, residual_dtype, q, scales,
+                                         block_size, qmax, blocks, num_listed, num_threads);
+      },
+      "Quantize the listed global blocks (sorted, distinct int64 indices) of buffer (+ residual, which becomes "
+      "v - q * scale) into q and scales. Use acco_ds.ops.fold_quantize.",
       py::call_guard<py::gil_scoped_release>());
   mod.attr("ABI_VERSION") = acco::kAbiVersion;
   mod.attr("ISA") = acco::isa_name();

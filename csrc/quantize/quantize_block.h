@@ -1,5 +1,6 @@
 // The blockwise quantizer's per-block rules on the CPU, shared by the quantize launchers (quantize_cpu.cpp), the
-// fused AdamW + parameter difference (csrc/adamw/adamw_difference_cpu.cpp) and the AdamW step on the quantized
+// fused round end (fold_quantize_cpu.cpp: the last accumulation with its quantization), the fused AdamW + parameter
+// difference (csrc/adamw/adamw_difference_cpu.cpp) and the AdamW step on the quantized
 // rows' sum (csrc/adamw/adamw_quantized_sum_cpu.cpp). Inline functions of plain C++; each
 // translation unit compiles them inside its own instruction-set variants (csrc/common/cpu.h) with
 // -ffp-contract=off, so every variant and every caller gives the same bits (acco_ds/ops/quantize.py states the
@@ -21,16 +22,18 @@ namespace acco {
 namespace quant {
 
 constexpr int64_t kChunk = 1 << 16;  // elements per work item (whole blocks, at least one)
-constexpr int32_t kQmax = 127;
+constexpr int32_t kQmax = 127;  // 8 bits; the 4-bit rule is the same with 7 (the QMAX template parameters)
 // What a block quantizes: v = x (kPlain), v = x + residual with the residual rewritten (kResidual), v = x - base
 // with the base only read (kDifference: a parameter difference).
 constexpr int kPlain = 0, kResidual = 1, kDifference = 2;
 constexpr uint32_t kInfBits = 0x7F800000u;  // the bits of +inf
 
-// absmax / 127 rounded up to fp32: the division in double, rounded to nearest, then one fp32 step up where
-// that went below the double quotient (the reference's torch.nextafter).
+// absmax / QMAX rounded up to fp32 (QMAX: 127 for 8 bits, 7 for 4 bits): the division in double, rounded to
+// nearest, then one fp32 step up where that went below the double quotient (the reference's torch.nextafter).
+template <int32_t QMAX = kQmax>
 inline float scale_of(float absmax) {
-  const double wide = static_cast<double>(absmax) / 127.0;
+  static_assert(QMAX == 127 || QMAX == 7, "the quantizer's qmax is 127 (8 bits) or 7 (4 bits)");
+  const double wide = static_cast<double>(absmax) / static_cast<double>(QMAX);
   const float s = static_cast<float>(wide);
   return static_cast<double>(s) < wide ? nextafterf(s, std::numeric_limits<float>::infinity()) : s;
 }
@@ -40,47 +43,59 @@ inline __attribute__((always_inline)) float value(const X* __restrict x, const R
   return OP == kResidual ? to_f32(x[i]) + to_f32(r[i]) : OP == kDifference ? to_f32(x[i]) - to_f32(r[i]) : to_f32(x[i]);
 }
 
-// q (and the residual) of one block of `len` elements, which holds an inf or a NaN: scale NaN, q 0, residual 0.
-template <typename R, int OP>
-inline __attribute__((always_inline)) void non_finite_block(R* __restrict r, int8_t* __restrict q, float* scale,
-                                                            int64_t len) {
+// q (and the residual, when RES) of one block of `len` elements, which holds an inf or a NaN: scale NaN, q 0,
+// residual 0.
+template <typename R, bool RES>
+inline __attribute__((always_inline)) void non_finite_block(R* r, int8_t* __restrict q, float* scale, int64_t len) {
   *scale = std::numeric_limits<float>::quiet_NaN();
   for (int64_t i = 0; i < len; ++i) {
     q[i] = 0;
-    if (OP == kResidual) r[i] = from_f32<R>(0.0f);
+    if (RES) r[i] = from_f32<R>(0.0f);
   }
 }
 
-template <typename X, typename R, int OP>
-inline __attribute__((always_inline)) void quant_block(const X* __restrict x, R* __restrict r, int8_t* __restrict q,
-                                                       float* scale, int64_t len) {
+// The block rule on the values v_i = value(i) (fp32), i in [0, len): scale (*scale), q and, when RES, the residual
+// r[i] <- v_i - q_i * scale rounded to R (r may be read by value(i): element i is read before it is written).
+// value(i) is evaluated twice per element (the absmax sweep, then the q sweep; the block is in cache by then), so
+// it must be plain fp32 arithmetic of what it reads (the same bits both times). QMAX: 127 (8 bits) or 7 (4 bits).
+template <typename R, bool RES, int32_t QMAX, typename V>
+inline __attribute__((always_inline)) void quant_values(const V& value, R* r, int8_t* __restrict q, float* scale,
+                                                        int64_t len) {
   // |v| as bits: their integer order is the order of the values, and an inf or a NaN is >= kInfBits, so one
   // integer max gives absmax and whether the block is finite (exact in any order: no rounding involved)
   uint32_t top = 0;
 #pragma omp simd reduction(max : top)
   for (int64_t i = 0; i < len; ++i) {
-    const uint32_t a = f32_bits(value<X, R, OP>(x, r, i)) & 0x7FFFFFFFu;
+    const uint32_t a = f32_bits(value(i)) & 0x7FFFFFFFu;
     top = a > top ? a : top;
   }
   if (top >= kInfBits) {
-    non_finite_block<R, OP>(r, q, scale, len);
+    non_finite_block<R, RES>(r, q, scale, len);
     return;
   }
-  const float s = scale_of(bits_f32(top));
+  const float s = scale_of<QMAX>(bits_f32(top));
   *scale = s;
   // an all-zero block (s == 0) divides its +-0 by 1: q = 0, residual = v, as the reference gives
   const float div = s > 0.0f ? s : 1.0f;
 #pragma omp simd
   for (int64_t i = 0; i < len; ++i) {
-    const float v = value<X, R, OP>(x, r, i);
-    // |v / div| <= 127 (div >= absmax / 127), so clamping the integer is the reference's clamp of the float
+    const float v = value(i);
+    // |v / div| <= QMAX (div >= absmax / QMAX), so clamping the integer is the reference's clamp of the float
     // (an integer clamp vectorises where GCC keeps the float one as branches)
     const int32_t t = static_cast<int32_t>(rintf(v / div));
-    const int32_t qi = t < -kQmax ? -kQmax : t > kQmax ? kQmax : t;
+    const int32_t qi = t < -QMAX ? -QMAX : t > QMAX ? QMAX : t;
     q[i] = static_cast<int8_t>(qi);
     // float(qi), not the rounded quotient: a -0.0 quotient is the integer 0, whose product with s is +0.0
-    if (OP == kResidual) r[i] = from_f32<R>(v - static_cast<float>(qi) * s);
+    if (RES) r[i] = from_f32<R>(v - static_cast<float>(qi) * s);
   }
+}
+
+// One block of `len` elements of v = x (kPlain), x + r (kResidual: r rewritten) or x - r (kDifference: r only
+// read), quantized with QMAX (127: 8 bits, the default; 7: 4 bits).
+template <typename X, typename R, int OP, int32_t QMAX = kQmax>
+inline __attribute__((always_inline)) void quant_block(const X* __restrict x, R* __restrict r, int8_t* __restrict q,
+                                                       float* scale, int64_t len) {
+  quant_values<R, OP == kResidual, QMAX>([&](int64_t i) { return value<X, R, OP>(x, r, i); }, r, q, scale, len);
 }
 
 // out[i] = base[i] + q[i] * scale (fp32: the product rounded, then the sum), stored in O (out may be base).

@@ -397,3 +397,55 @@ def test_triton_quantized_sum_step_compiles_for_sm90(commit, diff):
     assert not FMA.search(sm90_ptx(quantized_sum_squares_rows, norm_sig, norm_consts)), (
         "an FMA in the rows' sum"
     )
+
+
+# The fused round end's kernels (acco_ds/ops/triton_kernels/fold_quantize.py): (row kernel, FOLD, buffer, gradient,
+# residual dtype or None): the round job's bf16 buffer with an fp32 residual, the mixed dtypes, no residual; the
+# one-block kernel (blocks longer than a tile).
+FOLD_VARIANTS = [
+    (True, True, "bf16", "bf16", "fp32"),
+    (True, True, "fp32", "bf16", "bf16"),
+    (True, True, "bf16", "fp32", None),
+    (True, False, "bf16", None, "fp32"),
+    (False, True, "bf16", "bf16", "fp32"),
+    (False, False, "fp32", None, None),
+]
+
+
+@pytest.mark.parametrize("variant", FOLD_VARIANTS, ids=lambda v: "{}_{}_b{}_g{}_r{}".format(
+    "rows" if v[0] else "blocks", "fold" if v[1] else "listed", *v[2:]))  # fmt: skip
+def test_triton_fold_quantize_compiles_for_sm90(variant):
+    """fold_quantize_rows (block size 256) and fold_quantize_blocks (2048) compile for sm_90 as the fused round end
+    launches them (16-byte divisible pointers, chunk, block size and the gradient's offset 16-divisible: a parameter
+    of the packed layout), with no FMA (``v - q * scale`` rounds twice, as the reference) and the IEEE
+    division (div.rn); the row kernel reads the buffer, the gradient and the residual and writes the residual and q
+    16 bytes wide where it quantizes (the partly covered blocks' accumulation, in two programs, need not be)."""
+    pytest.importorskip("triton")
+    from acco_ds.ops import quantize as q
+    from acco_ds.ops.triton_kernels.fold_quantize import fold_quantize_blocks, fold_quantize_rows
+
+    rows, fold, bdt, gdt, rdt = variant
+    bs = 256 if rows else 2048
+    sig = {
+        "buf_ptr": f"*{bdt}", "grad_ptr": f"*{gdt or bdt}", "res_ptr": f"*{rdt or bdt}", "q_ptr": "*i8",
+        "scale_ptr": "*fp32", "blocks_ptr": "*i64", "offset": "i64", "end": "i64", "first": "i64",
+    }  # fmt: skip
+    if rows:
+        sig["last"] = "i64"
+    sig.update({"chunk": "i64", "nb": "i64", "block_size": "i32"})
+    consts = dict(QMAX=127, TILE=q._tile(bs), ROWS=q._rows(bs), FOLD=fold, B_BF16=bdt == "bf16",
+                  G_BF16=gdt == "bf16", HAS_RES=rdt is not None, RES_BF16=rdt == "bf16")  # fmt: skip
+    if not rows:
+        del consts["ROWS"]
+    sig.update({k: "constexpr" for k in consts})
+    # the pointers, offset, chunk, block size; the range's end and its first / last blocks are never specialized
+    divisible = (*(name for name in sig if name.endswith("_ptr")), "offset", "chunk", "block_size")
+    ptx = sm90_ptx(fold_quantize_rows if rows else fold_quantize_blocks, sig, consts, divisible)
+    assert not FMA.search(ptx), f"{variant}: v - q * scale was fused into an FMA"
+    assert "div.rn.f32" in ptx and "div.full.f32" not in ptx, f"{variant}: not the IEEE division"
+    if rows:  # the whole blocks' path: 16 elements a thread, every access 16 bytes wide
+        size = {"fp32": 4, "bf16": 2, None: 0}
+        per_thread = consts["ROWS"] * consts["TILE"] // THREADS
+        want = (per_thread * (size[bdt] + size[gdt] + size[rdt]) // 16, per_thread * (size[rdt] + 1) // 16)
+        got = (ptx.count("ld.global.v4.b32"), ptx.count("st.global.v4.b32"))
+        assert got == want, f"{variant}: (v4 loads, v4 stores) {got}, expected {want}"

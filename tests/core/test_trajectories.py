@@ -142,6 +142,14 @@ STORED_SUM_TWINS = {
     "acco_bf16_int8_all_gather_stored_sum": "acco_bf16_int8_all_gather",
     "dpu_fp32_int8_stored_sum": "dpu_fp32_int8",
 }
+# The round's job quantizing its gradients (compression.fuse_round_end=false) rather than its last backward's
+# gradient hooks (core.fused_round_end, what the runs above do): the same bits
+UNFUSED_TWINS = {
+    "acco_bf16_int8_unfused": "acco_bf16_int8",
+    "dpu_fp32_int8_unfused": "dpu_fp32_int8",
+    "acco_fp32_int4_peek_and_all_gather_unfused": "acco_fp32_int4_peek_and_all_gather",
+    "acco_fp32_int8_peek_only_unfused": "acco_fp32_int8_peek_only",
+}
 LONG_STEPS = 40  # the replicas after many compressed steps
 LONG = (
     "acco_bf16_int8_long",
@@ -199,6 +207,11 @@ def scenarios(world: int) -> list:
         opt = acco_opt(m)
         opt["params"]["compression"] = comp
         out.append({"name": name, "steps": STEPS, "config": ds_config(opt, d, "noclip"), "stored_sum": True})
+    for name, twin in UNFUSED_TWINS.items():
+        m, d, comp = COMPRESSED[twin]
+        opt = acco_opt(m)
+        opt["params"]["compression"] = {**comp, "fuse_round_end": False}
+        out.append({"name": name, "steps": STEPS, "config": ds_config(opt, d, "noclip")})
     name, m, d, comp = LONG
     opt = acco_opt(m)
     opt["params"]["compression"] = comp
@@ -659,6 +672,24 @@ def test_stored_sum_gives_the_unstored_bits(run, name):
     for t, (a, b) in enumerate(zip(got["norms"], want["norms"])):
         close = a is None or abs(a - b) <= 1e-6 * abs(b)
         assert (a is None) == (b is None) and close, f"{name} W={world}: norm of step {t}: {a} vs {b}"
+
+
+@pytest.mark.parametrize("name", UNFUSED_TWINS)
+def test_fused_round_end_gives_the_job_quantized_bits(run, name):
+    """Compressed rounds quantized in their last backward's gradient hooks (the default, core.fused_round_end) give
+    the run whose jobs quantize them, bit for bit: parameters, moments, norms, every rank's residual and replica;
+    every compressed round of the fused run was fused, none of the other's."""
+    world, results = run
+    got, want = results[name], results[UNFUSED_TWINS[name]]
+    for key in ("traj", "norms", "residuals_per_rank", "final_model_per_rank"):
+        assert _same(got[key], want[key]), f"{name} W={world}: {key} differs from the fused run"
+    for key in ("exp_avg", "exp_avg_sq"):
+        assert _same(got["moments"][key], want["moments"][key]), f"{name} W={world}: {key} differs"
+    _, _, comp = COMPRESSED[UNFUSED_TWINS[name]]
+    for fused, plain in zip(want["stats_per_rank"], got["stats_per_rank"]):
+        exact_commits = fused["rounds"] // 2 if comp.get("commit", "none") == "none" else 0
+        assert fused["fused_round_ends"] == fused["rounds"] - exact_commits > 0, fused
+        assert plain["fused_round_ends"] == 0, plain
 
 
 def _same(a, b) -> bool:
