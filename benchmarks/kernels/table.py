@@ -276,6 +276,16 @@ def _quant_bytes_line(res: dict) -> list:
             if _measured(res, "sum_commit")
             else ""
         )
+        + (
+            f" The fused round end, per element of a parameter's last bf16 gradient: fold_quantize "
+            f"{FOLD_BYTES['fold_qres_bf16']:g} B/param into a bf16 buffer with a bf16 residual, "
+            f"{FOLD_BYTES['fold_qres_fp32']:g} into fp32 ones (read the buffer and the gradient, read + write the "
+            "residual, write q and the scales; the buffer is not written), against the two passes it replaces "
+            "(the accumulation into the buffer, then quantize_with_residual of it into preallocated q and scales), "
+            "credited with the same bytes."
+            if _measured(res, "fold_qres_bf16")
+            else ""
+        )
     ]
 
 
