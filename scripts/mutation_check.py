@@ -384,6 +384,15 @@ MUTANTS = [
             "tests/core/test_fused_round_end.py::test_the_first_fold_waits_for_the_job_that_holds_the_residual",
         ),
     ),
+    Mutant(
+        "M39",
+        "the C++ fold + quantize: the buffer's sum with the last gradient is quantized unrounded (not as the "
+        "accumulation would have stored it in a bf16 buffer)",
+        "csrc/quantize/fold_quantize_cpu.cpp",
+        "  const float sum = to_f32(from_f32<B>(to_f32(buf[i]) + to_f32(grad[i])));\n",
+        "  const float sum = to_f32(buf[i]) + to_f32(grad[i]);\n",
+        ("tests/ops/test_fold_quantize.py",),
+    ),
 ]
 
 

@@ -38,7 +38,7 @@ import torch
 from acco_ds.core.buffers import GroupBuffers
 from acco_ds.core.compressed_comm import Compression
 from acco_ds.core.schedule import RoundEnd
-from acco_ds.ops.fold_quantize import covered_blocks, fold_quantize, quantize_listed_blocks
+from acco_ds.ops.fold_quantize import FoldTarget, covered_blocks, quantize_listed_blocks
 from acco_ds.ops.quantize import num_blocks
 
 
@@ -133,16 +133,18 @@ class FusedRoundEnd:
         self.timeout_s = timeout_s
         self.folded = [torch.zeros(len(b.params), dtype=torch.bool) for b in self.groups]
         self.rows: List[Tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(self.groups)
+        self.targets: List[FoldTarget | None] = [None] * len(self.groups)
 
     def begin(self) -> None:
         """Route every group's gradients of this backward to :meth:`fold` (``GroupBuffers.begin_fused_fold``)."""
         for i, b in enumerate(self.groups):
             b.begin_fused_fold(lambda index, grad, group=i: self.fold(group, index, grad))
 
-    def _rows_of(self, group: int) -> Tuple[torch.Tensor, torch.Tensor]:
-        """The group's q / scales rows, allocated (and the residual's release waited for) at its first fold."""
-        rows = self.rows[group]
-        if rows is None:
+    def _target(self, group: int) -> FoldTarget:
+        """The group's fold target: its q / scales rows allocated (and the residual's release waited for) at its
+        first fold."""
+        target = self.targets[group]
+        if target is None:
             if self.releases is not None and self.residuals[group] is not None:
                 self.releases[group].wait(self.job_finished, self.timeout_s)
             b, own = self.groups[group], self.owners[group]
@@ -152,7 +154,12 @@ class FusedRoundEnd:
                 torch.empty(own.total, dtype=torch.float32, device=dev),
             )
             self.rows[group] = rows
-        return rows
+            comp = self.compression
+            target = FoldTarget(
+                b.acc_flat, own.chunk, self.residuals[group], *rows, comp.block_size, comp.gradient_bits
+            )
+            self.targets[group] = target
+        return target
 
     def fold(self, group: int, index: int, grad: torch.Tensor) -> None:
         """Parameter ``index`` of group ``group`` received its gradient of this micro-batch (a gradient hook)."""
@@ -163,18 +170,9 @@ class FusedRoundEnd:
                 "gradients arrived; run one backward per micro-batch, or set "
                 "optimizer.params.compression.fuse_round_end=false."
             )
-        b = self.groups[group]
-        q, scales = self._rows_of(group)
-        fold_quantize(
-            b.acc_flat,
-            grad if grad.is_contiguous() else grad.contiguous(),
-            b.layout.offsets[index],
-            b.layout.shard_numel,
-            self.residuals[group],
-            q,
-            scales,
-            self.compression.block_size,
-            self.compression.gradient_bits,
+        target = self._target(group)
+        target.fold(
+            grad if grad.is_contiguous() else grad.contiguous(), self.groups[group].layout.offsets[index]
         )
         self.folded[group][index] = True
 
@@ -189,7 +187,7 @@ class FusedRoundEnd:
         self.abandon()
         out = []
         for i, (b, own) in enumerate(zip(self.groups, self.owners)):
-            q, scales = self._rows_of(i)
+            q, scales = self._target(i).q, self._target(i).scales
             left = own.leftover(self.folded[i], b.master.device)
             quantize_listed_blocks(
                 b.acc_flat,

@@ -294,6 +294,95 @@ def _pick(fn: str, backend, device: torch.device) -> str:
     return chosen
 
 
+class FoldTarget:
+    """A round's buffer, residual and q / scales rows, checked once, into which :meth:`fold` folds one parameter's
+    gradient after another (what :func:`fold_quantize` does per call; the fused round end calls it once per
+    parameter, so each call checks only the gradient). The caller keeps the tensors alive and unchanged."""
+
+    def __init__(
+        self,
+        buffer,
+        chunk: int,
+        residual,
+        q,
+        scales,
+        block_size: int,
+        bits: int = 8,
+        *,
+        backend: str | None = None,
+    ):
+        self.nb = _check_rows("fold_quantize", buffer, chunk, residual, q, scales, block_size, bits)
+        self.buffer, self.chunk, self.residual, self.q, self.scales = buffer, chunk, residual, q, scales
+        self.block_size, self.bits = block_size, bits
+        self.how = _pick("fold_quantize", backend, buffer.device)
+        self._span = (buffer.data_ptr(), buffer.data_ptr() + buffer.numel() * buffer.element_size())
+        self._others = [t for t in (buffer, q, scales, residual) if t is not None]
+        if self.how == "cpp":
+            self._ext = _build.load("quantize_cpu")
+            self._head = (buffer.data_ptr(), _DTYPE_CODE[buffer.dtype])
+            self._tail = (
+                chunk,
+                buffer.numel() // chunk,
+                0 if residual is None else residual.data_ptr(),
+                _NO_RESIDUAL if residual is None else _DTYPE_CODE[residual.dtype],
+                q.data_ptr(),
+                scales.data_ptr(),
+                block_size,
+                QMAX_OF[bits],
+            )
+
+    def _check_grad(self, grad, offset) -> None:
+        if not isinstance(grad, torch.Tensor) or grad.dtype not in _FLOATS or not grad.is_contiguous():
+            _check_float("fold_quantize", "grad", grad)
+        if grad.device != self.buffer.device:
+            raise ValueError(f"fold_quantize: grad is on {grad.device}, the buffer on {self.buffer.device}")
+        if not isinstance(offset, int) or isinstance(offset, bool):
+            raise TypeError(f"fold_quantize: offset must be an int, got {type(offset).__name__}")
+        if offset < 0 or offset + grad.numel() > self.buffer.numel():
+            raise ValueError(
+                f"fold_quantize: grad ({grad.numel()} elements at offset {offset}) does not fit in the buffer of "
+                f"{self.buffer.numel()} elements"
+            )
+        for t in self._others:
+            if _overlap(grad, t):
+                raise ValueError("fold_quantize: grad overlaps the buffer, the residual, q or the scales")
+
+    def fold(self, grad, offset: int) -> None:
+        """Fold ``grad`` (fp32/bf16, contiguous) landing at ``[offset, offset + numel)``: see the module docstring."""
+        self._check_grad(grad, offset)
+        if grad.numel() == 0:
+            return
+        if self.how == "cpp":
+            self._ext.fold_quantize_cpu(
+                *self._head,
+                grad.data_ptr(),
+                _DTYPE_CODE[grad.dtype],
+                offset,
+                grad.numel(),
+                *self._tail,
+                torch.get_num_threads(),
+            )
+        elif self.how == "ref":
+            fold_quantize_ref(
+                self.buffer,
+                grad,
+                offset,
+                self.chunk,
+                self.residual,
+                self.q,
+                self.scales,
+                self.block_size,
+                self.bits,
+            )
+        else:
+            from acco_ds.ops.triton_kernels import fold_quantize as kernels  # triton: only when launched
+
+            kernels.launch_fold_quantize(
+                self.buffer, grad, offset, self.chunk, self.nb, self.residual, self.q, self.scales, self.block_size,
+                QMAX_OF[self.bits],
+            )  # fmt: skip
+
+
 def fold_quantize(
     buffer,
     grad,
@@ -311,36 +400,8 @@ def fold_quantize(
     pass (see the module docstring): ``grad`` lands at ``[offset, offset + numel)``; ``residual`` (the buffer's
     length, fp32 or bf16) or None (no error feedback); ``q`` / ``scales`` the round's flat rows, written for the
     whole blocks only; the buffer written at the partly covered blocks only."""
-    nb = _check_fold("fold_quantize", buffer, grad, offset, chunk, residual, q, scales, block_size, bits)
-    if grad.numel() == 0:
-        return
-    how = _pick("fold_quantize", backend, buffer.device)
-    if how == "ref":
-        fold_quantize_ref(buffer, grad, offset, chunk, residual, q, scales, block_size, bits)
-    elif how == "cpp":
-        _build.load("quantize_cpu").fold_quantize_cpu(
-            buffer.data_ptr(),
-            _DTYPE_CODE[buffer.dtype],
-            grad.data_ptr(),
-            _DTYPE_CODE[grad.dtype],
-            offset,
-            grad.numel(),
-            chunk,
-            buffer.numel() // chunk,
-            0 if residual is None else residual.data_ptr(),
-            _NO_RESIDUAL if residual is None else _DTYPE_CODE[residual.dtype],
-            q.data_ptr(),
-            scales.data_ptr(),
-            block_size,
-            QMAX_OF[bits],
-            torch.get_num_threads(),
-        )
-    else:
-        from acco_ds.ops.triton_kernels import fold_quantize as kernels  # imports triton: only when launched
-
-        kernels.launch_fold_quantize(
-            buffer, grad, offset, chunk, nb, residual, q, scales, block_size, QMAX_OF[bits]
-        )
+    _check_fold("fold_quantize", buffer, grad, offset, chunk, residual, q, scales, block_size, bits)
+    FoldTarget(buffer, chunk, residual, q, scales, block_size, bits, backend=backend).fold(grad, offset)
 
 
 def quantize_listed_blocks(
