@@ -131,7 +131,7 @@ class FusedRoundEnd:
         self.releases = releases
         self.job_finished = job_finished
         self.timeout_s = timeout_s
-        self.folded = [torch.zeros(len(b.params), dtype=torch.bool) for b in self.groups]
+        self.folded = [[False] * len(b.params) for b in self.groups]
         self.rows: List[Tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(self.groups)
         self.targets: List[FoldTarget | None] = [None] * len(self.groups)
 
@@ -188,7 +188,7 @@ class FusedRoundEnd:
         out = []
         for i, (b, own) in enumerate(zip(self.groups, self.owners)):
             q, scales = self._target(i).q, self._target(i).scales
-            left = own.leftover(self.folded[i], b.master.device)
+            left = own.leftover(torch.tensor(self.folded[i], dtype=torch.bool), b.master.device)
             quantize_listed_blocks(
                 b.acc_flat,
                 own.chunk,

@@ -133,3 +133,33 @@ def reset_cache() -> None:
     """Forget load results (tests use it after changing the environment)."""
     with _lock:
         _cache.clear()
+
+
+_logged_choices: set = set()
+
+
+def triton_available() -> bool:
+    """True when triton imports (the CUDA default of the Triton-backed ops)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def default_backend(what: str, device, cpu_kind: str, logger) -> str:
+    """The backend an op picks by default on ``device``: on CPU the compiled ``cpu_kind`` module ("cpp") where it
+    loads, on CUDA "triton" where triton imports, else "ref"; the choice is logged once per (op, device type) on
+    ``logger`` (a warning when a kernel is missing)."""
+    if device.type == "cpu":
+        chosen, why = ("cpp", "") if available(cpu_kind) else ("ref", why_missing(cpu_kind))
+    elif device.type == "cuda":
+        chosen, why = ("triton", "") if triton_available() else ("ref", "triton is not installed")
+    else:
+        chosen, why = "ref", f"no kernel for device type {device.type}"
+    if (what, device.type, chosen) not in _logged_choices:
+        _logged_choices.add((what, device.type, chosen))
+        (logger.warning if why else logger.info)(
+            "acco_ds %s on %s: using the %s backend%s", what, device.type, chosen, f" ({why})" if why else ""
+        )
+    return chosen

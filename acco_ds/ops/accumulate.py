@@ -48,7 +48,6 @@ logger = logging.getLogger(__name__)
 _FLOATS = (torch.float32, torch.bfloat16)
 _DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1}
 _BACKENDS = (None, "auto", "ref", "cpp", "triton")
-_logged: set = set()
 
 
 def _check(fn: str, arg: str, t, device: torch.device | None) -> None:
@@ -112,33 +111,7 @@ def _pick(fn: str, device: torch.device, backend: str | None) -> str:
         if not _build.available("accumulate_cpu"):
             raise RuntimeError(f"{fn}: backend='cpp' requested but {_build.why_missing('accumulate_cpu')}")
         return "cpp"
-    if device.type == "cpu":
-        chosen, why = (
-            ("cpp", "")
-            if _build.available("accumulate_cpu")
-            else ("ref", _build.why_missing("accumulate_cpu"))
-        )
-    elif device.type == "cuda":
-        chosen, why = ("triton", "") if _triton_available() else ("ref", "triton is not installed")
-    else:
-        chosen, why = "ref", f"no kernel for device type {device.type}"
-    if (device.type, chosen) not in _logged:
-        _logged.add((device.type, chosen))
-        (logger.warning if why else logger.info)(
-            "acco_ds accumulate on %s: using the %s backend%s",
-            device.type,
-            chosen,
-            f" ({why})" if why else "",
-        )
-    return chosen
-
-
-def _triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return _build.default_backend("accumulate", device, "accumulate_cpu", logger)
 
 
 def accumulate_grads_ref(buffer, grads: Sequence[torch.Tensor | None], offsets: Sequence[int], scale=1.0):

@@ -72,7 +72,6 @@ _FLOATS = (torch.float32, torch.bfloat16)
 _DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1}
 _NO_RESIDUAL = -1
 _BACKENDS = (None, "auto", "ref", "cpp", "triton")
-_logged: set = set()
 
 
 # -- geometry --------------------------------------------------------------------------------------------------
@@ -247,14 +246,6 @@ def _runs(blocks: list, nb: int, total: int) -> List[Tuple[int, int]]:
 
 
 # -- dispatch --------------------------------------------------------------------------------------------------
-def _triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def _pick(fn: str, backend, device: torch.device) -> str:
     if backend not in _BACKENDS:
         raise ValueError(f"{fn}: backend must be one of {_BACKENDS}, got {backend!r}")
@@ -266,7 +257,7 @@ def _pick(fn: str, backend, device: torch.device) -> str:
                 f"{fn}: backend='triton' on CPU tensors needs TRITON_INTERPRET=1 in the environment before triton "
                 "is first imported"
             )
-        if not _triton_available():
+        if not _build.triton_available():
             raise RuntimeError(f"{fn}: backend='triton' requested but triton is not installed")
         return "triton"
     if backend == "cpp":
@@ -275,23 +266,7 @@ def _pick(fn: str, backend, device: torch.device) -> str:
         if not _build.available("quantize_cpu"):
             raise RuntimeError(f"{fn}: backend='cpp' requested but {_build.why_missing('quantize_cpu')}")
         return "cpp"
-    if device.type == "cpu":
-        chosen, why = (
-            ("cpp", "") if _build.available("quantize_cpu") else ("ref", _build.why_missing("quantize_cpu"))
-        )
-    elif device.type == "cuda":
-        chosen, why = ("triton", "") if _triton_available() else ("ref", "triton is not installed")
-    else:
-        chosen, why = "ref", f"no kernel for device type {device.type}"
-    if (device.type, chosen) not in _logged:
-        _logged.add((device.type, chosen))
-        (logger.warning if why else logger.info)(
-            "acco_ds fold_quantize on %s: using the %s backend%s",
-            device.type,
-            chosen,
-            f" ({why})" if why else "",
-        )
-    return chosen
+    return _build.default_backend("fold_quantize", device, "quantize_cpu", logger)
 
 
 class FoldTarget:
@@ -315,8 +290,11 @@ class FoldTarget:
         self.buffer, self.chunk, self.residual, self.q, self.scales = buffer, chunk, residual, q, scales
         self.block_size, self.bits = block_size, bits
         self.how = _pick("fold_quantize", backend, buffer.device)
-        self._span = (buffer.data_ptr(), buffer.data_ptr() + buffer.numel() * buffer.element_size())
-        self._others = [t for t in (buffer, q, scales, residual) if t is not None]
+        self._spans = [
+            (t.data_ptr(), t.data_ptr() + t.numel() * t.element_size())
+            for t in (buffer, q, scales, residual)
+            if t is not None and t.numel()
+        ]
         if self.how == "cpp":
             self._ext = _build.load("quantize_cpu")
             self._head = (buffer.data_ptr(), _DTYPE_CODE[buffer.dtype])
@@ -343,8 +321,10 @@ class FoldTarget:
                 f"fold_quantize: grad ({grad.numel()} elements at offset {offset}) does not fit in the buffer of "
                 f"{self.buffer.numel()} elements"
             )
-        for t in self._others:
-            if _overlap(grad, t):
+        lo = grad.data_ptr()
+        hi = lo + grad.numel() * grad.element_size()
+        for a, b in self._spans:
+            if lo < b and a < hi and grad.numel():
                 raise ValueError("fold_quantize: grad overlaps the buffer, the residual, q or the scales")
 
     def fold(self, grad, offset: int) -> None:

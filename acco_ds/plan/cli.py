@@ -243,7 +243,9 @@ def render(plan, rec: dict) -> str:
         f"comm/compute: one round's communication {ms * d['comm_round_s']:.1f} ms / a step's compute "
         f"{ms * d['compute_step_s']:.1f} ms = {d['comm_compute_ratio']:.3f} (fixed ACCO hides it up to 0.5)",
         f"int8 rounds (*-int8 rows; blocks of {i['block_size']}): {d['int8_bytes'] / 1e6:,.1f} MB per collective, "
-        f"a round {ms * d['comm_round_int8_s']:.1f} ms (quantize passes {ms * d['quantize_s']:.2f} ms)",
+        f"a round {ms * d['comm_round_int8_s']:.1f} ms (its job's quantize passes {ms * d['quantize_fused_s']:.2f} ms; "
+        f"the gradients quantized in the round's last backward, {ms * d['fold_s']:.2f} ms more compute; adaptive "
+        f"rounds quantize in their job: {ms * d['quantize_s']:.2f} ms)",
         "",
         "| contender | step ms | samples/s | x ZeRO-1 | micro-batches/step/GPU | exposed comm ms | memory/GPU GiB "
         "| bytes/param | note |",

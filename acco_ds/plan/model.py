@@ -23,7 +23,9 @@ with ``t_c = GAS t_mb`` and ``C_round = T_rs + T_opt + T_ag`` (acco_ds's fused A
 Compressed rounds (``optimizer.params.compression``, every exchange int8: commit, peek and all-gather;
 docs/ALGORITHM.md "Compressed rounds"): the rows ``sync-int8``, ``acco-int8`` and ``acco-adaptive-int8`` are
 the rules above with ``C_round8 = T_rs(n (1 + 4/B)) + T_opt + T_ag(n (1 + 4/B)) + T_q`` (int8 plus one fp32
-scale per block of B; ``T_q`` the quantize / dequantize passes at ``hbm_bw``, ``quant_bytes_per_param``) and
+scale per block of B; ``T_q`` the job's quantize / dequantize passes at ``hbm_bw``, ``quant_bytes_per_param``:
+with fixed accumulation the gradients are quantized in each round's last backward, ``fold_extra_bytes_per_param``
+more on the compute per round and that pass out of ``T_q``; adaptive rounds quantize them in their job) and
 one more full buffer held (the error-feedback residual, in the comm dtype) plus a round's int8 values and one fp32
 chunk while it exchanges (``memory_model.compression_buffers``).
 """
@@ -161,16 +163,26 @@ UNSTORED_SUM_MAX_WORLD = 3
 """``acco_ds.core.round_job.UNSTORED_SUM_MAX_WORLD`` (the planner stands alone; a test keeps the two equal)."""
 
 
-def quant_bytes_per_param(D: int, C: int, W: int) -> float:
-    """Bytes a compressed round's quantize / dequantize passes stream per parameter of the full buffer (all
-    int8): the gradients quantized with the residual (read the gradient and the residual, write q and the
-    residual: ``3 C + 1``), the owner's W chunks of its shard read by the norm's and the step's passes (``2``,
-    up to :data:`UNSTORED_SUM_MAX_WORLD` ranks; beyond, summed once into the shard: ``(W + C) / W``), the
+def quant_bytes_per_param(D: int, C: int, W: int, fused_round_end: bool = False) -> float:
+    """Bytes a compressed round's job streams in its quantize / dequantize passes per parameter of the full buffer
+    (all int8): the gradients quantized with the residual (read the gradient and the residual, write q and the
+    residual: ``3 C + 1``; none with ``fused_round_end``: the round's last backward quantized them,
+    :func:`fold_extra_bytes_per_param`), the owner's W chunks of its shard read by the norm's and the step's passes
+    (``2``, up to :data:`UNSTORED_SUM_MAX_WORLD` ranks; beyond, summed once into the shard: ``(W + C) / W``), the
     parameter difference of the shard quantized (``(2 D + 1) / W``) and applied to every chunk (read the
     base and q, write the parameter: ``2 D + 1``). The scales are left out (4/B of the values), and so is the
     step's and the norm's read of a stored sum (counted with the step)."""
     owner_sum = 2 if W <= UNSTORED_SUM_MAX_WORLD else (W + C) / W
-    return 3 * C + 1 + owner_sum + (2 * D + 1) / W + 2 * D + 1
+    quantize = 0 if fused_round_end else 3 * C + 1
+    return quantize + owner_sum + (2 * D + 1) / W + 2 * D + 1
+
+
+def fold_extra_bytes_per_param(C: int) -> int:
+    """What the fused round end (``acco_ds.core.fused_round_end``, fixed accumulation) adds to the compute side per
+    parameter of the buffer, per round: its fold reads the buffer and the gradient, reads and writes the residual
+    and writes q (``3 C + D + 1``) where the last accumulation read the buffer and the gradient and wrote the
+    buffer (``2 C + D``): ``C + 1``."""
+    return C + 1
 
 
 def exposed_overlapped_reduce(t_reduce: float, t_backward: float, n_buckets: int, can_overlap: bool) -> float:
@@ -208,6 +220,8 @@ def _derived(i: PlanInputs) -> dict:
     packed = n_g * (1 + 4 / i.block_size)  # int8 values + one fp32 scale per block
     rs8, ag8 = topo.reduce_scatter(packed), topo.all_gather(packed)
     t_q = quant_bytes_per_param(D, C, W) * n_g / i.hbm_bw
+    t_q_fused = quant_bytes_per_param(D, C, W, fused_round_end=True) * n_g / i.hbm_bw
+    t_fold = fold_extra_bytes_per_param(C) * n_g / i.hbm_bw
     return {
         "dp_world": W,
         "ranks_per_node": i.gpus_per_node // i.tp,
@@ -227,8 +241,14 @@ def _derived(i: PlanInputs) -> dict:
         "int8_reduce_scatter_s": rs8,
         "int8_all_gather_s": ag8,
         "quantize_s": t_q,
-        "comm_round_int8_s": rs8 + t_commit + ag8 + t_q,
-        "comm_round_peek_int8_s": rs8 + t_peek + ag8 + t_q,
+        # fixed accumulation: the rounds quantized in their last backward (the job's passes t_q_fused, the compute's
+        # fold_s more per round); adaptive rounds: by their jobs (t_q)
+        "quantize_fused_s": t_q_fused,
+        "fold_s": t_fold,
+        "comm_round_int8_s": rs8 + t_commit + ag8 + t_q_fused,
+        "comm_round_peek_int8_s": rs8 + t_peek + ag8 + t_q_fused,
+        "comm_round_int8_unfused_s": rs8 + t_commit + ag8 + t_q,
+        "comm_round_peek_int8_unfused_s": rs8 + t_peek + ag8 + t_q,
         "comm_compute_ratio": comm_commit / t_c,
         "reduce_buckets": max(1, math.ceil(n_g / i.reduce_bucket)),
         "bucket_frac": i.reduce_bucket / n_g,
@@ -277,22 +297,27 @@ def _rows(i: PlanInputs, d: dict) -> Dict[str, dict]:
     }
     out["sync"] = {"step": t_c + c_commit, "mbs": G, "exposed": c_commit}
     out["dpu"] = {"step": max(t_c, c_commit), "mbs": G, "exposed": max(0.0, c_commit - t_c)}
+    fold = d["fold_s"]  # a fused round end's extra compute, per round (fixed accumulation)
     if G % 2:
         c8 = d["comm_round_int8_s"]
-        out["sync-int8"] = {"step": t_c + c8, "mbs": G, "exposed": c8}
+        out["sync-int8"] = {"step": t_c + fold + c8, "mbs": G, "exposed": c8}
         na = {"step": None, "mbs": None, "exposed": None, "note": f"needs an even GAS (got {G})"}
         for name in ("acco", "acco-adaptive", "acco-int8", "acco-adaptive-int8"):
             out[name] = dict(na)
         return {k: out[k] for k in CONTENDERS + COMPRESSED_CONTENDERS}
     c8_commit, c8_peek = d["comm_round_int8_s"], d["comm_round_peek_int8_s"]
-    out["sync-int8"] = {"step": t_c + c8_commit, "mbs": G, "exposed": c8_commit}
-    for tag, peek, commit in (("", c_peek, c_commit), ("-int8", c8_peek, c8_commit)):
-        half = t_c / 2
+    out["sync-int8"] = {"step": t_c + fold + c8_commit, "mbs": G, "exposed": c8_commit}
+    unfused = (d["comm_round_peek_int8_unfused_s"], d["comm_round_int8_unfused_s"])
+    for tag, peek, commit, extra, (a_peek, a_commit) in (
+        ("", c_peek, c_commit, 0.0, (c_peek, c_commit)),
+        ("-int8", c8_peek, c8_commit, fold, unfused),
+    ):
+        half = t_c / 2 + extra
         step = max(half, peek) + max(half, commit)
-        out["acco" + tag] = {"step": step, "mbs": G, "exposed": step - t_c}
+        out["acco" + tag] = {"step": step, "mbs": G, "exposed": step - t_c - 2 * extra}
         k = G // 2
-        k1 = adaptive_round_micro_batches(k, peek, t_mb)
-        k2 = adaptive_round_micro_batches(k, commit, t_mb)
+        k1 = adaptive_round_micro_batches(k, a_peek, t_mb)
+        k2 = adaptive_round_micro_batches(k, a_commit, t_mb)
         out["acco-adaptive" + tag] = {
             "step": (k1 + k2) * t_mb,
             "mbs": k1 + k2,

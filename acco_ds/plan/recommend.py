@@ -108,6 +108,7 @@ def recommend(plan: Plan, i: PlanInputs) -> dict:
         packed += f" Not recommended on GPUs: {GPU_COMPRESSION_NOTE}."
     else:
         ad8 = plan.row("acco-adaptive-int8")
+        c8 = d["comm_round_int8_unfused_s"]  # adaptive rounds quantize in their job
         packed = (
             f" int8 compression would shorten a round to {1e3 * c8:.1f} ms: adaptive steps of about "
             f"{ad8.micro_batches_per_step:g} micro-batches instead of {adaptive.micro_batches_per_step:g}."
@@ -115,8 +116,9 @@ def recommend(plan: Plan, i: PlanInputs) -> dict:
         if not on_cpu:
             packed += f" Not recommended on GPUs: {GPU_COMPRESSION_NOTE}."
     steps, round_s = adaptive, d["comm_round_s"]
-    if on_cpu and c8 < d["comm_round_s"]:
-        steps, round_s = plan.row("acco-adaptive-int8"), c8
+    c8_adaptive = d["comm_round_int8_unfused_s"]
+    if on_cpu and c8_adaptive < d["comm_round_s"]:
+        steps, round_s = plan.row("acco-adaptive-int8"), c8_adaptive
     gas_fixed = 2 * math.ceil(round_s / i.t_micro_batch - 1e-9)
     grow = steps.micro_batches_per_step / i.gas
     return {

@@ -130,14 +130,20 @@ def test_compressed_rounds_against_a_hand_computed_case():
     """COMM_BOUND with int8 rounds (blocks of 256): a collective moves 4e9 x (1 + 4/256) = 4.0625e9 bytes,
     reduce-scatter 3/4 x 4.0625e9 / 100e9 + 1/2 x 4.0625e9 / 25e9 = 0.11171875 s; the quantize passes
     stream 3 C + 1 + (W + C)/W + (2 D + 1)/W + 2 D + 1 = 13.875 bytes per parameter: 13.875 x 4e9 / 2e12
-    = 0.02775 s. Commit round 2 x 0.11171875 + 0.007 + 0.02775, peek 2 x 0.11171875 + 0.004 + 0.02775."""
+    = 0.02775 s (adaptive rounds: their jobs quantize the gradients). With fixed accumulation the round's last
+    backward quantizes them: the job's passes 13.875 - (3 C + 1) = 6.875 bytes, 0.01375 s, and the compute C + 1 = 3
+    bytes more per round, 0.006 s. Commit round 2 x 0.11171875 + 0.007 + 0.01375, peek 2 x 0.11171875 + 0.004 +
+    0.01375 (adaptive: + 0.02775 each)."""
     plan = predict(COMM_BOUND)
     d = plan.derived
     assert d["int8_reduce_scatter_s"] == pytest.approx(0.11171875)
     assert d["quantize_s"] == pytest.approx(0.02775)
-    commit, peek = 0.2234375 + 0.007 + 0.02775, 0.2234375 + 0.004 + 0.02775
+    assert d["quantize_fused_s"] == pytest.approx(0.01375)
+    assert d["fold_s"] == pytest.approx(0.006)
+    commit, peek = 0.2234375 + 0.007 + 0.01375, 0.2234375 + 0.004 + 0.01375
     assert d["comm_round_int8_s"] == pytest.approx(commit)
-    assert plan.row("sync-int8").step_s == pytest.approx(0.2 + commit)
+    assert d["comm_round_int8_unfused_s"] == pytest.approx(0.2234375 + 0.007 + 0.02775)
+    assert plan.row("sync-int8").step_s == pytest.approx(0.2 + 0.006 + commit)
     assert plan.row("acco-int8").step_s == pytest.approx(peek + commit)
     ad = plan.row("acco-adaptive-int8")  # rounds of ceil(0.2551875 / 0.05) = 6 and ceil(0.2581875 / 0.05) = 6
     assert ad.micro_batches_per_step == 12 and ad.step_s == pytest.approx(0.6)
@@ -158,6 +164,8 @@ def test_owner_sum_bytes_follow_the_round_job():
     top = model.UNSTORED_SUM_MAX_WORLD
     rest = lambda W: 3 * 2 + 1 + (2 * 2 + 1) / W + 2 * 2 + 1  # noqa: E731  bf16 everywhere, the other passes
     assert model.quant_bytes_per_param(2, 2, top) == pytest.approx(rest(top) + 2)
+    # the gradients quantized in the round's last backward: not the job's
+    assert model.quant_bytes_per_param(2, 2, top, fused_round_end=True) == pytest.approx(rest(top) + 2 - 7)
     assert model.quant_bytes_per_param(2, 2, top + 1) == pytest.approx(
         rest(top + 1) + (top + 1 + 2) / (top + 1)
     )
@@ -339,12 +347,13 @@ def test_recommendation_of_compression():
     assert (
         _rec(t_micro_batch=0.5, accelerator="cpu")["compression"] is None
     )  # the round fits: nothing to gain
-    # the exact round (0.447 s) misses half a step of 0.6 s / 2, the int8 one (0.258 s) fits: fixed + int8
+    # the exact round (0.447 s) misses half a step of 0.6 s / 2, the int8 one (0.244 s, its gradients quantized in
+    # the round's last backward) fits: fixed + int8
     r = _rec(t_micro_batch=0.15, accelerator="cpu")
     assert (r["mode"], r["accumulation"], r["compression"]) == ("acco", "fixed", COMPRESSION_CONFIG)
     gpu = _rec(t_micro_batch=0.15)
     assert (gpu["accumulation"], gpu["compression"]) == ("adaptive", None)
-    assert "has run on one GPU only" in gpu["reason"] and "258.2 ms" in gpu["reason"]
+    assert "has run on one GPU only" in gpu["reason"] and "244.2 ms" in gpu["reason"]
     # neither fits: adaptive, whose steps shrink from 18 to 12 micro-batches with int8
     r = _rec(accelerator="cpu")
     assert (r["accumulation"], r["compression"]) == ("adaptive", COMPRESSION_CONFIG)

@@ -219,51 +219,18 @@ def fold_quantize_blocks(
     cstart = c * chunk
     start = cstart + (b - c * nb) * block_size
     stop = tl.minimum(start + block_size, cstart + chunk)
-    if FOLD:
-        if (start >= offset) & (stop <= end):
-            _quantize_block(
-                buf_ptr,
-                grad_ptr,
-                res_ptr,
-                q_ptr,
-                scale_ptr,
-                b,
-                start,
-                stop,
-                offset,
-                QMAX,
-                TILE,
-                FOLD,
-                B_BF16,
-                G_BF16,
-                HAS_RES,
-                RES_BF16,
-            )
-        else:
-            lo = tl.maximum(start, offset)
-            hi = tl.minimum(stop, end)
-            for i in range(lo, hi, TILE):
-                idx = i + tl.arange(0, TILE)
-                _accumulate(buf_ptr, grad_ptr, idx, idx < hi, offset, B_BF16, G_BF16)
-    else:
+    # a listed block (FOLD false) comes with offset 0 and end the buffer's length: always whole
+    if (start >= offset) & (stop <= end):
         _quantize_block(
-            buf_ptr,
-            grad_ptr,
-            res_ptr,
-            q_ptr,
-            scale_ptr,
-            b,
-            start,
-            stop,
-            offset,
-            QMAX,
-            TILE,
-            FOLD,
-            B_BF16,
-            G_BF16,
-            HAS_RES,
-            RES_BF16,
-        )
+            buf_ptr, grad_ptr, res_ptr, q_ptr, scale_ptr, b, start, stop, offset,
+            QMAX, TILE, FOLD, B_BF16, G_BF16, HAS_RES, RES_BF16,
+        )  # fmt: skip
+    elif FOLD:
+        lo = tl.maximum(start, offset)
+        hi = tl.minimum(stop, end)
+        for i in range(lo, hi, TILE):
+            idx = i + tl.arange(0, TILE)
+            _accumulate(buf_ptr, grad_ptr, idx, idx < hi, offset, B_BF16, G_BF16)
 
 
 # -- launchers -------------------------------------------------------------------------------------------------
@@ -320,4 +287,19 @@ def launch_quantize_listed_blocks(buffer, chunk, nb, residual, q, scales, block_
     count = blocks.numel()
     if count == 0:
         return
-    _launch(buffer, None, residual, q, scales, blocks, 0, 0, 0, count - 1, chunk, nb, block_size, qmax)
+    _launch(
+        buffer,
+        None,
+        residual,
+        q,
+        scales,
+        blocks,
+        0,
+        buffer.numel(),
+        0,
+        count - 1,
+        chunk,
+        nb,
+        block_size,
+        qmax,
+    )
