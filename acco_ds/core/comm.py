@@ -133,6 +133,8 @@ class ThreadExecutor:
                 ticket.error = err
             finally:
                 ticket.finished.set()
+            # the job's arguments (buffers, a fused round end's rows) must not outlive it until the next job
+            item = ticket = job = None
 
     def launch(self, name: str, job: Callable[[], Any]) -> Ticket:
         ticket = Ticket(name)

@@ -200,4 +200,5 @@ class FusedRoundEnd:
                 self.compression.gradient_bits,
             )
             out.append((q, scales))
+        self.rows = self.targets = None  # the job owns the rows now (and frees them once sent)
         return out

@@ -13,10 +13,14 @@ from tests.core.test_trajectories import (
     COMPRESSED,
     DTYPES,
     MODES,
+    UNFUSED_TWINS,
     assert_matches_reference,
     name_of,
     ref_compression,
     scenarios,
+)
+from tests.core.test_trajectories import (
+    test_fused_round_end_gives_the_job_quantized_bits as check_fused_twin,  # not collected here under that name
 )
 from tests.ranks.launch import run_scenarios
 
@@ -85,3 +89,11 @@ def test_gpu_compressed_rounds_follow_the_reference(results, name):
     if world > 1:  # the NCCL exchange counted fewer bytes than the same round uncompressed
         plain = res[name_of(mode, dtype, "noclip")]["stats"]["last_round_bytes_sent"]
         assert 0 < res[name]["stats"]["last_round_bytes_sent"] < plain
+
+
+@pytest.mark.parametrize("name", sorted(UNFUSED_TWINS))
+def test_gpu_fused_round_end_gives_the_job_quantized_bits(results, name):
+    """On the GPU too: rounds quantized in their last backward's gradient hooks (Triton fold + quantize on the
+    compute stream, the residual handed over by events) give the run whose jobs quantize them on the side stream,
+    bit for bit."""
+    check_fused_twin(results, name)
