@@ -255,9 +255,7 @@ def run_round_job(
                 shards[i] = exchange_quantized_gradients(*args)
             else:
                 compressed_reduce_scatter_inplace(*args)
-            if (
-                prequantized is not None
-            ):  # sent: the rows are freed now, as a job's own are at its exchange's end
+            if prequantized is not None:  # sent: free the rows now, as a job frees its own
                 prequantized[i] = None
     grads = [b.shard_of(b.grad_bufs[g]) for b, (g, _) in zip(groups, roles)]
     clock.mark("reduce_scatter")
