@@ -82,8 +82,12 @@ keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "CROSS_RANK", "CROSS_S
 rank = int(os.environ["RANK"])
 print(f"rank {rank} says hello", flush=True)
 if sys.argv[-1] == "fail":
-    if rank == 1:
+    up = os.path.join(sys.argv[-2], "rank0.up")
+    if rank == 1:  # once rank 0 has said hello (the error must quote it), however late it starts
+        while not os.path.exists(up):
+            time.sleep(0.01)
         sys.exit(3)
+    open(up, "w").close()
     time.sleep(120)
 with open(os.path.join(sys.argv[-1], f"rank{rank}.json"), "w") as f:
     json.dump({"env": {k: os.environ.get(k) for k in keys}, "argv": sys.argv[1:]}, f)
@@ -117,9 +121,9 @@ def test_run_local_stops_the_other_ranks_when_one_fails(tmp_path):
     script.write_text(LOCAL_SCRIPT)
     t0 = time.monotonic()
     with pytest.raises(AssertionError, match="rank 1 exited with status 3") as err:
-        run_local(script, 2, ["fail"], timeout=120)
+        run_local(script, 2, [tmp_path, "fail"], timeout=120)
     assert time.monotonic() - t0 < 60 and "rank 0 says hello" in str(err.value)
-    proc = run_local(script, 2, ["fail"], timeout=120, check=False)
+    proc = run_local(script, 2, [tmp_path, "fail"], timeout=120, check=False)
     assert proc.returncode == 3 and "rank 1 says hello" in proc.stdout
 
 
