@@ -132,7 +132,6 @@ class FusedRoundEnd:
         self.job_finished = job_finished
         self.timeout_s = timeout_s
         self.folded = [[False] * len(b.params) for b in self.groups]
-        self.rows: List[Tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(self.groups)
         self.targets: List[FoldTarget | None] = [None] * len(self.groups)
 
     def begin(self) -> None:
@@ -153,7 +152,6 @@ class FusedRoundEnd:
                 torch.empty(b.layout.padded_numel, dtype=torch.int8, device=dev),
                 torch.empty(own.total, dtype=torch.float32, device=dev),
             )
-            self.rows[group] = rows
             comp = self.compression
             target = FoldTarget(
                 b.acc_flat, own.chunk, self.residuals[group], *rows, comp.block_size, comp.gradient_bits
@@ -187,7 +185,8 @@ class FusedRoundEnd:
         self.abandon()
         out = []
         for i, (b, own) in enumerate(zip(self.groups, self.owners)):
-            q, scales = self._target(i).q, self._target(i).scales
+            target = self._target(i)
+            q, scales = target.q, target.scales
             left = own.leftover(torch.tensor(self.folded[i], dtype=torch.bool), b.master.device)
             quantize_listed_blocks(
                 b.acc_flat,
@@ -200,5 +199,5 @@ class FusedRoundEnd:
                 self.compression.gradient_bits,
             )
             out.append((q, scales))
-        self.rows = self.targets = None  # the job owns the rows now (and frees them once sent)
+        self.targets = None  # the job owns the rows now (and frees them once sent)
         return out

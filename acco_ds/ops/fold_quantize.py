@@ -160,9 +160,20 @@ def _check_rows(fn: str, buffer, chunk: int, residual, q, scales, block_size: in
     return nb
 
 
-def _check_fold(fn: str, buffer, grad, offset, chunk, residual, q, scales, block_size, bits) -> int:
-    nb = _check_rows(fn, buffer, chunk, residual, q, scales, block_size, bits)
-    _check_float(fn, "grad", grad)
+def _spans(**tensors) -> list:
+    """``(name, first byte, end byte)`` of each given non-empty tensor: what a gradient must not overlap."""
+    return [
+        (name, t.data_ptr(), t.data_ptr() + t.numel() * t.element_size())
+        for name, t in tensors.items()
+        if t is not None and t.numel()
+    ]
+
+
+def _check_grad(fn: str, grad, offset, buffer, spans: list) -> None:
+    """The gradient of a fold: fp32/bf16, contiguous, on the buffer's device, fitting at ``offset``, overlapping none
+    of ``spans`` (:func:`_spans` of the buffer and the rows). The common case costs a few attribute reads."""
+    if not isinstance(grad, torch.Tensor) or grad.dtype not in _FLOATS or not grad.is_contiguous():
+        _check_float(fn, "grad", grad)
     if grad.device != buffer.device:
         raise ValueError(f"{fn}: grad is on {grad.device}, the buffer on {buffer.device}; use one device")
     if not isinstance(offset, int) or isinstance(offset, bool):
@@ -172,10 +183,35 @@ def _check_fold(fn: str, buffer, grad, offset, chunk, residual, q, scales, block
             f"{fn}: grad ({grad.numel()} elements at offset {offset}) does not fit in the buffer of "
             f"{buffer.numel()} elements"
         )
-    for name, t in (("buffer", buffer), ("q", q), ("scales", scales), ("residual", residual)):
-        if t is not None and _overlap(grad, t):
-            raise ValueError(f"{fn}: grad and {name} overlap in memory")
+    if grad.numel():
+        lo = grad.data_ptr()
+        hi = lo + grad.numel() * grad.element_size()
+        for name, a, b in spans:
+            if lo < b and a < hi:
+                raise ValueError(f"{fn}: grad and {name} overlap in memory")
+
+
+def _check_fold(fn: str, buffer, grad, offset, chunk, residual, q, scales, block_size, bits) -> int:
+    nb = _check_rows(fn, buffer, chunk, residual, q, scales, block_size, bits)
+    _check_grad(fn, grad, offset, buffer, _spans(buffer=buffer, q=q, scales=scales, residual=residual))
     return nb
+
+
+def _row_args(buffer, chunk: int, residual, q, scales, block_size: int, bits: int) -> tuple:
+    """The CPU extension's arguments describing a round's buffer and rows, in its entry points' order (after which
+    ``fold_quantize_cpu`` takes its gradient and ``quantize_listed_blocks_cpu`` its blocks)."""
+    return (
+        buffer.data_ptr(),
+        _DTYPE_CODE[buffer.dtype],
+        chunk,
+        buffer.numel() // chunk,
+        0 if residual is None else residual.data_ptr(),
+        _NO_RESIDUAL if residual is None else _DTYPE_CODE[residual.dtype],
+        q.data_ptr(),
+        scales.data_ptr(),
+        block_size,
+        QMAX_OF[bits],
+    )
 
 
 def _check_blocks(fn: str, blocks, buffer, nb: int) -> None:
@@ -290,46 +326,15 @@ class FoldTarget:
         self.buffer, self.chunk, self.residual, self.q, self.scales = buffer, chunk, residual, q, scales
         self.block_size, self.bits = block_size, bits
         self.how = _pick("fold_quantize", backend, buffer.device)
-        self._spans = [
-            (t.data_ptr(), t.data_ptr() + t.numel() * t.element_size())
-            for t in (buffer, q, scales, residual)
-            if t is not None and t.numel()
-        ]
+        self._spans = _spans(buffer=buffer, q=q, scales=scales, residual=residual)
         if self.how == "cpp":
             self._ext = _build.load("quantize_cpu")
-            self._head = (buffer.data_ptr(), _DTYPE_CODE[buffer.dtype])
-            self._tail = (
-                chunk,
-                buffer.numel() // chunk,
-                0 if residual is None else residual.data_ptr(),
-                _NO_RESIDUAL if residual is None else _DTYPE_CODE[residual.dtype],
-                q.data_ptr(),
-                scales.data_ptr(),
-                block_size,
-                QMAX_OF[bits],
-            )
-
-    def _check_grad(self, grad, offset) -> None:
-        if not isinstance(grad, torch.Tensor) or grad.dtype not in _FLOATS or not grad.is_contiguous():
-            _check_float("fold_quantize", "grad", grad)
-        if grad.device != self.buffer.device:
-            raise ValueError(f"fold_quantize: grad is on {grad.device}, the buffer on {self.buffer.device}")
-        if not isinstance(offset, int) or isinstance(offset, bool):
-            raise TypeError(f"fold_quantize: offset must be an int, got {type(offset).__name__}")
-        if offset < 0 or offset + grad.numel() > self.buffer.numel():
-            raise ValueError(
-                f"fold_quantize: grad ({grad.numel()} elements at offset {offset}) does not fit in the buffer of "
-                f"{self.buffer.numel()} elements"
-            )
-        lo = grad.data_ptr()
-        hi = lo + grad.numel() * grad.element_size()
-        for a, b in self._spans:
-            if lo < b and a < hi and grad.numel():
-                raise ValueError("fold_quantize: grad overlaps the buffer, the residual, q or the scales")
+            rows = _row_args(buffer, chunk, residual, q, scales, block_size, bits)
+            self._head, self._tail = rows[:2], rows[2:]
 
     def fold(self, grad, offset: int) -> None:
         """Fold ``grad`` (fp32/bf16, contiguous) landing at ``[offset, offset + numel)``: see the module docstring."""
-        self._check_grad(grad, offset)
+        _check_grad("fold_quantize", grad, offset, self.buffer, self._spans)
         if grad.numel() == 0:
             return
         if self.how == "cpp":
@@ -380,7 +385,6 @@ def fold_quantize(
     pass (see the module docstring): ``grad`` lands at ``[offset, offset + numel)``; ``residual`` (the buffer's
     length, fp32 or bf16) or None (no error feedback); ``q`` / ``scales`` the round's flat rows, written for the
     whole blocks only; the buffer written at the partly covered blocks only."""
-    _check_fold("fold_quantize", buffer, grad, offset, chunk, residual, q, scales, block_size, bits)
     FoldTarget(buffer, chunk, residual, q, scales, block_size, bits, backend=backend).fold(grad, offset)
 
 
@@ -408,16 +412,7 @@ def quantize_listed_blocks(
         quantize_listed_blocks_ref(buffer, chunk, residual, q, scales, block_size, blocks, bits)
     elif how == "cpp":
         _build.load("quantize_cpu").quantize_listed_blocks_cpu(
-            buffer.data_ptr(),
-            _DTYPE_CODE[buffer.dtype],
-            chunk,
-            buffer.numel() // chunk,
-            0 if residual is None else residual.data_ptr(),
-            _NO_RESIDUAL if residual is None else _DTYPE_CODE[residual.dtype],
-            q.data_ptr(),
-            scales.data_ptr(),
-            block_size,
-            QMAX_OF[bits],
+            *_row_args(buffer, chunk, residual, q, scales, block_size, bits),
             blocks.data_ptr(),
             blocks.numel(),
             torch.get_num_threads(),

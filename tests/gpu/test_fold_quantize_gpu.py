@@ -19,9 +19,9 @@ from tests.ops.test_fold_quantize_triton import (
     SCALE_UNSET,
     gradient,
     leftover_blocks,
-    same_bits,
     state,
 )
+from tests.ops.triton_interpreter import assert_same_bits
 
 pytestmark = [
     pytest.mark.gpu,
@@ -72,7 +72,7 @@ def _lockstep(world, chunk, bs, bdt, gdt, rdt, bits, aligned, seed) -> None:
         if res is not None:
             pairs.append((dev["res"], res, "residual"))
         for a, b, name in pairs:
-            same_bits(a, b, (name, what, world, chunk, bs, bdt, gdt, rdt, bits))
+            assert_same_bits(a, b, (name, what, world, chunk, bs, bdt, gdt, rdt, bits))
 
     order = [i for i in (4, 0, 6, 2, 3, 5, 7) if i < len(params) and i not in skipped]
     for i in order:

@@ -21,11 +21,7 @@ Bits: fp32 compared as int32, bf16 as int16 (signed zeros and NaN payloads inclu
 from __future__ import annotations
 
 import itertools
-import os
-import subprocess
-import sys
 import zlib
-from pathlib import Path
 
 import pytest
 import torch
@@ -41,8 +37,8 @@ from acco_ds.ops.fold_quantize import (
     quantize_listed_blocks_ref,
 )
 from acco_ds.ops.quantize import num_blocks, quantize_ref, quantize_with_residual_ref
+from tests.ops.cpu_isa import run_under_isa
 
-ROOT = Path(__file__).resolve().parents[2]
 F32, BF16 = torch.float32, torch.bfloat16
 OTHER = {F32: BF16, BF16: F32}
 Q_UNSET, SCALE_UNSET = -128, -1.0  # never produced: an entry left at these was not written
@@ -372,15 +368,7 @@ def test_every_cpu_isa_variant_matches_the_reference(isa):
     """The AVX2 and baseline loops (ACCO_DS_CPU_ISA picks a variant below the CPU's best; the default one is what
     the other tests run) give the reference's bits too."""
     needs("cpp")
-    env = {k: v for k, v in os.environ.items() if k != "ACCO_DS_CPU_ISA"}
-    env["ACCO_DS_CPU_ISA"] = isa
-    env["PYTHONPATH"] = os.pathsep.join(x for x in (str(ROOT), env.get("PYTHONPATH", "")) if x)
-    r = subprocess.run([sys.executable, "-c", _ISA_SCRIPT], env=env, cwd=ROOT, capture_output=True, text=True,
-                       timeout=300)  # fmt: skip
-    assert r.returncode == 0, r.stderr[-3000:]
-    ran = r.stdout.split()[-1]
-    if ran != isa:
-        pytest.skip(f"this CPU does not run the {isa} variant (ran {ran})")
+    run_under_isa(_ISA_SCRIPT, isa)
 
 
 def test_default_backend_on_cpu_is_the_extension(monkeypatch):

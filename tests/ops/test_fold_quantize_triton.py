@@ -26,7 +26,7 @@ import torch
 
 from acco_ds.ops.fold_quantize import covered_blocks, fold_quantize, quantize_listed_blocks
 from acco_ds.ops.quantize import num_blocks
-from tests.ops.triton_interpreter import run_this_file_interpreted
+from tests.ops.triton_interpreter import assert_same_bits, run_this_file_interpreted
 
 F32, BF16 = torch.float32, torch.bfloat16
 # (buffer, gradient, residual) dtypes: all fp32, all bf16, mixed, no residual
@@ -145,22 +145,6 @@ def leftover_blocks(world: int, chunk: int, bs: int, folded) -> list:
     return [b for b in range(world * num_blocks(chunk, bs)) if b not in fused]
 
 
-def same_bits(a: torch.Tensor, b: torch.Tensor, what) -> None:
-    """``a`` (the kernel's) has the bits of ``b`` (the reference's), a NaN matching any NaN; a bf16 NaN of the
-    kernel's is 0x7FC0."""
-    a, b = a.cpu(), b.cpu()
-    assert a.dtype == b.dtype and a.shape == b.shape, (what, a.dtype, b.dtype, a.shape, b.shape)
-    if a.is_floating_point():
-        nan = a.isnan()
-        assert torch.equal(nan, b.isnan()), f"NaNs differ: {what}"
-        if a.dtype == BF16:
-            assert (a.view(torch.int16)[nan] == 0x7FC0).all(), f"a bf16 NaN is not 0x7FC0: {what}"
-        a, b = a[~nan], b[~nan]
-    if not torch.equal(a.view(torch.int8), b.view(torch.int8)):
-        bad = (a.view(torch.int8) != b.view(torch.int8)).nonzero()[:5].flatten().tolist()
-        raise AssertionError(f"bits differ: {what}; first byte positions {bad}")
-
-
 def _with_inner_block(params, chunk, bs, skip) -> list:
     """The parameters (indices) not in ``skip`` that cover a block whole, with that block's first element (relative
     to the parameter)."""
@@ -224,7 +208,7 @@ def run_case(world, chunk, bs, bdt, gdt, rdt, bits, seed, specials=True, ties=Fa
     for got, want in zip(runs["triton"], runs["ref"], strict=True):
         for k, name in enumerate(("q", "scales", "buffer", "residual"), start=1):
             if want[k] is not None:
-                same_bits(got[k], want[k], (name, got[0], what))
+                assert_same_bits(got[k], want[k], (name, got[0], what))
     q, scales = runs["ref"][-1][1:3]
     assert (q != Q_UNSET).all(), f"an element no call quantized: {what}"  # the round quantizes every block
     assert (scales != SCALE_UNSET).all(), what

@@ -9,11 +9,7 @@ feedback (the residual evolves). The module skips when the extension is not buil
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import zlib
-from pathlib import Path
 
 import pytest
 import torch
@@ -35,8 +31,8 @@ from acco_ds.ops.quantize import (
     quantize_with_residual,
     quantize_with_residual_ref,
 )
+from tests.ops.cpu_isa import run_under_isa
 
-ROOT = Path(__file__).resolve().parents[2]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 SIZES = [0, 1, 7, 255, 257, 4099, 100_003]
 BLOCKS = [1, 7, 16, 256, 4096]
@@ -401,12 +397,4 @@ for dtype in (torch.float32, torch.bfloat16):
 def test_every_cpu_isa_variant_matches_the_reference(isa):
     """The AVX2 and baseline loops (ACCO_DS_CPU_ISA picks a variant below the CPU's best; the default one is
     what the other tests run) give the reference's bits too."""
-    env = {k: v for k, v in os.environ.items() if k != "ACCO_DS_CPU_ISA"}
-    env["ACCO_DS_CPU_ISA"] = isa
-    env["PYTHONPATH"] = os.pathsep.join(x for x in (str(ROOT), env.get("PYTHONPATH", "")) if x)
-    r = subprocess.run([sys.executable, "-c", _ISA_SCRIPT], env=env, cwd=ROOT, capture_output=True, text=True,
-                       timeout=300)  # fmt: skip
-    assert r.returncode == 0, r.stderr[-3000:]
-    ran = r.stdout.split()[-1]
-    if ran != isa:
-        pytest.skip(f"this CPU does not run the {isa} variant (ran {ran})")
+    run_under_isa(_ISA_SCRIPT, isa)

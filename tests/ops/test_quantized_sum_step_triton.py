@@ -26,7 +26,7 @@ import torch
 from acco_ds.ops.adamw import hyper_tensor
 from acco_ds.ops.quantize import num_blocks
 from acco_ds.ops.quantized_sum_step import adamw_step_quantized_sum, quantized_sum_of_squares
-from tests.ops.triton_interpreter import run_this_file_interpreted
+from tests.ops.triton_interpreter import assert_same_bits, run_this_file_interpreted
 
 F32, BF16 = torch.float32, torch.bfloat16
 HYPER = dict(lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, step=3)
@@ -58,21 +58,6 @@ def _shard(n: int, dtype, seed: int) -> torch.Tensor:
     return (torch.randn(n, generator=_gen("shard", n, seed)) * 1e-2).to(dtype)
 
 
-def _same_bits(a: torch.Tensor, b: torch.Tensor, what) -> None:
-    """The kernel's ``a`` has the bits of the composition's ``b``, a NaN matching any NaN: the composition's bf16
-    ``add_`` of ``tilde`` stores a NaN as torch's vectorised cast does (0xFFFF), the kernels as
-    :mod:`acco_ds.ops.triton_kernels.bf16` (0x7FC0, checked), and the fp32 values computed from it carry that
-    payload on."""
-    assert a.dtype == b.dtype and a.shape == b.shape, (what, a.dtype, b.dtype, a.shape, b.shape)
-    if a.is_floating_point():
-        nan = a.isnan()
-        assert torch.equal(nan, b.isnan()), f"NaNs differ: {what}"
-        if a.dtype == BF16:
-            assert (a.view(torch.int16)[nan] == 0x7FC0).all(), f"a bf16 NaN is not 0x7FC0: {what}"
-        a, b = a[~nan], b[~nan]
-    assert torch.equal(a.view(torch.int8), b.view(torch.int8)), f"bits differ: {what}"
-
-
 def _close(a: torch.Tensor, b: torch.Tensor, what) -> None:
     assert a.dtype == b.dtype == torch.float64 and a.shape == b.shape == (1,), (what, a, b)
     x, y = float(a), float(b)
@@ -102,11 +87,11 @@ def _squares_checks() -> int:
         _close(got, want, what)
         assert math.isnan(float(got)) == bad, what
         if has_out:
-            _same_bits(got_out, want_out, ("tilde_out", what))
-        _same_bits(q, q0, ("q untouched", what))
-        _same_bits(scales, s0, ("scales untouched", what))
+            assert_same_bits(got_out, want_out, ("tilde_out", what))
+        assert_same_bits(q, q0, ("q untouched", what))
+        assert_same_bits(scales, s0, ("scales untouched", what))
         if tilde is not None:
-            _same_bits(tilde, t0, ("tilde untouched", what))
+            assert_same_bits(tilde, t0, ("tilde untouched", what))
         count += 1
     return count
 
@@ -172,11 +157,11 @@ def _step_checks() -> int:
         what = (n, bs, sdt, pdt, diff, commit, order, has_tilde, noop, has_scale, settings_form, bad)
         assert got.keys() == want.keys(), what
         for name in got:
-            _same_bits(got[name], want[name], (name, what))
-        _same_bits(q, q0, ("q untouched", what))
-        _same_bits(scales, s0, ("scales untouched", what))
+            assert_same_bits(got[name], want[name], (name, what))
+        assert_same_bits(q, q0, ("q untouched", what))
+        assert_same_bits(scales, s0, ("scales untouched", what))
         if tilde is not None:
-            _same_bits(tilde, t0, ("tilde untouched", what))
+            assert_same_bits(tilde, t0, ("tilde untouched", what))
         stepped = commit and noop != 1
         assert torch.equal(got["master"], master) != stepped, what  # the state moved exactly when committed
         if bad and noop != 1:

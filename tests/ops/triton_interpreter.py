@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -35,3 +36,20 @@ def run_this_file_interpreted(file: str, timeout: float) -> str:
         "runpy.run_path(sys.argv[0], run_name='__main__')"
     )
     return run_interpreted(code, timeout)
+
+
+def assert_same_bits(a: torch.Tensor, b: torch.Tensor, what) -> None:
+    """``a`` (a kernel's) has the bits of ``b`` (the reference's or the composition's), a NaN matching any NaN: a
+    NaN's payload is the processor's, and torch's vectorised bf16 cast stores one as 0xFFFF where the kernels store
+    0x7FC0 (:mod:`acco_ds.ops.triton_kernels.bf16`, checked here)."""
+    a, b = a.cpu(), b.cpu()
+    assert a.dtype == b.dtype and a.shape == b.shape, (what, a.dtype, b.dtype, a.shape, b.shape)
+    if a.is_floating_point():
+        nan = a.isnan()
+        assert torch.equal(nan, b.isnan()), f"NaNs differ: {what}"
+        if a.dtype == torch.bfloat16:
+            assert (a.view(torch.int16)[nan] == 0x7FC0).all(), f"a bf16 NaN is not 0x7FC0: {what}"
+        a, b = a[~nan], b[~nan]
+    if not torch.equal(a.view(torch.int8), b.view(torch.int8)):
+        bad = (a.view(torch.int8) != b.view(torch.int8)).nonzero()[:5].flatten().tolist()
+        raise AssertionError(f"bits differ: {what}; first byte positions {bad}")

@@ -123,5 +123,5 @@ def apply_difference(
     base = _load_f32(base_ptr, idx, mask, P_BF16)
     if P_BF16:
         p = bf16_to_f32(f32_to_bf16(p))  # the new parameter as the bf16 buffer would hold it
-    q, _, stored, _ = _quantize_tile(p - base, rows, idx, mask, q_ptr, qscale_ptr, nb, QMAX)
+    q, _, stored, _ = _quantize_tile(p - base, rows, idx, mask, q_ptr, qscale_ptr, rows < nb, QMAX)
     _store_as(out_ptr, idx, base + q.to(tl.float32) * stored[:, None], mask, P_BF16)

@@ -39,8 +39,10 @@ from acco_ds.ops.triton_kernels.quantize import (
     _block_scale,
     _load_f32,
     _nonfinite,
+    _quantize_tile,
     _quantize_values,
     _store_as,
+    _store_tile_residual,
 )
 
 
@@ -124,16 +126,9 @@ def fold_quantize_rows(
         whole = live
     mask = inblk & whole[:, None]
     v = _values(buf_ptr, grad_ptr, res_ptr, idx, mask, offset, FOLD, B_BF16, G_BF16, HAS_RES, RES_BF16)
-    bad = _nonfinite(v)
-    absmax = tl.max(tl.where(bad == 1, 0.0, tl.abs(v)), axis=1)
-    finite = tl.max(bad, axis=1) == 0
-    scale, usable, div, stored = _block_scale(absmax, finite, QMAX)
-    tl.store(scale_ptr + b, stored, mask=whole)
-    q = _quantize_values(v, div[:, None], usable[:, None], QMAX)
-    tl.store(q_ptr + idx, q, mask=mask)
+    q, scale, _, finite = _quantize_tile(v, b, idx, mask, q_ptr, scale_ptr, whole, QMAX)
     if HAS_RES:
-        lost = v - q.to(tl.float32) * scale[:, None]  # from the int8 value, as the reference (no -0.0 from q)
-        _store_as(res_ptr, idx, tl.where(finite[:, None], lost, 0.0), mask, RES_BF16)
+        _store_tile_residual(res_ptr, idx, v, q, scale, finite, mask, RES_BF16)
     if FOLD:  # noqa: SIM102 (a compile-time branch around a runtime one)
         if (pid == 0) | (pid == tl.num_programs(0) - 1):  # only the range's end blocks can be partly covered
             part = inblk & (~whole)[:, None] & (idx >= offset) & (idx < end)

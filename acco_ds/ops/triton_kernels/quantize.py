@@ -118,17 +118,26 @@ def _row_tile(n, block_size, TILE: tl.constexpr, ROWS: tl.constexpr):
 
 
 @triton.jit
-def _quantize_tile(v, rows, idx, mask, q_ptr, scale_ptr, nb, QMAX: tl.constexpr):
-    """Quantizes a row tile's fp32 values ``v`` (one block a row), stores q and every row's scale (NaN for a
-    non-finite block), returns (q, each row's scale, each row's scale as stored, whether each row is finite)."""
+def _quantize_tile(v, rows, idx, mask, q_ptr, scale_ptr, row_mask, QMAX: tl.constexpr):
+    """Quantizes a row tile's fp32 values ``v`` (one block a row, ``rows`` the blocks' indices), stores q where
+    ``mask`` and each row's scale (NaN for a non-finite block) where ``row_mask``, returns (q, each row's scale, each
+    row's scale as stored, whether each row is finite)."""
     bad = _nonfinite(v)
     absmax = tl.max(tl.where(bad == 1, 0.0, tl.abs(v)), axis=1)
     finite = tl.max(bad, axis=1) == 0
     scale, usable, div, stored = _block_scale(absmax, finite, QMAX)
-    tl.store(scale_ptr + rows, stored, mask=rows < nb)
+    tl.store(scale_ptr + rows, stored, mask=row_mask)
     q = _quantize_values(v, div[:, None], usable[:, None], QMAX)
     tl.store(q_ptr + idx, q, mask=mask)
     return q, scale, stored, finite
+
+
+@triton.jit
+def _store_tile_residual(res_ptr, idx, v, q, scale, finite, mask, RES_BF16: tl.constexpr):
+    """Error feedback of a row tile :func:`_quantize_tile` quantized: ``v - q * scale`` (from the int8 value, as the
+    reference: no -0.0 from q), 0 in a non-finite row, stored in the residual's dtype where ``mask``."""
+    lost = v - q.to(tl.float32) * scale[:, None]
+    _store_as(res_ptr, idx, tl.where(finite[:, None], lost, 0.0), mask, RES_BF16)
 
 
 @triton.jit
@@ -153,10 +162,9 @@ def quantize_rows(
     quantization, and a program moves ROWS * TILE elements in wide loads instead of one block's few."""
     rows, idx, mask = _row_tile(n, block_size, TILE, ROWS)
     v = _load_v(x_ptr, res_ptr, idx, mask, X_BF16, HAS_RES, RES_BF16, SUB)
-    q, scale, _, finite = _quantize_tile(v, rows, idx, mask, q_ptr, scale_ptr, nb, QMAX)
+    q, scale, _, finite = _quantize_tile(v, rows, idx, mask, q_ptr, scale_ptr, rows < nb, QMAX)
     if HAS_RES:
-        lost = v - q.to(tl.float32) * scale[:, None]  # from the int8 value, as the reference (no -0.0 from q)
-        _store_as(res_ptr, idx, tl.where(finite[:, None], lost, 0.0), mask, RES_BF16)
+        _store_tile_residual(res_ptr, idx, v, q, scale, finite, mask, RES_BF16)
 
 
 @triton.jit
