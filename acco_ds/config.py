@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 MODES = ("acco", "dpu", "sync")
 ACCUMULATIONS = ("fixed", "adaptive")
-COMM_DTYPES = ("auto", "bf16", "fp32")
+COMM_DTYPES = ("auto", "bf16", "fp16", "fp32")
 MAX_BLOCK_SIZE = 1 << 20
 MIN_TIMEOUT_S = 1.0
 """Shortest comm_timeout_s accepted: below it a loaded machine would time out healthy rounds."""
@@ -36,7 +36,7 @@ ALLOWED = {
     "weight_decay": "a finite number >= 0",
     "mode": "'acco', 'dpu' or 'sync'",
     "accumulation": "'fixed' or 'adaptive'",
-    "comm_dtype": "'auto', 'bf16' or 'fp32'",
+    "comm_dtype": "'auto', 'bf16', 'fp16' or 'fp32'",
     "max_micro_batches_per_round": "null (no bound) or an integer >= 1, with accumulation='adaptive'",
     "comm_timeout_s": f"a number of seconds in [{MIN_TIMEOUT_S:g}, {MAX_TIMEOUT_S:g}]",
     "compression": "an object with keys among commit, peek, block_size, error_feedback, all_gather, fuse_round_end, e.g. "
@@ -180,9 +180,10 @@ class ACCOConfig(BaseModel):
     adaptive: a round takes at least its share and keeps accumulating until the communication of
     the previous round is done (acco and dpu only)."""
 
-    comm_dtype: Literal["auto", "bf16", "fp32"] = "auto"
+    comm_dtype: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
     """dtype of the gradient communication buffer (accumulation, reduce-scatter). auto: the model's
-    parameter dtype (bf16 when the config enables bf16, else fp32), as DeepSpeed does."""
+    parameter dtype (bf16 or fp16 when the config enables it, else fp32), as DeepSpeed does. fp16 and bf16 do not
+    mix: an fp16 model communicates in fp16 or fp32."""
 
     max_micro_batches_per_round: int | None = None
     """adaptive only: upper bound on the micro-batches one round may accumulate before the compute

@@ -62,6 +62,7 @@ from acco_ds.core.comm import check_reducible, make_control_group, make_executor
 from acco_ds.core.compressed_comm import Compression
 from acco_ds.core.fused_round_end import BlockOwners, FusedRoundEnd, ResidualRelease
 from acco_ds.core.liveness import BlockBoard
+from acco_ds.core.loss_scale import DeviceLossScaler, LossScaleSpec, ready_scale
 from acco_ds.core.round_job import RoundResult, all_gather_inplace, run_round_job
 from acco_ds.core.schedule import Job, RoundCounter
 from acco_ds.ops.adamw_settings import AdamWSettings
@@ -103,24 +104,41 @@ class PipelineStats:
 
 
 def dtype_of(name: str, param_dtype: torch.dtype) -> torch.dtype:
-    return {"auto": param_dtype, "bf16": torch.bfloat16, "fp32": torch.float32}[name]
+    return {"auto": param_dtype, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
 
 
-SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 """Parameter and communication dtypes of the buffers and the fused AdamW (fp32 master in any case)."""
 
 
-def check_dtypes(param_dtype: torch.dtype, comm_dtype: torch.dtype, option: str) -> None:
-    """Raise ACCOConfigError unless the model's parameters and the resolved comm dtype are fp32/bf16."""
+def check_dtypes(
+    param_dtype: torch.dtype, comm_dtype: torch.dtype, option: str, loss_scale: LossScaleSpec | None = None
+) -> None:
+    """Raise ACCOConfigError unless the model's parameters and the resolved comm dtype are fp32, bf16 or fp16, fp16
+    parameters come with a loss scaler (fp16 gradients underflow without one), and fp16 and bf16 are not mixed (an
+    fp16 gradient folded into bf16 loses the precision the loss scale bought; a bf16 one into fp16 overflows)."""
     if param_dtype not in SUPPORTED_DTYPES:
         raise ACCOConfigError(
-            f"the model's trainable parameters are {param_dtype}: ACCO keeps parameters in fp32 or bf16 "
-            '(bf16 with "bf16": {"enabled": true}). Allowed: a float32 or bfloat16 model (e.g. model.float()).'
+            f"the model's trainable parameters are {param_dtype}: ACCO keeps parameters in fp32, bf16 or fp16 "
+            '(bf16 with "bf16": {"enabled": true}, fp16 with "fp16": {"enabled": true}). Allowed: a float32, '
+            "bfloat16 or float16 model (e.g. model.float())."
         )
     if comm_dtype not in SUPPORTED_DTYPES:
         raise ACCOConfigError(
             f"optimizer.params.comm_dtype={option!r} resolves to {comm_dtype}. Allowed: 'auto' (the parameters' "
-            "dtype), 'bf16' or 'fp32'."
+            "dtype), 'bf16', 'fp16' or 'fp32'."
+        )
+    if param_dtype == torch.float16 and loss_scale is None:
+        raise ACCOConfigError(
+            "the model's trainable parameters are torch.float16 but fp16 training is off: fp16 gradients need "
+            'loss scaling. Allowed: "fp16": {"enabled": true} (DeepSpeed casts the model and ACCO scales the '
+            'loss), or a float32 / bfloat16 model ("bf16": {"enabled": true}).'
+        )
+    if {param_dtype, comm_dtype} == {torch.float16, torch.bfloat16}:
+        raise ACCOConfigError(
+            f"optimizer.params.comm_dtype={option!r} resolves to {comm_dtype} with {param_dtype} parameters: fp16 "
+            "and bf16 do not mix (a scaled fp16 gradient loses in bf16 the precision its scale bought). "
+            "Allowed: comm_dtype 'auto' or 'fp32' (or the parameters' own dtype)."
         )
 
 
@@ -137,13 +155,16 @@ class ACCOPipeline:
         dp_group=None,
         tp_group=None,
         tp_sharded: Sequence[Sequence[bool]] | None = None,
+        loss_scale: LossScaleSpec | None = None,
     ):
         """``dp_group``: the data-parallel group ACCO shards over and communicates in (default: WORLD).
         ``tp_group``: the tensor-parallel group of this rank, when the model is tensor-parallel; then
         each rank's buffers hold its own slice of the parameters, and ``tp_sharded[g][i]`` says whether
         parameter i of group g is split across the tensor-parallel ranks (True) or replicated on each
         (False): the global gradient norm counts a split parameter on every tensor-parallel rank and a
-        replicated one once (tensor-parallel rank 0), as DeepSpeed's ZeRO-1 does."""
+        replicated one once (tensor-parallel rank 0), as DeepSpeed's ZeRO-1 does.
+        ``loss_scale``: fp16 training's loss scaler (``core.loss_scale``; docs/ALGORITHM.md, "fp16: loss scaling"):
+        the caller multiplies each loss by :meth:`scale_loss`; None without loss scaling."""
         self.cfg = cfg
         self.mode = cfg.mode
         self.adaptive = cfg.accumulation == "adaptive"
@@ -158,7 +179,8 @@ class ACCOPipeline:
         first = groups_params[0][0]
         self.device = first.device
         comm_dtype = dtype_of(cfg.comm_dtype, first.dtype)
-        check_dtypes(first.dtype, comm_dtype, cfg.comm_dtype)
+        check_dtypes(first.dtype, comm_dtype, cfg.comm_dtype, loss_scale)
+        self.scaler = None if loss_scale is None else DeviceLossScaler(loss_scale, self.device)
         comp = cfg.compression
         if comp.enabled and self.device.type not in ("cpu", "cuda"):
             raise ACCOConfigError(
@@ -515,6 +537,7 @@ class ACCOPipeline:
             bases=[b.model_flat for b in self.groups],
             prequantized=prequantized,
             releases=releases,
+            **self._loss_scale_args(plan),
         )
         name = f"round {self.round_index} ({plan.job.value} of step {commit_index})"
         self.in_flight = (self.executor.launch(name, job), plan)
@@ -527,9 +550,43 @@ class ACCOPipeline:
         self.counter.reset()
         if plan.wait_now:
             self._finish_in_flight()
+        self._begin_round_scale()
         for b in self.groups:
             b.new_acc()
             b.point_grads()
+
+    # -- fp16 loss scaling (core.loss_scale) ----------------------------------------------------
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss to run backward on: times the scale of the round in progress (fp16), else ``loss`` itself."""
+        return loss if self.scaler is None else self.scaler.scale_loss(loss)
+
+    def _loss_scale_args(self, plan: schedule.RoundEnd) -> dict:
+        """A job's loss-scale arguments: the scale its gradients were computed under; sync unscales a step by the
+        scale after the step's own update, as ZeRO-1 does (``loss_scale.ready_scale``)."""
+        if self.scaler is None:
+            return {}
+        args = {"loss_scale": self.scaler.job_scale()}
+        if self.mode == "sync" and plan.job is Job.COMMIT:
+            args["unscale_by"] = ready_scale(self.scaler.spec, self.scaler.state)
+        return args
+
+    def _begin_round_scale(self) -> None:
+        """The round starting now computes under the scaler's current scale, except acco's rounds of g (odd phase):
+        they keep the scale of the g~ round their commit adds them to."""
+        if self.scaler is not None:
+            self.scaler.begin_round(refresh=self.mode != "acco" or self.phase_round % 2 == 0)
+
+    def _apply_loss_scale(self, result: RoundResult) -> None:
+        """A commit swapped in: its outcome updates the scaler (on the device, after the compute stream waited for
+        its job). An empty commit says nothing about the scale."""
+        if self.scaler is None or result.job is not Job.COMMIT or result.loss_scale is None:
+            return
+        if result.skipped_flag is not None and result.empty_flag is not None:
+            overflow, empty = result.skipped_flag, result.empty_flag
+        else:  # restored from a checkpoint: the summary is on the host and complete
+            overflow = torch.tensor([result.skipped], device=self.device)
+            empty = torch.tensor([result.empty], device=self.device)
+        self.scaler.apply(result.loss_scale, overflow & ~empty, empty)
 
     def _finish_in_flight(self) -> RoundResult | None:
         """Wait for the job in flight (CUDA: the compute stream waits on its event, the host does not)
@@ -550,6 +607,7 @@ class ACCOPipeline:
         self.model_holds = "theta" if result.job is Job.COMMIT else "estimate"
         if result.job is Job.COMMIT:
             self._report_norm(result)
+            self._apply_loss_scale(result)
         self._unread.append(result)
         self._read_summaries(keep=1 if self.defer_host_reads else 0)
         return result
@@ -602,6 +660,8 @@ class ACCOPipeline:
             else:
                 self.state_step += 1
                 self.stats.micro_batches_committed += count
+            if self.scaler is not None:
+                self.scaler.check()
         else:
             if skipped and not empty:  # non-finite g~: estimate = theta, commit skips
                 self.stats.skipped_peeks += 1
@@ -638,6 +698,7 @@ class ACCOPipeline:
         for b in self.groups:
             b.acc_flat.zero_()
         self.phase_round = 0  # training may go on: it restarts with a prologue at theta
+        self._begin_round_scale()
 
     def _control_all_reduce(self, t: torch.Tensor, op, what: str, tp: bool = False) -> None:
         """All-reduce a CPU tensor on the control group (``tp``: the tensor-parallel one; timeout
@@ -734,6 +795,7 @@ class ACCOPipeline:
         self.model_holds = "theta"
         self.viewing_committed = False
         self.phase_round = 0
+        self._begin_round_scale()
         self.counter.reset()
         self.step_count = 0
         self.tilde_count[0] = torch.zeros(1, dtype=torch.float64, device=self.device)

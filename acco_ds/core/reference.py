@@ -30,6 +30,7 @@ from typing import Callable, List, Sequence
 import torch
 
 from acco_ds.core.buffers import padded_numel
+from acco_ds.core.loss_scale import LossScaleSpec
 from acco_ds.ops.adamw_settings import AdamWSettings
 from acco_ds.ops.quantize import dequantize, quantize, quantize_with_residual
 
@@ -216,6 +217,9 @@ class RefRun:
     exp_avg: List[List[torch.Tensor]] = field(default_factory=list)
     exp_avg_sq: List[List[torch.Tensor]] = field(default_factory=list)
     norms: List[float] = field(default_factory=list)
+    # with a loss scaler: the scale after commit t's outcome, and whether commit t was skipped (non-finite)
+    scales: List[float] = field(default_factory=list)
+    skipped: List[bool] = field(default_factory=list)
 
     def record(self, adam: _Adam) -> None:
         self.params.append(adam.theta())
@@ -244,6 +248,7 @@ def reference_run(
     first_micro_batch: int = 0,
     step_sizes: Sequence[int] | None = None,
     compression: RefCompression | None = None,
+    loss_scale: LossScaleSpec | None = None,
 ) -> RefRun:
     """The committed parameters, moments and gradient norms after each of ``steps`` steps (``RefRun``).
 
@@ -264,12 +269,21 @@ def reference_run(
 
     ``compression``: the rounds' gradients go through the compressed exchange (module docstring); with
     ``step_sizes`` it is not supported.
+
+    ``loss_scale``: fp16's loss scaler (docs/ALGORITHM.md, "fp16: loss scaling"; :class:`RefLossScaler`, DeepSpeed's
+    rule in plain Python). ``grad_fn`` then returns the unscaled gradients (a non-finite one where an overflow is
+    planted); ``hypers(a)`` is called with ``a``, the commits APPLIED before this one (a skipped commit does not
+    advance the LR schedule); the run records the scale after every commit and which commits were skipped.
     """
     if mode not in ("acco", "dpu", "sync"):
         raise ValueError(f"mode must be acco, dpu or sync; got {mode!r}")
     adam = _Adam(theta0, clip, initial_state)
     k, W = micro_batches_per_round, world_size
     next_mb = [first_micro_batch] * W
+    if loss_scale is not None:
+        if step_sizes is not None or compression is not None:
+            raise ValueError("reference_run: loss_scale with step_sizes or compression is not supported")
+        return _reference_scaled(mode, adam, k, W, steps, hypers, compute_dtype, grad_fn, next_mb, loss_scale)
     if step_sizes is not None:
         return _reference_sized(mode, adam, k, W, list(step_sizes), hypers, compute_dtype, grad_fn, next_mb)
 
@@ -320,6 +334,101 @@ def reference_run(
             out.record(adam)
             if t + 1 < steps:  # stage 2 compute: g~^{t+1} at theta~^{t+1} (the last one is unused)
                 g_tilde, n_tilde = accumulate(estimate, "peek")
+    return out
+
+
+class RefLossScaler:
+    """DeepSpeed's ``DynamicLossScaler.update_scale`` (deepspeed/runtime/fp16/loss_scaler.py) in plain Python, with
+    the scale's ``epoch`` (how many times it changed); a static spec never changes."""
+
+    def __init__(self, spec: LossScaleSpec):
+        self.spec = spec
+        self.scale, self.hysteresis = float(spec.init_scale), spec.hysteresis
+        self.iteration, self.last_overflow, self.epoch = 0, -1, 0
+
+    def copy(self) -> RefLossScaler:
+        return copy.copy(self)
+
+    def update(self, overflow: bool) -> None:
+        spec, before = self.spec, self.scale
+        if not spec.dynamic:
+            return
+        if overflow:
+            if spec.hysteresis == 1 or self.hysteresis == 1:
+                if self.scale == spec.min_scale and spec.raise_at_min:
+                    raise RuntimeError("loss scale already at its minimum")
+                self.scale = max(self.scale / 2.0, spec.min_scale)
+            else:
+                self.hysteresis -= 1
+            self.last_overflow = self.iteration
+        else:
+            if spec.consecutive_hysteresis:
+                self.hysteresis = spec.hysteresis
+            stable = self.iteration - self.last_overflow - 1
+            if stable > 0 and stable % spec.window == 0:
+                if not spec.consecutive_hysteresis:
+                    self.hysteresis = spec.hysteresis
+                self.scale *= 2.0
+        self.iteration += 1
+        self.epoch += self.scale != before
+
+    def grown(self) -> float:
+        """The scale after a good step's update (what ZeRO-1 unscales that step by)."""
+        after = self.copy()
+        after.update(False)
+        return after.scale
+
+
+def _reference_scaled(mode, adam, k, W, steps, hypers, compute_dtype, grad_fn, next_mb, spec) -> RefRun:
+    """``reference_run`` with fp16's loss scaler. The scaler is updated once per commit, in commit order, by the
+    commits computed under the scale in force (same epoch) when their outcome is known. Commit c's rounds ran
+    under ``states[c]`` in sync (the scaler after commits < c: sync waits for each commit) and ``states[c - 1]``
+    in dpu and acco (the commit before is still in flight when its rounds start; acco's two rounds of one step
+    share the scale of its first). sync unscales a good step by the scale after its own update, as ZeRO-1 does:
+    the step's gradient is the average times ``scale / grown`` (1/2 where the step grows the scale), its clip
+    coefficient from that gradient's norm, its reported norm the average's."""
+
+    def accumulate(at, count):
+        return _accumulate(at, count, W, compute_dtype, grad_fn, next_mb)
+
+    out = RefRun()
+    states = [RefLossScaler(spec)]  # states[c]: the scaler after the outcomes of commits < c
+    applied = 0
+
+    def commit(c: int, sums, count) -> None:
+        nonlocal applied
+        snap = states[c] if mode == "sync" else states[max(c - 1, 0)]
+        avg = _avg(sums, count)
+        ratio = snap.scale / snap.grown() if mode == "sync" else 1.0
+        ok = adam._apply([a * ratio for a in avg], hypers(applied))
+        adam.last_norm = adam.last_norm / ratio
+        new = states[c].copy()
+        if snap.epoch == states[c].epoch:
+            new.update(not ok)
+        states.append(new)
+        applied += ok
+        out.record(adam)
+        out.scales.append(new.scale)
+        out.skipped.append(not ok)
+
+    if mode == "sync":
+        for t in range(steps):
+            g, n = accumulate(adam.theta(), k)
+            commit(t, g, n)
+    elif mode == "dpu":
+        history = [adam.theta()]
+        for r in range(steps):
+            g, n = accumulate(history[max(r - 1, 0)], k)
+            commit(r, g, n)
+            history.append(adam.theta())
+    else:
+        g_tilde, n_tilde = accumulate(adam.theta(), k)
+        for t in range(steps):
+            g, n = accumulate(adam.theta(), k)
+            estimate = adam.peek(_avg(g_tilde, n_tilde), hypers(applied))
+            commit(t, [a + b for a, b in zip(g, g_tilde)], n + n_tilde)
+            if t + 1 < steps:
+                g_tilde, n_tilde = accumulate(estimate, k)
     return out
 
 

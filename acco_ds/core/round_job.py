@@ -80,6 +80,11 @@ class RoundResult:
     empty_flag: torch.Tensor | None = None
     # where the job spent its time (core.phase_clock; read it only after wait_summary)
     clock: PhaseClock | None = None
+    # bool [1] on the device: the gradient was non-finite (the commit or peek was skipped)
+    skipped_flag: torch.Tensor | None = None
+    # fp64 [2] on the device: the loss scale this round's gradients were computed under, and its epoch
+    # (core.loss_scale); None without loss scaling
+    loss_scale: torch.Tensor | None = None
 
     def wait_summary(self) -> None:
         if self.summary_ready is not None:
@@ -187,6 +192,8 @@ def run_round_job(
     bases: Sequence[torch.Tensor] | None = None,
     prequantized: Sequence[tuple] | None = None,
     releases: Sequence[Any] | None = None,
+    loss_scale: torch.Tensor | None = None,
+    unscale_by: torch.Tensor | None = None,
 ) -> RoundResult:
     """One round's communication. ``roles[i]`` is group i's ``(grad buffer, param target)`` index pair
     from ``GroupBuffers.start_job``.
@@ -287,7 +294,11 @@ def run_round_job(
     # has nothing to average: it is a no-op, not a non-finite skip
     empty = count <= 0
     avg_scale64 = torch.where(empty, torch.zeros_like(count), gas / count.clamp(min=1.0))
-    avg_scale = avg_scale64.to(torch.float32)
+    if loss_scale is not None:
+        avg_scale64 = avg_scale64 / loss_scale[0:1]
+    # the step's factor: sync unscales by the scale after its update, as ZeRO-1 (core.loss_scale.ready_scale)
+    step_scale64 = avg_scale64 if unscale_by is None else avg_scale64 * (loss_scale[0:1] / unscale_by)
+    avg_scale = step_scale64.to(torch.float32)
     # the norm in fp64 up to its final value, as DeepSpeed's (acco_ds.ops.norm)
     sumsq = torch.zeros(1, dtype=torch.float64, device=dev)
     for b, grad, got in zip(groups, grads, shards):
@@ -310,8 +321,9 @@ def run_round_job(
     noop = (skipped | empty).to(torch.int32)
     scale = avg_scale
     if clip > 0.0:
-        # DeepSpeed's rule: divide by (norm + 1e-6) / clip when that exceeds 1.
-        ratio = (grad_norm + 1e-6) / clip
+        # DeepSpeed's rule: divide by (norm + 1e-6) / clip when that exceeds 1 (the norm unscaled as the step is)
+        clip_norm = grad_norm if unscale_by is None else (sumsq.sqrt() * step_scale64).to(torch.float32)
+        ratio = (clip_norm + 1e-6) / clip
         scale = torch.where(ratio > 1.0, avg_scale / ratio, avg_scale)
     scale = torch.nan_to_num(scale, nan=0.0, posinf=0.0, neginf=0.0)
 
@@ -370,4 +382,7 @@ def run_round_job(
         ready.record(torch.cuda.current_stream(dev))
     else:
         host = summary.clone()
-    return RoundResult(job, commit_index, grad_norm, host, ready, traffic, empty.reshape(1), clock)
+    flags = dict(
+        empty_flag=empty.reshape(1), clock=clock, skipped_flag=skipped.reshape(1), loss_scale=loss_scale
+    )
+    return RoundResult(job, commit_index, grad_norm, host, ready, traffic, **flags)

@@ -25,7 +25,10 @@ Contract of :func:`capture` (per rank, collective over the data-parallel group):
    accumulation it is empty.
 5. The g~ kept by the last peek (``tilde``, acco) and its global count, the LR/AdamW settings
    recorded per engine step (``_hyper_history``), every counter and ``PipelineStats``.
-6. Compressed rounds with error feedback: this rank's residual per group (``pipeline.residuals``, full
+6. fp16's loss scaler (``core.loss_scale``): its whole state and the scale of the round in progress, under
+   ``"loss_scale"`` (None without fp16); the finished job in flight keeps the scale it was computed under, so its
+   outcome updates the scaler at the same round end as in the run that was never interrupted.
+7. Compressed rounds with error feedback: this rank's residual per group (``pipeline.residuals``, full
    size, rank-local, what quantization withheld from the rounds sent so far), under ``"residual"``
    (None without one). :func:`restore` puts it back; a snapshot without one (saved with error feedback
    off) restores zeros; a snapshot's residual that this pipeline has no use for (error feedback off now)
@@ -133,6 +136,7 @@ def capture(pipeline) -> Dict[str, Any]:
         "last_grad_norm": None if pipeline.last_grad_norm is None else _cpu(pipeline.last_grad_norm),
         "hyper_history": {int(k): [asdict(h) for h in v] for k, v in pipeline._hyper_history.items()},
         "stats": {k: (list(v) if isinstance(v, list) else v) for k, v in pipeline.stats.as_dict().items()},
+        "loss_scale": None if pipeline.scaler is None else pipeline.scaler.state_dict(),
     }
     for name in _SCALARS:
         snap[name] = getattr(pipeline, name)
@@ -192,6 +196,13 @@ def check_compatible(pipeline, snap: Dict[str, Any]) -> None:
                 f"one schedule cannot continue in another. Resume with {label}={saved!r}, or load with "
                 "load_optimizer_states=False to start a new optimizer state from the saved weights."
             )
+    if (snap.get("loss_scale") is None) != (pipeline.scaler is None):
+        saved, now = snap.get("loss_scale") is not None, pipeline.scaler is not None
+        raise SnapshotMismatchError(
+            f"the checkpoint was saved with fp16.enabled={str(saved).lower()}, this run has "
+            f"fp16.enabled={str(now).lower()}: the in-flight gradients of one precision cannot continue in the other. "
+            "engine.load_checkpoint resumes it from the committed state instead."
+        )
     if snap["gas"] != pipeline.gas:
         raise SnapshotMismatchError(
             f"the checkpoint was saved with gradient_accumulation_steps={snap['gas']}, this run has {pipeline.gas}; "
@@ -238,6 +249,8 @@ def restore(pipeline, snap: Dict[str, Any]) -> None:
     for name in _SCALARS:
         setattr(pipeline, name, snap[name])
     pipeline.counter.count = int(snap["counter_count"])
+    if pipeline.scaler is not None:
+        pipeline.scaler.load_state_dict(snap["loss_scale"])
     pipeline.tilde_count[0] = snap["tilde_count"].to(dev)
     pipeline.last_grad_norm = None if snap["last_grad_norm"] is None else snap["last_grad_norm"].to(dev)
     pipeline._hyper_history = {
@@ -348,9 +361,12 @@ def resume_from_committed(
             int(k): [AdamWSettings(**h) for h in v] for k, v in s0["hyper_history"].items()
         }
         pipeline.last_grad_norm = None if s0["last_grad_norm"] is None else s0["last_grad_norm"].to(dev)
+        if pipeline.scaler is not None and s0.get("loss_scale") is not None:
+            pipeline.scaler.load_state_dict(s0["loss_scale"])
         before = pipeline.stats.micro_batches_discarded
         if s0["in_flight"] is not None:
             result = _result_from_plain(s0["in_flight"]["result"], dev)
+            pipeline._apply_loss_scale(result)
             pipeline._account(result)  # the bookkeeping of its swap-in, which will not happen
             if result.job is Job.PEEK:  # its g~ was kept for the next commit
                 pipeline.stats.micro_batches_discarded += int(s0["tilde_count"].reshape(-1)[0].item())
@@ -402,12 +418,14 @@ def _result_to_plain(res: RoundResult) -> Dict[str, Any]:
         "grad_norm": _cpu(res.grad_norm),
         "summary": _cpu(res.summary),
         "traffic": None if res.traffic is None else [res.traffic.sent, res.traffic.received],
+        "loss_scale": None if res.loss_scale is None else _cpu(res.loss_scale),
     }
 
 
 def _result_from_plain(saved: Dict[str, Any], dev: torch.device) -> RoundResult:
     expected = {"job", "commit_index", "grad_norm", "summary"}
-    if set(saved) - {"traffic"} != expected:  # "traffic": optional (checkpoints before the byte counts)
+    # optional: "traffic" (checkpoints before the byte counts), "loss_scale" (fp16 only)
+    if set(saved) - {"traffic", "loss_scale"} != expected:
         raise SnapshotMismatchError(
             f"the checkpoint's job in flight has fields {sorted(saved)}, this acco_ds expects {sorted(expected)}: "
             "the checkpoint was saved by another acco_ds version."
@@ -419,6 +437,7 @@ def _result_from_plain(saved: Dict[str, Any], dev: torch.device) -> RoundResult:
         saved["grad_norm"].to(dev),
         saved["summary"],
         traffic=None if traffic is None else Traffic(int(traffic[0]), int(traffic[1])),
+        loss_scale=None if saved.get("loss_scale") is None else saved["loss_scale"].to(dev),
     )
 
 

@@ -10,7 +10,7 @@ import deepspeed
 
 from acco_ds.config import ACCOConfig
 from acco_ds.deepspeed.optimizer import ACCOZeroOptimizer
-from acco_ds.deepspeed.validate import check_engine_config, model_parallel_group
+from acco_ds.deepspeed.validate import check_engine_config, loss_scale_spec, model_parallel_group
 from acco_ds.deepspeed.version import check_deepspeed_version
 
 logger = logging.getLogger("acco_ds")
@@ -30,6 +30,7 @@ def configure_acco(engine, client_optimizer, model_parameters) -> None:
         gradient_clipping=engine.gradient_clipping(),
         dp_process_group=engine.seq_data_parallel_group,
         tp_group=model_parallel_group(engine) if int(getattr(engine, "mp_world_size", 1) or 1) > 1 else None,
+        loss_scale=loss_scale_spec(engine),
     )
     optimizer.attach_engine(engine)
     engine.basic_optimizer = optimizer.optimizer

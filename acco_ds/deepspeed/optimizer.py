@@ -133,7 +133,9 @@ class ACCOZeroOptimizer(ZeROOptimizer):
         gradient_clipping: float,
         dp_process_group=None,
         tp_group=None,
+        loss_scale=None,
     ):
+        """``loss_scale``: fp16's loss scaler settings (``core.loss_scale.LossScaleSpec``), None without fp16."""
         super().__init__()
         self.cfg = cfg
         self.dp_process_group = dp_process_group
@@ -149,6 +151,7 @@ class ACCOZeroOptimizer(ZeROOptimizer):
             dp_process_group,
             tp_group=tp_group,
             tp_sharded=[[bool(is_model_parallel_parameter(p)) for p in g] for g in self.bit16_groups],
+            loss_scale=loss_scale,
         )
         torch_groups = []
         for g, b in zip(groups, self.pipeline.groups):
@@ -158,11 +161,10 @@ class ACCOZeroOptimizer(ZeROOptimizer):
         self.single_partition_of_fp32_groups = [b.master for b in self.pipeline.groups]
         self.overflow = False
         self._global_grad_norm = None
-        self.cur_scale = 1.0
         self.custom_loss_scaler = False
         self.torch_autocast_gradscaler = None
-        self.loss_scaler = None
-        self.dynamic_loss_scale = False
+        self.loss_scaler = None  # ZeROOptimizer.scale_if_loss's: ACCO scales through its pipeline instead
+        self.dynamic_loss_scale = bool(loss_scale is not None and loss_scale.dynamic)
         self.partition_gradients = False
         self._since_step = 0
         self._view = EvaluationView(self.pipeline)
@@ -294,11 +296,23 @@ class ACCOZeroOptimizer(ZeROOptimizer):
         micro-batches already in it, which DeepSpeed's ZeRO-1 does not do either)."""
 
     def scale_if_loss(self, value):
-        """No loss scaling (bf16/fp32); the loss is recorded for the monitor when it is enabled."""
+        """The loss times the current round's loss scale with fp16 (``core.loss_scale``; a device tensor, no host
+        read), unchanged with bf16/fp32; the loss is recorded for the monitor when it is enabled."""
         monitor = getattr(self, "_acco_monitor", None)
         if monitor is not None:
             monitor.record_loss(value)
+        if self.pipeline.scaler is not None and isinstance(value, torch.Tensor) and value.requires_grad:
+            return self.pipeline.scale_loss(value)
         return super().scale_if_loss(value)
+
+    @property
+    def cur_scale(self) -> float:
+        """The loss scale (ZeRO-1's ``cur_scale``; 1.0 without fp16). With fp16 a host read of the device state:
+        the scale after the commits swapped in so far."""
+        scaler = self.pipeline.scaler
+        return 1.0 if scaler is None else scaler.scale
+
+    loss_scale = cur_scale
 
     # -- checkpoints (acco_ds.deepspeed.checkpoint) ---------------------------------------------
     swap_optimizer = False  # the engine reads it: no NVMe optimizer swapping

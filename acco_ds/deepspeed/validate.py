@@ -17,6 +17,48 @@ def _offload_device(cfg) -> str:
     return str(getattr(getattr(cfg, "device", None), "value", getattr(cfg, "device", "none")))
 
 
+def check_fp16_config(engine) -> None:
+    """Refuse, naming the key, the fp16 settings ACCO does not follow; the rest (loss_scale, initial_scale_power,
+    loss_scale_window, hysteresis, consecutive_hysteresis, min_loss_scale, auto_cast) mean what they mean for
+    ZeRO-1 (``loss_scale_spec``)."""
+    fp16 = engine._config.float16_config
+    if getattr(fp16, "fp16_master_weights_and_grads", False):
+        raise ACCOConfigError(
+            "fp16.fp16_master_weights_and_grads=true: ACCO keeps fp32 master weights and Adam moments (its AdamW "
+            "casts the new parameters to fp16). Allowed: fp16.fp16_master_weights_and_grads=false (the default)."
+        )
+    if engine.bfloat16_enabled():
+        raise ACCOConfigError(
+            "fp16.enabled=true and bf16.enabled=true: one mixed precision at a time. Allowed: one of the two."
+        )
+    if engine.dynamic_loss_scale() and fp16.hysteresis < 1:
+        raise ACCOConfigError(
+            f"fp16.hysteresis={fp16.hysteresis}: the overflows tolerated before the loss scale halves (DeepSpeed's "
+            "delayed shift); below 1 DeepSpeed's rule would never lower the scale. Allowed: an integer >= 1 "
+            "(default 2)."
+        )
+
+
+def loss_scale_spec(engine):
+    """The loss scaler's settings from the engine's ``fp16`` section (``core.loss_scale.LossScaleSpec``), or None
+    when fp16 is off. ``loss_scale`` 0: dynamic scaling from ``2 ** initial_scale_power``; > 0: that static scale."""
+    from acco_ds.core.loss_scale import LossScaleSpec
+
+    if not engine.fp16_enabled():
+        return None
+    if not engine.dynamic_loss_scale():
+        return LossScaleSpec(dynamic=False, init_scale=float(engine.loss_scale()))
+    args = engine.dynamic_loss_scale_args()
+    return LossScaleSpec(
+        dynamic=True,
+        init_scale=float(args["init_scale"]),
+        window=int(args["scale_window"]),
+        hysteresis=int(args["delayed_shift"]),
+        consecutive_hysteresis=bool(args["consecutive_hysteresis"]),
+        min_scale=float(args["min_scale"]),
+    )
+
+
 def model_parallel_group(engine):
     """The engine's tensor-parallel group (AutoTP or a Megatron-style mpu), or None."""
     mpu = getattr(engine, "mpu", None)
@@ -30,7 +72,8 @@ def model_parallel_group(engine):
 def check_engine_config(engine, client_optimizer, cfg: ACCOConfig) -> None:
     """Raise ACCOConfigError for an engine config that "type": "ACCO" cannot run, before any state is
     built. Each message names the DeepSpeed key, the value seen and what is allowed. Checked: client
-    optimizer, ZeRO stage, fp16, offload, pipeline/sequence parallelism, a model-parallel size that does
+    optimizer, ZeRO stage, fp16 (``check_fp16_config``), offload, pipeline/sequence parallelism, a model-parallel
+    size that does
     not divide the world or comes without a group, MoE, gradient_clipping,
     communication_data_type, fp16 autocast, ZenFlow, gradient_accumulation_steps for the mode and
     max_micro_batches_per_round against a round's share."""
@@ -47,10 +90,7 @@ def check_engine_config(engine, client_optimizer, cfg: ACCOConfig) -> None:
             'full parameters and gradients on every rank). Allowed: "zero_optimization": {"stage": 1}.'
         )
     if engine.fp16_enabled():
-        raise ACCOConfigError(
-            'fp16.enabled=true: ACCO does not implement fp16 loss scaling. Allowed: "bf16": {"enabled": true} '
-            "or fp32 (fp16.enabled=false)."
-        )
+        check_fp16_config(engine)
     for key, sub in (
         ("offload_optimizer", engine.zero_offload_optimizer()),
         ("offload_param", engine.zero_offload_param()),
@@ -102,12 +142,13 @@ def check_engine_config(engine, client_optimizer, cfg: ACCOConfig) -> None:
         raise ACCOConfigError(
             f"communication_data_type={comm_type}: ACCO reduces gradients in the dtype of its own option "
             "optimizer.params.comm_dtype. Allowed: remove communication_data_type and set "
-            "optimizer.params.comm_dtype to 'auto', 'bf16' or 'fp32'."
+            "optimizer.params.comm_dtype to 'auto', 'bf16', 'fp16' or 'fp32'."
         )
     if engine.torch_autocast_enabled() and engine.torch_autocast_dtype() == torch.float16:
         raise ACCOConfigError(
-            "torch_autocast.dtype=torch.float16: fp16 autocast needs loss scaling, which ACCO does not implement. "
-            "Allowed: torch_autocast with dtype bfloat16, or bf16.enabled=true."
+            "torch_autocast.dtype=torch.float16: ACCO scales fp16 losses with its own loss scaler on an fp16 model, "
+            "not with torch autocast's GradScaler. Allowed: fp16.enabled=true (an fp16 model with dynamic loss "
+            "scaling), torch_autocast with dtype bfloat16, or bf16.enabled=true."
         )
     if getattr(engine._config.zero_config, "zenflow", None) is not None:
         raise ACCOConfigError(

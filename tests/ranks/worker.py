@@ -17,6 +17,7 @@ from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_st
 
 import acco_ds  # noqa: E402,F401
 from acco_ds.core import compressed_comm, round_job, snapshot
+from acco_ds.deepspeed.cpu_fp16 import allow_fp16_on_cpu
 from tests.ranks import rank_start, toy  # noqa: E402
 
 P2P = compressed_comm.point_to_point
@@ -26,16 +27,23 @@ UNSTORED_SUM_MAX_WORLD = round_job.UNSTORED_SUM_MAX_WORLD
 def run_scenario(sc: dict, rank: int) -> dict:
     cfg = sc["config"]
     gas = cfg["gradient_accumulation_steps"]
+    if cfg.get("fp16", {}).get("enabled"):
+        allow_fp16_on_cpu()
+    # "poison": [rank, micro-batch index] pairs whose loss is multiplied by inf (a planted fp16 overflow)
+    poison = {tuple(p) for p in sc.get("poison", [])}
     model = toy.build()
     engine, _, _, _ = deepspeed.initialize(model=model, config=cfg, model_parameters=model.parameters())
     params = toy.trainable(engine.module)
     lrs, traj, norms, at_boundary, residuals, committed = [], [], [], [], [], []
+    scales, skipped = [], []
     moments = {"exp_avg": [], "exp_avg_sq": []}
     for step in range(sc["steps"]):
         lrs.append(float(engine.get_lr()[0]))
         for j in range(gas):
             x, y = toy.micro_batch(rank, step * gas + j)
             loss = engine(x.to(engine.device), y.to(engine.device))
+            if (rank, step * gas + j) in poison:
+                loss = loss * float("inf")
             engine.backward(loss)
             engine.step()
         traj.append(toy.flat(safe_get_full_fp32_param(p) for p in params).cpu())
@@ -43,6 +51,8 @@ def run_scenario(sc: dict, rank: int) -> dict:
             per_step.append(toy.flat(safe_get_full_optimizer_state(p, key) for p in params).cpu())
         norm = engine.get_global_grad_norm()
         norms.append(None if norm is None else float(norm))
+        scales.append(float(engine.optimizer.cur_scale))
+        skipped.append(int(engine.skipped_steps))
         # compressed rounds: what the model holds (acco: the estimate) and this rank's error-feedback residual,
         # after the reads above waited for the job in flight (tests/core/test_trajectories.py replays each step)
         pipe = getattr(engine.optimizer, "pipeline", None)
@@ -53,7 +63,7 @@ def run_scenario(sc: dict, rank: int) -> dict:
             committed.append(theta.detach().float().cpu().clone())  # theta as the replicas hold it
             residual = pipe.residuals[0]
             residuals.append(None if residual is None else residual.detach().cpu().clone())
-    out = {"lrs": lrs, "traj": traj, "norms": norms, "moments": moments}
+    out = {"lrs": lrs, "traj": traj, "norms": norms, "moments": moments, "scales": scales, "skipped": skipped}
     if at_boundary:
         out["model_at_boundary"], out["residuals"] = at_boundary, residuals
         out["committed_replica"] = committed
@@ -69,6 +79,7 @@ def run_scenario(sc: dict, rank: int) -> dict:
         out["model_holds_at_boundary"] = opt.pipeline.model_holds
         opt.finish()
         out["final_norm"] = float(opt.pipeline.last_grad_norm)
+        out["final_scale"] = float(opt.cur_scale)
         out["final_model"] = toy.flat(params).cpu()
         out["stats"] = opt.stats()
         opt.pipeline.close()

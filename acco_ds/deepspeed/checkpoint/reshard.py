@@ -29,6 +29,7 @@ import torch
 from deepspeed.checkpoint.constants import (
     BASE_OPTIMIZER_STATE,
     BASE_OPTIMIZER_STATE_STEP,
+    LOSS_SCALER,
     OPTIMIZER_STATE_DICT,
     PARAM,
     PARAM_ALIGNMENT_PADDINGS,
@@ -213,6 +214,10 @@ class ZeroPartitions:
         snaps = [osd.get("acco") for osd in self._osd]
         return snaps if all(s is not None for s in snaps) else None
 
+    def loss_scaler(self):
+        """The saving run's loss scaler object (DeepSpeed's ``loss_scaler`` key, rank 0's), or None."""
+        return self._osd[0].get(LOSS_SCALER)
+
     def param_groups(self) -> List[dict] | None:
         base = self._osd[0].get(BASE_OPTIMIZER_STATE)
         return base.get(PARAM_GROUPS) if isinstance(base, dict) else None
@@ -294,6 +299,9 @@ class UniversalFolder:
 
     def acco_snapshots(self) -> None:
         return None  # a universal checkpoint keeps no in-flight state
+
+    def loss_scaler(self) -> None:
+        return None  # DeepSpeed's universal format keeps no loss scaler: ZeRO-1 starts its scale over too
 
     def param_groups(self) -> List[dict] | None:
         return self._globals.get(PARAM_GROUPS) if isinstance(self._globals, dict) else None

@@ -15,7 +15,7 @@ Files (DeepSpeed writes them; nothing here touches the file system): ``mp_rank_0
 - ``base_optimizer_state``: ``{"state": {group: {"step", "exp_avg", "exp_avg_sq"}}, "param_groups"}``
   (the moments are this rank's full, padded shards, as DeepSpeed's non-elastic ZeRO-1 saves them;
   ``param_groups`` carries lr/betas/eps/weight_decay and the LR scheduler's keys).
-- ``loss_scaler`` (None), ``dynamic_loss_scale`` (False), ``overflow``, ``clip_grad``,
+- ``loss_scaler`` (DeepSpeed's scaler object: ``checkpoint.loss_scale``), ``dynamic_loss_scale``, ``overflow``, ``clip_grad``,
   ``zero_stage`` (1), ``group_paddings`` (padding of this rank's slice), ``param_alignment_paddings``
   (0 for every parameter: they are contiguous), ``partition_count``, ``ds_version``,
   ``param_slice_mappings`` (name -> (numel, start) of the parameter's fragment in this rank's slice).
@@ -69,11 +69,10 @@ from deepspeed.checkpoint.constants import (
     SINGLE_PARTITION_OF_FP32_GROUPS,
     ZERO_STAGE,
 )
-from deepspeed.runtime.fp16.loss_scaler import LossScaler
 from deepspeed.utils.tensor_fragment import fragment_address
 
 from acco_ds.core import snapshot
-from acco_ds.deepspeed.checkpoint import reshard
+from acco_ds.deepspeed.checkpoint import loss_scale, reshard
 from acco_ds.deepspeed.checkpoint.files import ACCOCheckpointError
 
 logger = logging.getLogger("acco_ds")
@@ -177,10 +176,10 @@ def state_dict(opt) -> Dict[str, Any]:
     snap["groups"] = [{k: v for k, v in g.items() if k not in _STATE_KEYS} for g in groups]
     snap["optimizer"] = {"micro_batches_since_step": opt._micro_batches_since_step}
     return {
-        # a static scale of 1 (bf16/fp32), as DeepSpeed's ZeRO-1 saves it: ZeRO-1 reads it back from a universal
-        # checkpoint of this state and fails on None
-        LOSS_SCALER: opt.loss_scaler if opt.loss_scaler is not None else LossScaler(scale=1.0),
-        "dynamic_loss_scale": False,
+        # DeepSpeed's own scaler object (a static scale of 1 with bf16/fp32), as ZeRO-1 saves it: ZeRO-1 takes it
+        # back as it is (its legacy load), and fails on None
+        LOSS_SCALER: loss_scale.to_deepspeed(pipeline.scaler),
+        "dynamic_loss_scale": pipeline.scaler is not None and pipeline.scaler.spec.dynamic,
         "overflow": bool(opt.overflow),
         CLIP_GRAD: pipeline.clip,
         BASE_OPTIMIZER_STATE: {
@@ -378,6 +377,9 @@ def load_committed(opt, source, load_optimizer_states: bool = True) -> None:
         return
     step = reshard.common_step(source, [n for group in names for n in group])
     saved = source.acco_snapshots()
+    # another optimizer's files (a ZeRO-1 fp16 run's scaler goes on), or a universal checkpoint
+    if saved is None:
+        loss_scale.load_from_deepspeed(pipeline.scaler, source.loss_scaler())
     discarded = snapshot.resume_from_committed(pipeline, shards, step, saved)
     groups = source.param_groups()
     if groups is not None and len(groups) == len(opt.optimizer.param_groups):
