@@ -71,7 +71,24 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--seed", type=int, default=0)
     run.add_argument(
-        "--dtype", choices=("auto", "fp32", "bf16"), default="auto", help="auto: bf16 on GPU, fp32 on CPU"
+        "--dtype",
+        choices=("auto", "fp32", "bf16", "fp16"),
+        default="auto",
+        help="auto: bf16 on GPU, fp32 on CPU; fp16: fp16 parameters with DeepSpeed's dynamic loss scaling in "
+        "every mode (GPUs without bf16; on CPU ranks fp16 is computed without fast kernels, slowly)",
+    )
+    run.add_argument(
+        "--initial-scale-power",
+        type=int,
+        default=None,
+        help="--dtype fp16: the first loss scale is 2 ** this (DeepSpeed's fp16.initial_scale_power; default 16)",
+    )
+    run.add_argument(
+        "--loss-scale-window",
+        type=int,
+        default=None,
+        help="--dtype fp16: steps without overflow before the loss scale doubles (DeepSpeed's "
+        "fp16.loss_scale_window; default 1000)",
     )
     opt = ap.add_argument_group("optimizer (AdamW, shared by every mode)")
     opt.add_argument(
@@ -181,6 +198,35 @@ def _check_tp(ap: argparse.ArgumentParser, a: argparse.Namespace) -> None:
             ap.error(f"--tp {a.tp} must divide {flag} ({n}): AutoTP splits the attention heads")
 
 
+FP16_DEFAULTS = {"initial_scale_power": 16, "loss_scale_window": 1000}
+"""DeepSpeed's own defaults of the loss-scale options acco-train exposes."""
+
+
+def _check_fp16(ap: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    """The loss-scale options need ``--dtype fp16``; their ranges are DeepSpeed's (a power in [0, 64) keeps
+    the scale finite in fp32, a window >= 1). Fills in DeepSpeed's defaults with fp16."""
+    given = [name for name in FP16_DEFAULTS if getattr(a, name) is not None]
+    if a.dtype != "fp16":
+        if given:
+            flag = "--" + given[0].replace("_", "-")
+            ap.error(f"{flag} applies to --dtype fp16 (loss scaling), not to --dtype {a.dtype}")
+        return
+    if a.config:
+        ap.error(
+            "--dtype fp16 with --config: the file's own fp16 section decides the precision; "
+            'drop --dtype, or add "fp16": {"enabled": true} to the file'
+        )
+    for name, default in FP16_DEFAULTS.items():
+        if getattr(a, name) is None:
+            setattr(a, name, default)
+    if not 0 <= a.initial_scale_power < 64:
+        ap.error(
+            f"--initial-scale-power must be in [0, 63] (the first scale is 2 ** it), got {a.initial_scale_power}"
+        )
+    if a.loss_scale_window < 1:
+        ap.error(f"--loss-scale-window must be >= 1, got {a.loss_scale_window}")
+
+
 def _in_launcher_defaults(ap: argparse.ArgumentParser, a: argparse.Namespace) -> None:
     """Under torchrun every process is one rank of one run: the world size is the launcher's, and every
     rank (and every restart) must write into the same folder."""
@@ -242,6 +288,7 @@ def parse(argv=None) -> argparse.Namespace:
         ap.error(f"--slow-factor must be >= 1 (1: no slowdown), got {a.slow_factor}")
     if a.dtype == "auto":
         a.dtype = "bf16" if _cuda() else "fp32"
+    _check_fp16(ap, a)
     _check_model(ap, a)
     _check_tp(ap, a)
     if len(set(a.mode)) != len(a.mode):

@@ -3,7 +3,10 @@
 Contract: ``build_config(contender, knobs)`` returns a plain dict that ``deepspeed.initialize``
 accepts. Every contender gets the same micro-batch, gradient accumulation, total batch, dtype,
 learning-rate schedule, AdamW hyper-parameters and gradient clipping; they differ only in the
-optimizer/ZeRO section:
+optimizer/ZeRO section. With ``knobs.fp16`` every contender gets the same ``fp16`` section: fp16 parameters
+with DeepSpeed's dynamic loss scaling (``loss_scale`` 0, the first scale ``2 ** initial_scale_power``, doubled
+after ``loss_scale_window`` steps without overflow, hysteresis 2, minimum scale 1: DeepSpeed's defaults but for
+the two knobs), which ACCO follows with its own scaler and the ZeRO baselines with DeepSpeed's:
 
 - ``zero1``: DeepSpeed ZeRO-1 with its AdamW, buckets as large as the model (one reduce and one
   all-gather per step: the fewest collectives, what DeepSpeed's docs advise for ZeRO-1).
@@ -50,6 +53,9 @@ class Knobs:
     weight_decay: float = 0.1
     grad_clip: float = 1.0
     bf16: bool = False
+    fp16: bool = False  # fp16 parameters with dynamic loss scaling (see fp16_section)
+    initial_scale_power: int = 16  # fp16: the first loss scale is 2 ** this
+    loss_scale_window: int = 1000  # fp16: steps without overflow before the scale doubles
     accumulation: str = "fixed"
     num_params: int = 0  # sizes the DeepSpeed buckets
     tp: int = 1  # tensor-parallel size (AutoTP); the data-parallel world is world_size / tp
@@ -69,6 +75,24 @@ def _scheduler(k: Knobs) -> dict:
             "cos_min_ratio": k.min_lr / k.lr if k.lr > 0 else 0.0,
         },
     }
+
+
+def fp16_section(k: Knobs) -> dict:
+    """DeepSpeed's ``fp16`` section of the knobs: dynamic loss scaling (see the module docstring)."""
+    return {
+        "enabled": True,
+        "loss_scale": 0,
+        "initial_scale_power": k.initial_scale_power,
+        "loss_scale_window": k.loss_scale_window,
+        "hysteresis": 2,
+        "min_loss_scale": 1,
+    }
+
+
+def fp16_enabled(cfg: dict) -> bool:
+    """Whether a DeepSpeed config dict trains in fp16 (``"fp16": {"enabled": true}``)."""
+    section = cfg.get("fp16") or {}
+    return isinstance(section, dict) and section.get("enabled") is True
 
 
 def build_config(contender: str, k: Knobs) -> dict:
@@ -91,8 +115,12 @@ def build_config(contender: str, k: Knobs) -> dict:
         "timers": {"throughput": {"synchronized": False}},
         "scheduler": _scheduler(k),
     }
+    if k.bf16 and k.fp16:
+        raise ValueError("Knobs: bf16 and fp16 are both set; one mixed precision at a time")
     if k.bf16:
         cfg["bf16"] = {"enabled": True}
+    if k.fp16:
+        cfg["fp16"] = fp16_section(k)
     if k.tp > 1:
         cfg["tensor_parallel"] = {"autotp_size": k.tp}
         # DeepSpeed checks train_batch_size against all ranks before AutoTP sets its groups up; the batch of a

@@ -3,9 +3,10 @@
 Contract: ``run_job(args)`` (args from ``acco_ds.cli.args.parse``) writes into ``args.out``:
 - ``runs/<label>/``: each run's spec, DeepSpeed config, launcher log and the ranks' raw records;
 - ``metrics.jsonl``: one line per (mode, optimizer step): mode, step, samples, time_s, loss,
-  samples_per_s;
+  samples_per_s, and with fp16 loss_scale and skipped_steps (the engine's so far);
 - ``summary.json``: machine and versions, the options, the corpus, the model size and, per mode,
-  the steady-state figures and the validation loss on the committed parameters;
+  the steady-state figures and the validation loss on the committed parameters (with fp16: the final
+  loss scale and the engine's skipped steps);
 - ``loss_vs_samples.png`` and ``loss_vs_time.png``.
 It returns the summary dict. A failing run raises ``LaunchError`` with the end of its log.
 """
@@ -18,7 +19,7 @@ from pathlib import Path
 
 from acco_ds.cli import dsconfig
 from acco_ds.cli.launch import free_port, launch_command, run_ranks
-from acco_ds.cli.metrics import machine_info, merge_ranks, read_ranks, summarize
+from acco_ds.cli.metrics import FP16_KEYS, machine_info, merge_ranks, read_ranks, summarize
 from acco_ds.cli.plots import plot_losses
 from acco_ds.cli.spec import RunSpec
 
@@ -67,6 +68,13 @@ def _num_params(model_cfg: dict) -> int:
     return model_num_params(model_cfg)
 
 
+def _loss_scale_knobs(a) -> dict:
+    """The fp16 loss-scale knobs the options give (``--initial-scale-power``, ``--loss-scale-window``); those
+    left unset keep ``dsconfig.Knobs``'s defaults (DeepSpeed's)."""
+    names = ("initial_scale_power", "loss_scale_window")
+    return {n: getattr(a, n) for n in names if getattr(a, n, None) is not None}
+
+
 def plan_runs(a, model_cfg: dict, n_params: int) -> list:
     """[(label, mode, accumulation, ds_config)] in the order they run."""
     knobs = dsconfig.Knobs(
@@ -80,6 +88,8 @@ def plan_runs(a, model_cfg: dict, n_params: int) -> list:
         weight_decay=a.weight_decay,
         grad_clip=a.grad_clip,
         bf16=a.dtype == "bf16",
+        fp16=a.dtype == "fp16",
+        **_loss_scale_knobs(a),
         accumulation=a.accumulation,
         num_params=n_params,
         tp=a.tp,
@@ -122,24 +132,48 @@ def make_spec(a, label: str, mode: str, acc: str, cfg: dict, model_cfg: dict, ru
     )
 
 
-def _print_table(summary: dict) -> None:
-    rows = [("mode", "steps", "samples", "time s", "samples/s", "train loss", "val loss", "peak MiB/rank")]
+def table_rows(summary: dict) -> list:
+    """The rows of the final table (a header first): one per run; with an fp16 run, each run's skipped steps
+    (``engine.skipped_steps``) and final loss scale too."""
+    fp16 = any(s.get("fp16") for s in summary["runs"].values())
+    head = ("mode", "steps", "samples", "time s", "samples/s", "train loss", "val loss", "peak MiB/rank")
+    rows = [head + (("skipped", "loss scale") if fp16 else ())]
     for label, s in summary["runs"].items():
-        rows.append(
-            (
-                label,
-                str(s["steps"]),
-                str(s["samples"]),
-                f"{s['train_s']:.1f}",
-                f"{s['samples_per_s']:.1f}",
-                f"{s['final_train_loss']:.3f}" if s["final_train_loss"] is not None else "-",
-                f"{s['val_loss']:.3f}" if s["val_loss"] is not None else "-",
-                f"{max(s['peak_mem_mib']):.0f}",
-            )
+        row = (
+            label,
+            str(s["steps"]),
+            str(s["samples"]),
+            f"{s['train_s']:.1f}",
+            f"{s['samples_per_s']:.1f}",
+            f"{s['final_train_loss']:.3f}" if s["final_train_loss"] is not None else "-",
+            f"{s['val_loss']:.3f}" if s["val_loss"] is not None else "-",
+            f"{max(s['peak_mem_mib']):.0f}",
         )
+        if fp16:
+            row += (str(s["skipped_steps"]), f"{s['loss_scale']:g}") if s.get("fp16") else ("-", "-")
+        rows.append(row)
+    return rows
+
+
+def _print_table(summary: dict) -> None:
+    rows = table_rows(summary)
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
         print("  ".join(c.rjust(w) for c, w in zip(r, widths)))
+
+
+def _dtype_text(a, cfg: dict) -> str:
+    """The precision of the runs as the header says it (fp16: its loss scaling)."""
+    if dsconfig.fp16_enabled(cfg):
+        fp16 = cfg["fp16"]
+        if not fp16.get("loss_scale", 0):
+            power = fp16.get("initial_scale_power", 16)
+            window = fp16.get("loss_scale_window", 1000)
+            return f"fp16 (dynamic loss scale from 2^{power}, window {window})"
+        return f"fp16 (static loss scale {fp16['loss_scale']:g})"
+    if (cfg.get("bf16") or {}).get("enabled") is True:
+        return "bf16"
+    return "fp32" if a.config else a.dtype
 
 
 def run_job(a) -> dict:
@@ -160,7 +194,7 @@ def run_job(a) -> dict:
     print(
         f"acco-train: {len(runs)} run(s) [{', '.join(r[0] for r in runs)}], {a.world_size} ranks x {a.threads} "
         f"thread(s), model {MODEL_NAMES[model_cfg['arch']]} {n_params / 1e6:.2f}M params, {a.steps} steps x {gas} micro-batches x "
-        f"{mb} seq x {a.context} bytes per rank; output: {out}",
+        f"{mb} seq x {a.context} bytes per rank, {_dtype_text(a, first)}; output: {out}",
         flush=True,
     )
     summary = {
@@ -199,13 +233,16 @@ def run_job(a) -> dict:
                     "time_s": r["time_s"],
                     "loss": r["loss"],
                     "samples_per_s": r["samples_per_s"],
+                    **{k: r[k] for k in FP16_KEYS if k in r},
                 }
             )
             for r in records
         ]
         val = f"{s['val_loss']:.4f}" if s["val_loss"] is not None else "n/a"
+        fp16 = f", {s['skipped_steps']} skipped steps, loss scale {s['loss_scale']:g}" if s["fp16"] else ""
         print(
-            f"  {label}: val loss {val}, {s['samples_per_s']:.1f} samples/s, {s['train_s']:.1f} s", flush=True
+            f"  {label}: val loss {val}, {s['samples_per_s']:.1f} samples/s, {s['train_s']:.1f} s{fp16}",
+            flush=True,
         )
     (out / "metrics.jsonl").write_text("".join(x + "\n" for x in metrics_lines))
     summary["plots"] = [

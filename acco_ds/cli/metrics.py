@@ -5,11 +5,13 @@ Contracts:
   steps every rank logged and returns one record per step: ``step``, ``time_s`` (the slowest
   rank's time: a step is done when every rank is past it), ``samples`` (global samples computed so
   far, all ranks), ``loss`` (mean loss of the micro-batches computed since the previous record),
-  ``samples_per_s`` (samples over time so far) and ``rank_mb`` (cumulative micro-batches per rank).
+  ``samples_per_s`` (samples over time so far) and ``rank_mb`` (cumulative micro-batches per rank); with fp16
+  also ``loss_scale`` and ``skipped_steps`` (rank 0's: every rank takes the same decisions).
 - ``summarize(records, ranks, warmup, micro_batch)`` gives the steady-state figures of a run:
   median time per optimizer step after ``warmup`` steps, samples/s over the steps after warm-up
   (overall and per rank), the final training loss (mean over the last ``tail`` of the samples),
-  the validation loss and the peak memory per rank.
+  the validation loss, the peak memory per rank and, with fp16, the final loss scale and the steps the
+  engine skipped (``engine.skipped_steps``; None without fp16 for the scale).
 - ``time_to_loss(records, target, window)`` is the first time the training loss averaged over the
   trailing ``window`` samples is at or below ``target`` (None when never).
 """
@@ -37,6 +39,10 @@ def read_ranks(run_dir: Path, world: int):
     return logs, sums
 
 
+FP16_KEYS = ("loss_scale", "skipped_steps")
+"""The per-step figures an fp16 run's records carry (``acco_ds.cli.worker``)."""
+
+
 def merge_ranks(logs: List[list], micro_batch: int) -> List[dict]:
     by_rank = [{rec["step"]: rec for rec in log} for log in logs]
     common = sorted(set.intersection(*(set(d) for d in by_rank))) if by_rank else []
@@ -59,6 +65,7 @@ def merge_ranks(logs: List[list], micro_batch: int) -> List[dict]:
                 "rank_t": [r["t"] for r in recs],
                 "loss_sum": loss_sum,
                 "mb_total": mb,
+                **{k: recs[0][k] for k in FP16_KEYS if k in recs[0]},
             }
         )
         prev_mb, prev_loss = mb, loss_sum
@@ -144,6 +151,10 @@ def summarize(
             else None
         ),
         "warmup_steps": w,
+        "fp16": bool(ranks[0].get("fp16", False)),
+        "loss_scale": ranks[0].get("loss_scale"),
+        "skipped_steps": ranks[0].get("skipped_steps"),
+        "fp16_allowed_on_cpu": bool(ranks[0].get("fp16_allowed_on_cpu", False)),
     }
 
 

@@ -4,7 +4,8 @@ Contract: ``StepLog.micro(loss)`` is called once per micro-batch this rank compu
 ``StepLog.step(step, t)`` closes the records up to optimizer step ``step`` (it may jump by more
 than one) at ``t`` seconds since the synchronised start. Each record is cumulative:
 ``{"step", "t", "mb", "loss_sum"}`` = micro-batches computed by this rank so far and the sum of
-their losses, so that ranks can be aligned on steps afterwards. ``write`` dumps them as JSONL
+their losses, so that ranks can be aligned on steps afterwards; with a ``probe`` (a callable returning a dict of
+numbers, e.g. fp16's loss scale and skipped steps) each record also holds what it returned at that step. ``write`` dumps them as JSONL
 (once, at the end: no file I/O in the timed loop).
 """
 
@@ -12,11 +13,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Callable
 
 
 class StepLog:
-    def __init__(self, start: int = 0) -> None:
-        """``start``: the optimizer steps already done before this log (a resumed run): records begin after it."""
+    def __init__(self, start: int = 0, probe: Callable[[], dict] | None = None) -> None:
+        """``start``: the optimizer steps already done before this log (a resumed run): records begin after it;
+        ``probe``: called at each recorded step, its keys added to the record."""
+        self.probe = probe
         self.records: list = []
         self.mb = 0
         self.loss_sum = 0.0
@@ -40,7 +44,10 @@ class StepLog:
         if step <= self._last_step:
             return
         self._last_step = step
-        self.records.append({"step": step, "t": round(t, 6), "mb": self.mb, "loss_sum": self.loss_sum})
+        record = {"step": step, "t": round(t, 6), "mb": self.mb, "loss_sum": self.loss_sum}
+        if self.probe is not None:
+            record.update(self.probe())
+        self.records.append(record)
 
     def recent_loss(self) -> float:
         """Mean loss of the micro-batches since the last call (for the progress bar); the previous

@@ -5,7 +5,10 @@ DeepSpeed launcher, one per rank; see ``acco_ds.cli.launch``), or ``acco-train``
 Contract: reads the RunSpec, builds the same model on every rank (seeded), trains it with the
 DeepSpeed engine of ``spec.ds_config``, then - for ACCO - calls ``engine.optimizer.finish()`` on
 every rank so the model holds the committed parameters, evaluates the validation loss on them, and
-writes ``rank<r>.jsonl`` and ``rank<r>.json`` into the run folder. Rank r reads the micro-batches
+writes ``rank<r>.jsonl`` and ``rank<r>.json`` into the run folder. With ``"fp16": {"enabled": true}`` in
+``spec.ds_config`` a CPU rank first lifts DeepSpeed's CPU-accelerator refusal of fp16
+(``acco_ds.deepspeed.cpu_fp16``; rank 0 says so on stderr), each step record holds the loss scale and the engine's
+skipped steps so far, and the rank summary the final ones. Rank r reads the micro-batches
 of rank ``r + spec.data_offset``. With ``spec.checkpoint_dir`` the run first resumes from its last
 complete save and saves every ``spec.save_every`` steps (``acco_ds.cli.checkpoints``); a start that
 fails while training (a lost peer) appends a line to ``failures.jsonl`` (how far it got, why) and
@@ -89,6 +92,7 @@ def run(spec) -> dict:
 
     import acco_ds  # noqa: F401  (registers the ACCO optimizer type)
     from acco_ds.cli import checkpoints, loop
+    from acco_ds.cli.dsconfig import fp16_enabled
     from acco_ds.cli.progress import Progress
     from acco_ds.cli.slowdown import Spinner, calibrate
     from acco_ds.cli.steplog import StepLog
@@ -126,13 +130,15 @@ def run(spec) -> dict:
     spinner = Spinner(extra)
 
     stats = {}
+    fp16 = fp16_enabled(spec.ds_config)
+    fp16_on_cpu = fp16 and device.type == "cpu" and _allow_fp16_on_cpu(rank)
     engine, _, _, _ = deepspeed.initialize(
         model=model, model_parameters=model.parameters(), config=spec.ds_config
     )
     marks["engine"] = time.perf_counter()
     resumed_at = checkpoints.resume(engine, spec)
     marks["resume"] = time.perf_counter()
-    log = StepLog(start=resumed_at)
+    log = StepLog(start=resumed_at, probe=_fp16_probe(engine) if fp16 else None)
     seed = checkpoints.data_seed(spec.seed, resumed_at)
     batches = stream(corpus.train, ctx, spec.micro_batch, seed, dp_rank + spec.data_offset)
     saver = checkpoints.Saver(engine, spec, start=resumed_at)
@@ -210,11 +216,42 @@ def run(spec) -> dict:
         "save_s": [round(x, 3) for x in saver.seconds],
         "checkpoint_bytes": saver.bytes_on_disk() if rank == 0 else None,
         "first_step_unix": first_step_unix[0] if first_step_unix else None,
+        "fp16": fp16,
+        "fp16_allowed_on_cpu": fp16_on_cpu,
+        # after finish(): the scale the last commit left, and the steps the engine counted as skipped
+        "loss_scale": float(engine.optimizer.cur_scale) if fp16 else None,
+        "skipped_steps": int(engine.skipped_steps),
     }
     log.write(spec.rank_log(rank))
     spec.rank_summary(rank).write_text(json.dumps(summary, indent=2))
     dist.barrier()
     return summary
+
+
+def _allow_fp16_on_cpu(rank: int) -> bool:
+    """Lift DeepSpeed's CPU accelerator refusal of fp16 (``acco_ds.deepspeed.cpu_fp16``), saying so on rank 0's
+    stderr; True when the CPU lacked native fp16 kernels (fp16 then runs on torch's generic CPU code)."""
+    from acco_ds.deepspeed.cpu_fp16 import allow_fp16_on_cpu
+
+    lifted = allow_fp16_on_cpu()
+    if lifted and rank == 0:
+        print(
+            "acco-train: fp16 on CPU ranks: this CPU has no mkldnn fp16 kernels, so DeepSpeed's CPU accelerator "
+            "refuses fp16; allowed (acco_ds.deepspeed.cpu_fp16.allow_fp16_on_cpu): torch computes fp16 without "
+            "them, slower than fp32",
+            file=sys.stderr,
+            flush=True,
+        )
+    return lifted
+
+
+def _fp16_probe(engine):
+    """What each step record adds with fp16: the loss scale in force (ZeRO-1's ``cur_scale``; ACCO's after the
+    commits swapped in so far) and the engine's skipped steps so far."""
+    return lambda: {
+        "loss_scale": float(engine.optimizer.cur_scale),
+        "skipped_steps": int(engine.skipped_steps),
+    }
 
 
 def _write_failure(spec, rank: int, step: int, resumed_at: int, first_step: list, err: BaseException) -> None:
