@@ -21,6 +21,7 @@ from acco_ds.plan.model import (
     CONTENDERS,
     DEEPSPEED_BUCKET,
     DTYPE_SIZE,
+    MIXED_HALVES,
     PlanInputs,
     predict,
 )
@@ -51,7 +52,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="a transformers config.json, a local model folder, or a model name in the local HF cache "
         "(parameters counted exactly on the meta device; nothing downloaded)",
     )
-    m.add_argument("--param-dtype", default="bf16", help=f"one of {', '.join(DTYPE_SIZE)} (default bf16)")
+    m.add_argument(
+        "--param-dtype",
+        default="bf16",
+        help=f"one of {', '.join(DTYPE_SIZE)} (default bf16; fp16: with loss scaling, the bytes of bf16)",
+    )
     m.add_argument(
         "--comm-dtype", default=None, help="gradient/parameter communication dtype (default: --param-dtype)"
     )
@@ -147,6 +152,11 @@ def resolve(argv=None) -> tuple:
     for name, v in (("--param-dtype", a.param_dtype), ("--comm-dtype", comm_dtype)):
         if v not in DTYPE_SIZE:
             ap.error(f"{name}: unknown dtype {v!r}; allowed: {', '.join(DTYPE_SIZE)}")
+    if {a.param_dtype, comm_dtype} == MIXED_HALVES:
+        ap.error(
+            f"--comm-dtype {comm_dtype} with --param-dtype {a.param_dtype}: fp16 and bf16 do not mix (a scaled fp16 "
+            f"gradient loses in bf16 the precision its loss scale bought); allowed: --comm-dtype {a.param_dtype} or fp32"
+        )
     largest_frac, context = 0.0, None
     if a.params is not None:
         params = _opt(ap, "--params", units.parse_count, a.params)

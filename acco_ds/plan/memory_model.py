@@ -27,7 +27,7 @@ COMPRESSED = ("acco-int8",)
 """ACCO with every exchange int8 (``optimizer.params.compression`` commit, peek and all-gather int8)."""
 COMPRESSION_BLOCK = 256  # the default block_size: one fp32 scale per block of int8 values
 ACCO_MODES = ("sync", "dpu", "acco")
-DTYPE_SIZE = {"bf16": 2, "fp32": 4}
+DTYPE_SIZE = {"bf16": 2, "fp16": 2, "fp32": 4}  # fp16 holds what bf16 does (its loss scaler: a few scalars)
 FP32 = 4
 ADAM_SHARD = 3 * FP32  # fp32 master + exp_avg + exp_avg_sq, per parameter of the shard
 

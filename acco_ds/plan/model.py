@@ -39,7 +39,12 @@ from typing import Dict, List
 from acco_ds.plan import memory_model
 from acco_ds.plan.comm import Topology
 
-DTYPE_SIZE = {"bf16": 2, "fp32": 4}
+DTYPE_SIZE = {"bf16": 2, "fp16": 2, "fp32": 4}
+"""Bytes per element. fp16 (with loss scaling) moves and holds what bf16 does; the loss scaler's state is a few
+scalars, and DeepSpeed's overflow check (an amax and an amin over the gradient partition) is not modelled."""
+MIXED_HALVES = {"bf16", "fp16"}
+"""The parameter / communication dtype pair the plan refuses: fp16 and bf16 do not mix (acco_ds's optimizer refuses
+it)."""
 CONTENDERS = ("zero1", "zero1-overlap", "zero2", "sync", "dpu", "acco", "acco-adaptive")
 COMPRESSED_CONTENDERS = ("sync-int8", "acco-int8", "acco-adaptive-int8")
 """acco_ds with every exchange int8 (commit, peek, all-gather)."""
@@ -96,6 +101,11 @@ class PlanInputs:
         for name in ("param_dtype", "comm_dtype"):
             if getattr(self, name) not in DTYPE_SIZE:
                 bad(name, f"one of {', '.join(DTYPE_SIZE)}")
+        if {self.param_dtype, self.comm_dtype} == MIXED_HALVES:
+            bad(
+                "comm_dtype",
+                f"{self.param_dtype} or fp32 with param_dtype={self.param_dtype!r} (fp16 and bf16 do not mix)",
+            )
         if self.accelerator not in ("gpu", "cpu"):
             bad("accelerator", "'gpu' or 'cpu'")
         if self.gpus_per_node // self.tp > 1 and not self.intra_bw > 0:

@@ -48,6 +48,10 @@ ARCHS = ("gpt2", "llama")
 GIB = 2**30
 
 
+MEASURED_DTYPES = ("bf16", "fp32")
+"""The dtypes this benchmark's ranks build models and configs in (the model's fp16 figures are bf16's)."""
+
+
 def parse(argv=None) -> argparse.Namespace:
     ap = parser("memory", __doc__)
     ap.add_argument("--quick", action="store_true", help="one small GPT-2, bf16, W=2, zero1/acco (the test)")
@@ -114,7 +118,7 @@ def parse(argv=None) -> argparse.Namespace:
     for name, values, allowed in (
         ("--archs", a.archs, ARCHS),
         ("--sizes", a.sizes, tuple(SIZES)),
-        ("--dtypes", a.dtypes, tuple(memory_model.DTYPE_SIZE)),
+        ("--dtypes", a.dtypes, MEASURED_DTYPES),
         ("--contenders", a.contenders, memory_model.CONTENDERS + memory_model.COMPRESSED),
     ):
         for v in values:

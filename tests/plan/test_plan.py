@@ -40,8 +40,16 @@ def _exit2(capsys, argv):
         (BASE + ["--gas", "-2"], ["--gas", ">= 1"]),
         (BASE[:6] + ["--t-micro-batch=-5ms"], ["--t-micro-batch", "must be > 0"]),
         (BASE + ["--tp", "3"], ["--tp 3", "--gpus-per-node 4", "allowed: 1, 2, 4"]),
-        (BASE + ["--param-dtype", "fp8"], ["--param-dtype", "'fp8'", "allowed: bf16, fp32"]),
-        (BASE + ["--comm-dtype", "int8"], ["--comm-dtype", "allowed: bf16, fp32"]),
+        (BASE + ["--param-dtype", "fp8"], ["--param-dtype", "'fp8'", "allowed: bf16, fp16, fp32"]),
+        (BASE + ["--comm-dtype", "int8"], ["--comm-dtype", "allowed: bf16, fp16, fp32"]),
+        (
+            BASE + ["--param-dtype", "fp16", "--comm-dtype", "bf16"],
+            ["--comm-dtype bf16 with --param-dtype fp16", "do not mix", "allowed: --comm-dtype fp16 or fp32"],
+        ),
+        (
+            BASE + ["--param-dtype", "bf16", "--comm-dtype", "fp16"],
+            ["--comm-dtype fp16 with --param-dtype bf16", "allowed: --comm-dtype bf16 or fp32"],
+        ),
         (BASE[:4] + ["--intra-bw", "400"] + BASE[6:], ["--intra-bw", "no unit", "Gbit/s"]),
         (BASE + ["--nodes", "2"], ["--inter-bw is needed"]),
         (BASE + ["--nodes", "2", "--inter-bw", "fast"], ["--inter-bw", "not a bandwidth"]),
@@ -370,6 +378,76 @@ def test_json_output(capsys, tmp_path):
     assert cli.main(BASE + ["--json", str(out)]) == 0
     assert "recommendation:" in capsys.readouterr().out
     assert json.loads(out.read_text())["rows"] == doc["rows"]
+
+
+# -- fp16 ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("comm", ["half", "fp32"])
+def test_fp16_plans_as_bf16(comm, capsys):
+    """fp16 parameters (with loss scaling) move and hold the bytes bf16 does: every row's step time and memory,
+    and every derived figure, are bf16's; the CLI takes --param-dtype fp16 and says it."""
+    got = predict(
+        dataclasses.replace(COMM_BOUND, param_dtype="fp16", comm_dtype="fp16" if comm == "half" else "fp32")
+    )
+    want = predict(
+        dataclasses.replace(COMM_BOUND, param_dtype="bf16", comm_dtype="bf16" if comm == "half" else "fp32")
+    )
+    assert got.derived == want.derived
+    assert [dataclasses.asdict(r) for r in got.rows] == [dataclasses.asdict(r) for r in want.rows]
+    assert memory_model.DTYPE_SIZE["fp16"] == memory_model.DTYPE_SIZE["bf16"] == 2
+    assert cli.main(BASE + ["--param-dtype", "fp16", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert (doc["inputs"]["param_dtype"], doc["inputs"]["comm_dtype"]) == ("fp16", "fp16")
+    assert cli.main(BASE + ["--param-dtype", "bf16", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["rows"] == doc["rows"]
+
+
+def test_plan_inputs_refuse_fp16_with_bf16():
+    for pd, cd in (("fp16", "bf16"), ("bf16", "fp16")):
+        with pytest.raises(ValueError, match=f"comm_dtype='{cd}'.*fp16 and bf16 do not mix"):
+            dataclasses.replace(COMM_BOUND, param_dtype=pd, comm_dtype=cd)
+
+
+@pytest.mark.parametrize("mode", ["sync", "acco"])
+@pytest.mark.parametrize("comm", ["fp16", "fp32"])
+def test_fp16_held_memory_is_what_a_real_pipeline_holds(mode, comm):
+    """GroupBuffers.held_bytes() of a one-rank fp16 pipeline (with its loss scaler) is the plan's fp16 held bytes
+    per parameter at W = 1 (within the padding to a multiple of 16 elements)."""
+    from acco_ds.config import ACCOConfig
+    from acco_ds.core.loss_scale import LossScaleSpec
+    from acco_ds.core.pipeline import ACCOPipeline
+    from acco_ds.core.round_job import Hyper
+    from tests.ranks.inproc import ensure_single_rank_group
+
+    ensure_single_rank_group()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(64, 96), torch.nn.LayerNorm(96), torch.nn.Linear(96, 48)
+    ).half()
+    params = list(model.parameters())
+    n = sum(p.numel() for p in params)
+    pipe = ACCOPipeline(
+        [params],
+        lambda: [Hyper(1e-3, 0.9, 0.999, 1e-8, 0.0)],
+        ACCOConfig(mode=mode, comm_dtype=comm),
+        2,
+        0.0,
+        loss_scale=LossScaleSpec(dynamic=True, init_scale=2.0**16),
+    )
+    try:
+        held = sum(sum(g.held_bytes().values()) for g in pipe.groups)
+        padded = sum(g.layout.padded_numel for g in pipe.groups)
+    finally:
+        pipe.close()
+    i = PlanInputs(
+        params=n,
+        t_micro_batch=0.1,
+        micro_batch=1,
+        gas=2,
+        gpus_per_node=1,
+        param_dtype="fp16",
+        comm_dtype=comm,
+    )
+    assert held == pytest.approx(predict(i).row(mode).memory_held_bytes_per_param * padded)
 
 
 # -- model configs ---------------------------------------------------------------------------------
