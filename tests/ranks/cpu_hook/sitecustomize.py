@@ -11,6 +11,10 @@ With ``ACCO_DS_TEST_CPU_ACCELERATE_SHIM=1`` as well, a rank (a process with ``LO
 ``tests/ranks/cpu_accelerate_shim.py`` at start-up: the HF Trainer then counts DeepSpeed's gloo ranks on a
 CPU-only machine in a script that cannot call the shim itself (an unmodified training script,
 tests/integrations/test_unmodified_scripts.py).
+
+With ``ACCO_DS_TEST_CPU_FP16=1`` a rank also lifts DeepSpeed's CPU-accelerator refusal of fp16 at start-up
+(``acco_ds.deepspeed.cpu_fp16.allow_fp16_on_cpu``: this CPU has no mkldnn fp16 kernels, torch computes fp16
+without them), so an fp16 run under the HF Trainer or accelerate needs no line of its own for it.
 """
 
 import importlib.machinery
@@ -37,3 +41,8 @@ if os.environ.get("ACCO_DS_TEST_CPU_ACCELERATE_SHIM") == "1" and "LOCAL_RANK" in
     from tests.ranks import cpu_accelerate_shim
 
     cpu_accelerate_shim.apply()
+
+if os.environ.get("ACCO_DS_TEST_CPU_FP16") == "1" and "LOCAL_RANK" in os.environ:
+    from acco_ds.deepspeed.cpu_fp16 import allow_fp16_on_cpu
+
+    allow_fp16_on_cpu()

@@ -1,0 +1,147 @@
+"""fp16 with dynamic loss scaling under the Hugging Face Trainer (``--fp16``) and accelerate's own loop
+(``Accelerator(mixed_precision="fp16")``, ``sync_each_batch``), each DeepSpeed config's ``"fp16": {"enabled": "auto"}`` filled in by
+them, the only ACCO-specific line being ``import acco_ds``. Started by the ``deepspeed`` launcher; runs every config
+of ``--configs`` (JSON ``{"trainer": {name: config}, "accelerate": {name: config}}``) one after the other in this
+process, ``--epochs`` epochs over ``--samples`` samples each. On CPU ranks DeepSpeed's refusal of fp16 is lifted by
+the test start-up hook (``ACCO_DS_TEST_CPU_FP16=1``: tests/ranks/cpu_hook/sitecustomize.py).
+
+Model and data: the tiny Llama and token sequences of ``hf_worker``. Rank 0 writes ``result.pt``: per run
+(``trainer_<name>``, ``accelerate_<name>``) the losses (the Trainer's log history, one per optimizer step;
+accelerate: one per micro-batch), and per optimizer step what the loop saw after it: whether the step was skipped
+(``accelerator.optimizer_step_was_skipped``, which the Trainer reads to hold its LR scheduler), the engine's
+``skipped_steps`` and the loss scale (``engine.optimizer.cur_scale``); at the end the engine's count and scale (ACCO:
+after ``finish()``), the fp16 section DeepSpeed ran with, and ACCO's stats.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+from accelerate import Accelerator  # noqa: E402
+from accelerate.state import AcceleratorState, GradientState, PartialState  # noqa: E402
+from accelerate.utils import DeepSpeedPlugin, DummyOptim, GradientAccumulationPlugin  # noqa: E402
+from transformers import Trainer, TrainerCallback  # noqa: E402
+
+import acco_ds  # noqa: E402,F401  (the only change a user makes)
+from tests.ranks import cpu_accelerate_shim  # noqa: E402
+from tests.ranks.hf_worker import Tokens, tiny_llama, trainer_args  # noqa: E402
+
+
+def step_record(accelerator, engine) -> dict:
+    """What a loop sees after an optimizer step: skipped or not, the engine's skipped steps, the loss scale."""
+    return {
+        "skipped": bool(accelerator.optimizer_step_was_skipped),
+        "skipped_steps": int(engine.skipped_steps),
+        "loss_scale": float(engine.optimizer.cur_scale),
+    }
+
+
+class StepRecords(TrainerCallback):
+    """After each optimizer step of the Trainer: ``step_record`` of its accelerator and engine."""
+
+    def __init__(self):
+        self.trainer = None
+        self.steps = []
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.steps.append(step_record(self.trainer.accelerator, self.trainer.model_wrapped))
+
+
+def train(name: str, config: dict, args) -> dict:
+    training_args = trainer_args(
+        args,
+        output_dir=os.path.join(args.output_dir, name),
+        deepspeed=config,
+        num_train_epochs=args.epochs,
+        save_strategy="no",
+        fp16=args.fp16,
+    )
+    trainer = Trainer(model=tiny_llama(), args=training_args, train_dataset=Tokens(samples=args.samples))
+    records = StepRecords()
+    records.trainer = trainer
+    trainer.add_callback(records)
+    trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    out = {"global_step": trainer.state.global_step, "losses": losses, "steps": records.steps}
+    return finish(trainer.model_wrapped, out)
+
+
+def accelerate_loop(config: dict, args) -> dict:
+    """accelerate's documented loop over ``args.epochs`` epochs of a prepared data loader, in fp16."""
+    # sync_each_batch: no engine.no_sync() between boundaries (accelerate enters it for ZeRO stage 1, and ACCO ends no
+    # round inside it: an acco step would be committed alone); ZeRO-1 reduces at the boundary either way
+    plugin = GradientAccumulationPlugin(num_steps=args.gradient_accumulation_steps, sync_each_batch=True)
+    accelerator = Accelerator(
+        mixed_precision="fp16" if args.fp16 else "no",
+        deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=config),
+        gradient_accumulation_plugin=plugin,
+    )
+    model = tiny_llama()
+    optimizer = DummyOptim(model.parameters())
+    loader = torch.utils.data.DataLoader(Tokens(samples=args.samples), batch_size=2)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    losses, steps = [], []
+    for _ in range(args.epochs):
+        for batch in loader:
+            with accelerator.accumulate(model):
+                loss = model(**batch).loss
+                accelerator.backward(loss)
+                optimizer.step()
+                optimizer.zero_grad()
+            losses.append(loss.item())
+            if accelerator.sync_gradients:
+                steps.append(step_record(accelerator, model))
+    return finish(model, {"global_step": model.global_steps, "losses": losses, "steps": steps})
+
+
+def finish(engine, out: dict) -> dict:
+    """Add the final skipped steps and loss scale (ACCO: after ``finish()``, its committed state), DeepSpeed's fp16
+    settings and ACCO's stats to ``out``; free the engine and accelerate's state."""
+    if hasattr(engine.optimizer, "pipeline"):
+        engine.optimizer.finish()
+        out["stats"] = engine.optimizer.stats()
+    out["final_skipped_steps"] = int(engine.skipped_steps)
+    out["final_loss_scale"] = float(engine.optimizer.cur_scale)
+    out["fp16_enabled"] = bool(engine.fp16_enabled())
+    out["loss_scale_args"] = engine.dynamic_loss_scale_args() if engine.dynamic_loss_scale() else None
+    out["optimizer_type"] = type(engine.optimizer).__name__
+    if hasattr(engine.optimizer, "pipeline"):
+        engine.optimizer.pipeline.close()
+    engine.destroy()
+    AcceleratorState._reset_state(True)  # the next run builds its own accelerate/DeepSpeed state
+    PartialState._reset_state()
+    GradientState._reset_state()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--output_dir", required=True)
+    ap.add_argument(
+        "--configs", required=True, help='JSON file: {"trainer": {name: config}, "accelerate": {...}}'
+    )
+    ap.add_argument("--samples", type=int, default=88)
+    ap.add_argument("--epochs", type=int, default=2)
+    ap.add_argument("--gradient_accumulation_steps", type=int, default=4)
+    ap.add_argument(
+        "--fp16", action="store_true", help="TrainingArguments(fp16=True) / mixed_precision='fp16'"
+    )
+    ap.add_argument("--local_rank", type=int, default=-1)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    cpu_accelerate_shim.apply()  # CPU-only test machines; a no-op on GPU
+    with open(args.configs) as f:
+        configs = json.load(f)
+    results = {f"trainer_{name}": train(name, cfg, args) for name, cfg in configs["trainer"].items()}
+    results.update(
+        {f"accelerate_{name}": accelerate_loop(cfg, args) for name, cfg in configs["accelerate"].items()}
+    )
+    if torch.distributed.get_rank() == 0:
+        torch.save(results, os.path.join(args.output_dir, "result.pt"))
+
+
+if __name__ == "__main__":
+    main()
