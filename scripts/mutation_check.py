@@ -393,6 +393,15 @@ MUTANTS = [
         "  const float sum = to_f32(buf[i]) + to_f32(grad[i]);\n",
         ("tests/ops/test_fold_quantize.py",),
     ),
+    Mutant(
+        "M45",
+        "every parameter group stepped with the first group's AdamW settings (per-group lr, betas and weight "
+        "decay ignored: the HF Trainer's no-decay group decayed)",
+        "acco_ds/deepspeed/optimizer.py",
+        "        return [AdamWSettings.from_param_group(g) for g in self.optimizer.param_groups]\n",
+        "        return [AdamWSettings.from_param_group(self.optimizer.param_groups[0]) for g in self.optimizer.param_groups]\n",
+        ("tests/deepspeed/test_param_group_settings.py::test_sync_steps_each_group_with_its_settings",),
+    ),
 ]
 
 
