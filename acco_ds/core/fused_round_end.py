@@ -37,6 +37,7 @@ import torch
 
 from acco_ds.core.buffers import GroupBuffers
 from acco_ds.core.compressed_comm import Compression
+from acco_ds.core.loss_scale import express_residual
 from acco_ds.core.schedule import RoundEnd
 from acco_ds.ops.fold_quantize import FoldTarget, covered_blocks, quantize_listed_blocks
 from acco_ds.ops.quantize import num_blocks
@@ -122,7 +123,10 @@ class FusedRoundEnd:
         releases: Sequence[ResidualRelease] | None,
         job_finished: Callable[[], bool],
         timeout_s: float,
+        loss_scale: tuple | None = None,
     ):
+        """``loss_scale`` (fp16): ``(residual_scales, round_scale)``, the scale each group's residual is in and the
+        round's (fp64 [1] tensors): a residual is re-expressed in the round's scale before its first fold."""
         self.plan = plan
         self.groups = list(groups)
         self.owners = list(owners)
@@ -131,6 +135,7 @@ class FusedRoundEnd:
         self.releases = releases
         self.job_finished = job_finished
         self.timeout_s = timeout_s
+        self.loss_scale = loss_scale
         self.folded = [[False] * len(b.params) for b in self.groups]
         self.targets: List[FoldTarget | None] = [None] * len(self.groups)
 
@@ -146,6 +151,9 @@ class FusedRoundEnd:
         if target is None:
             if self.releases is not None and self.residuals[group] is not None:
                 self.releases[group].wait(self.job_finished, self.timeout_s)
+            if self.loss_scale is not None and self.residuals[group] is not None:
+                residual_scales, round_scale = self.loss_scale
+                express_residual(self.residuals[group], residual_scales[group], round_scale)
             b, own = self.groups[group], self.owners[group]
             dev = b.master.device
             rows = (

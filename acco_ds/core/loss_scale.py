@@ -89,6 +89,16 @@ def ready_scale(spec: LossScaleSpec, state: torch.Tensor) -> torch.Tensor:
     return updated_state(spec, state, good, ~good)[SCALE].reshape(1)
 
 
+def express_residual(residual: torch.Tensor, residual_scale: torch.Tensor, scale: torch.Tensor) -> None:
+    """Compressed rounds' error-feedback residual (scaled like the gradients it was withheld from) re-expressed in
+    ``scale`` (fp64 [1], the scale of the round about to add it), in place; ``residual_scale`` (fp64 [1], the scale
+    it was in) becomes ``scale``. Scales are powers of two (times the initial one), so the rescale is exact unless a
+    value leaves the dtype's range. Runs on whichever side holds the residual (the job, or a fused round end after
+    the residual's release): a device multiply, no host read."""
+    residual.mul_(scale / residual_scale)
+    residual_scale.copy_(scale)
+
+
 class LossScaleError(RuntimeError):
     """The gradients overflowed with the loss scale at its minimum (DeepSpeed stops the run there too)."""
 

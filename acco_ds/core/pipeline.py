@@ -145,6 +145,9 @@ def check_dtypes(
 class ACCOPipeline:
     """See the module docstring. ``hypers`` returns the current AdamW settings per group."""
 
+    boundary_pending = False
+    """sync: the engine's boundary has passed and the step's job waits for :meth:`end_step` (``_defer_boundary``)."""
+
     def __init__(
         self,
         groups_params: Sequence[List[torch.nn.Parameter]],
@@ -223,6 +226,13 @@ class ACCOPipeline:
             if comp.compresses_gradients and comp.error_feedback
             else None
             for b in self.groups
+        ]
+        # fp16: the loss scale each residual is expressed in (core.loss_scale.express_residual)
+        self.residual_scales: List[torch.Tensor | None] = [
+            None
+            if r is None or self.scaler is None
+            else torch.full((1,), float(self.scaler.spec.init_scale), dtype=torch.float64, device=self.device)
+            for r in self.residuals
         ]
         self.executor = make_executor(self.device, cfg.comm_timeout_s, dp_group)
         self.control_group = make_control_group(dp_group, cfg.comm_timeout_s)
@@ -309,6 +319,9 @@ class ACCOPipeline:
                 "backward failed or on_micro_batch_end was not called): the round's gradients are partly quantized "
                 "and cannot be recovered. Restart from a checkpoint."
             )
+        # a backward after the boundary's with no engine.step() between: the pending step ends first
+        if self.boundary_pending:
+            self.end_step()
         if self.mode == "sync" and self.counter.count > 0 and self._grads_cleared():
             for b in self.groups:
                 b.acc_flat.zero_()
@@ -353,6 +366,7 @@ class ACCOPipeline:
             self._in_flight_releases if ticket is not None else None,
             (lambda: self.executor.done(ticket)) if ticket is not None else (lambda: True),
             self.cfg.comm_timeout_s,
+            None if self.scaler is None else (self.residual_scales, self.scaler.job_scale()[0:1]),
         )
         self._fused.begin()
 
@@ -384,10 +398,12 @@ class ACCOPipeline:
         self.stats.micro_batches_local += 1
         if hold:
             return
+        declared = boundary is not None  # the engine's word: its optimizer step follows (end_step)
         if boundary is None:
             boundary = self.step_count >= self.gas
         if boundary and self._boundary_ends_rounds():
-            self._end_step_round()
+            if not (declared and self._defer_boundary()):
+                self._end_step_round()
             return
         if boundary:
             self.step_count = 0
@@ -410,8 +426,28 @@ class ACCOPipeline:
         return not self.adaptive
 
     def _end_step_round(self) -> None:
+        self.boundary_pending = False
         self.end_round(schedule.plan_boundary(self.mode, self.phase_round))
         self.step_count = 0
+
+    def _defer_boundary(self) -> bool:
+        """sync, at a boundary the caller declared (the engine's): leave the step's round open
+        (``boundary_pending``) and launch its job at :meth:`end_step`, the engine's optimizer step, where ZeRO-1
+        steps: in between, the round's buffer holds the step's gradient for DeepSpeed's gradient accessors
+        (``acco_ds.deepspeed.accessors``). The same job on the same buffer, launched later: the trajectory does not
+        change. Not where this backward quantized the round's gradients (a fused round end: that round ends now).
+        Returns whether the round end was deferred."""
+        if self.mode != "sync" or self._fused is not None:
+            return False
+        self.boundary_pending = True
+        return True
+
+    def close_step(self) -> None:
+        """The engine's accumulation ends with no further micro-batch (the flush of a coalesced reduction): a
+        boundary, deferred in sync as at a marked backward (``_defer_boundary``), else :meth:`end_step`."""
+        if self.step_count and self._boundary_ends_rounds() and self._defer_boundary():
+            return
+        self.end_step()
 
     def _may_end(self) -> bool:
         """Whether the current round ends now, before the engine's boundary (``schedule.ends_by_count``:
@@ -565,10 +601,23 @@ class ACCOPipeline:
         scale after the step's own update, as ZeRO-1 does (``loss_scale.ready_scale``)."""
         if self.scaler is None:
             return {}
-        args = {"loss_scale": self.scaler.job_scale()}
+        args = {"loss_scale": self.scaler.job_scale(), "residual_scales": self.residual_scales}
         if self.mode == "sync" and plan.job is Job.COMMIT:
             args["unscale_by"] = ready_scale(self.scaler.spec, self.scaler.state)
+        args["predivide"] = self._predivides(plan.job)
+        if plan.job is Job.COMMIT and self.mode == "acco":
+            w = float(self.world_size)
+            # the kept g~ in this commit's units: predivided by W exactly where the commit's gradients are
+            args["tilde_factor"] = (w if self._predivides(Job.PEEK) else 1.0) / (
+                w if args["predivide"] else 1.0
+            )
         return args
+
+    def _predivides(self, job: Job) -> bool:
+        """fp16 rounds whose gradients are reduced uncompressed divide them by W first, as ZeRO-1
+        (``run_round_job(predivide=)``); compressed ones sum dequantized fp32 values, which do not overflow."""
+        comp = self.compression[job]
+        return self.scaler is not None and self.world_size > 1 and (comp is None or not comp.gradients)
 
     def _begin_round_scale(self) -> None:
         """The round starting now computes under the scaler's current scale, except acco's rounds of g (odd phase):
@@ -684,6 +733,8 @@ class ACCOPipeline:
     def finish(self) -> None:
         """End of training (collective): finish the job in flight and load the committed
         parameters into the model. Gradients of rounds that no commit will use are discarded."""
+        if self.boundary_pending:  # the boundary has passed: its step is committed, as with engine.step()
+            self.end_step()
         if self.adaptive:
             self._agree_on_round_count()
         if self.in_flight is not None:
@@ -798,6 +849,7 @@ class ACCOPipeline:
         self._begin_round_scale()
         self.counter.reset()
         self.step_count = 0
+        self.boundary_pending = False
         self.tilde_count[0] = torch.zeros(1, dtype=torch.float64, device=self.device)
         self.applied_dev[0] = torch.full(
             (1,), float(self.state_step), dtype=torch.float64, device=self.device

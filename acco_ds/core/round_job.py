@@ -35,6 +35,7 @@ from acco_ds.core.compressed_comm import (
     exchange_quantized_difference,
     exchange_quantized_gradients,
 )
+from acco_ds.core.loss_scale import express_residual
 from acco_ds.core.phase_clock import PhaseClock
 from acco_ds.core.schedule import Job
 from acco_ds.ops.adamw import adamw_step
@@ -194,6 +195,9 @@ def run_round_job(
     releases: Sequence[Any] | None = None,
     loss_scale: torch.Tensor | None = None,
     unscale_by: torch.Tensor | None = None,
+    residual_scales: Sequence[torch.Tensor | None] | None = None,
+    predivide: bool = False,
+    tilde_factor: float = 1.0,
 ) -> RoundResult:
     """One round's communication. ``roles[i]`` is group i's ``(grad buffer, param target)`` index pair
     from ``GroupBuffers.start_job``.
@@ -219,7 +223,19 @@ def run_round_job(
     what every replica holds; ``ops.adamw_difference`` then ``compressed_comm.exchange_quantized_difference``).
     ``prequantized[i]``: group i's ``(q, scales)`` rows when the round end already quantized its gradients
     (``core.fused_round_end``; the job owns them and leaves the residual alone). ``releases[i]`` (a
-    ``fused_round_end.ResidualRelease``) is released once this job no longer touches group i's residual."""
+    ``fused_round_end.ResidualRelease``) is released once this job no longer touches group i's residual.
+
+    ``loss_scale`` (fp16, ``core.loss_scale``): fp64 [2] on the device, the scale the round's gradients were computed
+    under and its epoch; the reported norm is divided by that scale, the step's gradient by ``unscale_by`` (fp64 [1];
+    default: the same scale; sync passes ZeRO-1's, the scale after this step's update) times the clip coefficient,
+    computed from the norm divided by ``unscale_by`` as ``DeepSpeedZeroOptimizer.unscale_and_clip_grads`` does. A
+    non-finite norm (an fp16 overflow on any rank) skips the job, as any non-finite gradient. With error feedback,
+    ``residual_scales[i]`` (fp64 [1]) is the scale group i's residual is in: the job re-expresses it in its own scale
+    before adding it (``loss_scale.express_residual``). ``predivide`` (fp16, uncompressed gradients): the buffer is
+    divided by the world size before its reduce-scatter, in its dtype, as ZeRO-1 does (``DeepSpeedZeroOptimizer.
+    average_tensor``), so that the sum over the ranks overflows where ZeRO-1's does; the average then multiplies by
+    the world size back. A COMMIT multiplies the kept g~ by ``tilde_factor`` first (the peek's predivision over
+    this commit's: 1/W or W where one of the two rounds is compressed and the other is not)."""
     dev = groups[0].master.device
     clock = PhaseClock(dev)
     traffic = Traffic()
@@ -238,6 +254,9 @@ def run_round_job(
     shards: List[Any] = [None] * len(groups)  # each group's QuantizedShard, where unsummed
     for i, (b, (g, _)) in enumerate(zip(groups, roles)):
         release = releases[i].release if releases is not None else None
+        touches_residual = residuals is not None and residuals[i] is not None and prequantized is None
+        if loss_scale is not None and touches_residual and residual_scales is not None:
+            express_residual(residuals[i], residual_scales[i], loss_scale[0:1])
         if compression is None or not compression.gradients:
             if job is Job.COMMIT and residuals is not None and residuals[i] is not None:
                 # an uncompressed commit sends what the compressed peeks withheld: the committed gradient is
@@ -246,6 +265,8 @@ def run_round_job(
                 residuals[i].zero_()
             if release is not None:
                 release()
+            if predivide:
+                b.grad_bufs[g].div_(dist.get_world_size(group))
             reduce_scatter_inplace(b.grad_bufs[g], group, traffic)
         else:
             args = (
@@ -278,6 +299,9 @@ def run_round_job(
 
     keeps_tilde = job is Job.PEEK and groups[0].tilde is not None
     adds_tilde = job is Job.COMMIT and groups[0].tilde is not None
+    if adds_tilde and tilde_factor != 1.0:
+        for b in groups:
+            b.tilde.mul_(tilde_factor)
     # unsummed, the norm's pass writes the g~ a peek keeps and the step adds the one a commit uses
     if keeps_tilde:
         if not unsummed:
@@ -293,7 +317,9 @@ def run_round_job(
     # a round no rank put a micro-batch in (a drain can end one, see ACCOPipeline._agree_on_round_count)
     # has nothing to average: it is a no-op, not a non-finite skip
     empty = count <= 0
-    avg_scale64 = torch.where(empty, torch.zeros_like(count), gas / count.clamp(min=1.0))
+    avg_scale64 = torch.where(
+        empty, torch.zeros_like(count), (gas * (world if predivide else 1)) / count.clamp(min=1.0)
+    )
     if loss_scale is not None:
         avg_scale64 = avg_scale64 / loss_scale[0:1]
     # the step's factor: sync unscales by the scale after its update, as ZeRO-1 (core.loss_scale.ready_scale)

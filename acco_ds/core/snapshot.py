@@ -153,7 +153,7 @@ def capture(pipeline) -> Dict[str, Any]:
             "result": _result_to_plain(res),
         }
     groups = []
-    for b, residual in zip(pipeline.groups, pipeline.residuals):
+    for b, residual, rscale in zip(pipeline.groups, pipeline.residuals, pipeline.residual_scales):
         job_flat = b.job_param_flat()
         groups.append(
             {
@@ -165,6 +165,7 @@ def capture(pipeline) -> Dict[str, Any]:
                 "tilde": None if b.tilde is None else _cpu(b.tilde),
                 "acc_grads": _cpu(b.acc_flat) if pipeline.counter.count > 0 else None,
                 "residual": None if residual is None else _cpu(residual),
+                "residual_scale": None if rscale is None else _cpu(rscale),
             }
         )
     snap["groups"] = groups
@@ -246,6 +247,9 @@ def restore(pipeline, snap: Dict[str, Any]) -> None:
         if g["acc_grads"] is not None:
             b.acc_flat.copy_(g["acc_grads"])
     _restore_residuals(pipeline, [g.get("residual") for g in snap["groups"]])
+    for rscale, g in zip(pipeline.residual_scales, snap["groups"]):
+        if rscale is not None and g.get("residual_scale") is not None:
+            rscale.copy_(g["residual_scale"])
     for name in _SCALARS:
         setattr(pipeline, name, snap[name])
     pipeline.counter.count = int(snap["counter_count"])

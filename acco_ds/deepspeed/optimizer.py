@@ -14,7 +14,8 @@ What the engine calls and what happens:
   ``coalesce_grad_reduction()``: no round ends, nothing is communicated); a round may end here
   (``core.pipeline``). With fixed accumulation the step's COMMIT is launched only at a micro-batch the
   engine marks as the boundary, however many micro-batches the step took (a data loader's shorter last
-  accumulation is a step); in sync it is also waited for there, as ZeRO-1 reduces at that backward.
+  accumulation is a step); in sync it is launched and waited for at ``step()``, where ZeRO-1 steps, so that
+  DeepSpeed's gradient accessors read and edit the step's gradient in between (``accessors``).
 - ``step()`` at each accumulation boundary: ends the step if its last backward was not marked as the
   boundary (``managed_gradient_accumulation=false``, a boundary set only before ``step()``, the flush of
   a coalesced reduction), then bookkeeping; the engine steps its LR scheduler right after, which the
@@ -47,7 +48,7 @@ from deepspeed.runtime.utils import is_model_parallel_parameter
 from acco_ds.config import ACCOConfig, ACCOConfigError
 from acco_ds.core.pipeline import ACCOPipeline
 from acco_ds.deepspeed import checkpoint
-from acco_ds.deepspeed.accessors import link_accessors
+from acco_ds.deepspeed.accessors import hide_step_gradients, link_accessors
 from acco_ds.deepspeed.evaluation import EvaluationView
 from acco_ds.deepspeed.monitor import ACCOMonitor
 from acco_ds.deepspeed.param_groups import ParamGroupHolder
@@ -96,7 +97,9 @@ class ShardState(dict):
     Reading a key first waits for the round in flight on this rank (fixed accumulation; with adaptive
     accumulation only when that round is done: a peer may not have launched it yet) and counts a finished
     commit not yet swapped in, so the moments and the step agree: the committed state after the last
-    finished commit. Pickles as a plain dict of the current values."""
+    finished commit. ``current()``: the plain dict of the current values, each read as ``state[key]`` reads it.
+    A ShardState pickles as that dict, and torch's pytree (``tree_map``, ``tree_flatten``) flattens it as that
+    dict: unregistered, a dict subclass is one opaque leaf there, which ``tree_map`` returns unmapped."""
 
     def __init__(self, pipeline, buffers):
         super().__init__(step=pipeline.step_tensor, exp_avg=buffers.exp_avg, exp_avg_sq=buffers.exp_avg_sq)
@@ -115,8 +118,23 @@ class ShardState(dict):
             value.fill_(float(pipeline.state_step + pending_applied_commits(pipeline)))
         return value
 
+    def current(self) -> dict:
+        return {key: self[key] for key in dict.keys(self)}
+
     def __reduce__(self):
-        return dict, (dict(self),)
+        return dict, (self.current(),)
+
+
+torch.utils._pytree.register_pytree_node(
+    ShardState,
+    lambda state: (list(state.current().values()), list(dict.keys(state))),
+    lambda values, keys: dict(zip(keys, values)),
+    serialized_type_name=f"{__name__}.ShardState",
+    flatten_with_keys_fn=lambda state: (
+        [(torch.utils._pytree.MappingKey(k), v) for k, v in state.current().items()],
+        list(dict.keys(state)),
+    ),
+)
 
 
 class ACCOZeroOptimizer(ZeROOptimizer):
@@ -227,10 +245,12 @@ class ACCOZeroOptimizer(ZeROOptimizer):
         if engine is None:
             self.pipeline.on_micro_batch_end()
             return
+        rounds = self.pipeline.stats.rounds
         self.pipeline.on_micro_batch_end(
             boundary=bool(engine.is_gradient_accumulation_boundary()),
             hold=bool(getattr(engine, "inside_no_sync_ctxt", False)),
         )
+        hide_step_gradients(self, rounds)  # DeepSpeed's gradient accessors then ask accessors.py
 
     # the engine's coalesce_grad_reduction() flush (DeepSpeedEngine._flush_coalesced_reduction_zero12) calls
     # these three: the gradients are already in ACCO's buffer, and the flush is the step's boundary
@@ -243,7 +263,9 @@ class ACCOZeroOptimizer(ZeROOptimizer):
 
     def overlapping_partition_gradients_reduce_epilogue(self) -> None:
         """The end of a coalesced reduction: the step's accumulation ends here, as at a marked boundary."""
-        self.pipeline.end_step()
+        rounds = self.pipeline.stats.rounds
+        self.pipeline.close_step()
+        hide_step_gradients(self, rounds)
 
     def step(self, closure=None):
         if closure is not None:
@@ -257,7 +279,9 @@ class ACCOZeroOptimizer(ZeROOptimizer):
                 "was changed. Allowed: at least one engine.backward(loss) before each optimizer step; set "
                 "engine.set_gradient_accumulation_boundary(True) only for the last backward of a step."
             )
+        rounds = self.pipeline.stats.rounds
         self.pipeline.end_step()
+        hide_step_gradients(self, rounds)
         self._since_step = 0
         self.overflow = self._take_unreported_skip()
         self.pipeline.on_engine_step(lr_stepped=not self.overflow)

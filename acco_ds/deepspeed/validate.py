@@ -76,7 +76,8 @@ def check_engine_config(engine, client_optimizer, cfg: ACCOConfig) -> None:
     size that does
     not divide the world or comes without a group, MoE, gradient_clipping,
     communication_data_type, fp16 autocast, ZenFlow, gradient_accumulation_steps for the mode and
-    max_micro_batches_per_round against a round's share."""
+    max_micro_batches_per_round against a round's share, bf16.check_grad_overflow
+    (``check_grad_overflow_setting``)."""
     if client_optimizer is not None:
         raise ACCOConfigError(
             f'optimizer.type="ACCO" builds its own optimizer, but deepspeed.initialize was also given a client '
@@ -172,4 +173,18 @@ def check_engine_config(engine, client_optimizer, cfg: ACCOConfig) -> None:
             f"{share} micro-batches (gradient_accumulation_steps={gas}"
             f"{' / 2' if cfg.mode == 'acco' else ''}), so a cap below that is never reached. Allowed: null or "
             f"an integer >= {share}."
+        )
+    check_grad_overflow_setting(engine)
+
+
+def check_grad_overflow_setting(engine) -> None:
+    """``bf16.check_grad_overflow``: ACCO skips a step whose global gradient norm is not finite, on every rank (the
+    state and weights unchanged, the engine counting it in ``skipped_steps``), which is what ZeRO-1 does with
+    ``true`` (DeepSpeed's default) and with fp32. With ``false`` ZeRO-1 steps with the non-finite gradient and
+    the NaN reaches the weights; ACCO has no such mode, so that value is refused, by name."""
+    if engine.bfloat16_enabled() and not engine._config.bfloat16_config.check_grad_overflow:
+        raise ACCOConfigError(
+            "bf16.check_grad_overflow=false: ACCO always skips an optimizer step whose gradient holds a NaN or an "
+            "Inf, on every rank (DeepSpeed's ZeRO-1 would apply it and the NaN would reach the weights). Allowed: "
+            "bf16.check_grad_overflow=true (DeepSpeed's default), or leave the key out."
         )

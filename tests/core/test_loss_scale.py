@@ -44,7 +44,8 @@ def flag(v: bool) -> torch.Tensor:
 )
 @pytest.mark.parametrize("seed", range(4))
 def test_rule_is_deepspeeds(spec, seed, monkeypatch):
-    monkeypatch.setattr(loss_scaler.dist, "get_rank", lambda: 0)  # DeepSpeed's scaler asks for the rank to log
+    # DeepSpeed's scaler asks for the rank to log
+    monkeypatch.setattr(loss_scaler.dist, "get_rank", lambda: 0)
     rng = random.Random(seed)
     theirs = DynamicLossScaler(
         init_scale=spec.init_scale,

@@ -24,6 +24,15 @@ P2P = compressed_comm.point_to_point
 UNSTORED_SUM_MAX_WORLD = round_job.UNSTORED_SUM_MAX_WORLD
 
 
+def optimizer_states(engine, params, key: str) -> torch.Tensor:
+    """``safe_get_full_optimizer_state`` of every parameter, flat; zeros while DeepSpeed's ZeRO-1 has no Adam state
+    (every step so far skipped for an fp16 overflow: its accessor then fails on the missing state). The same
+    decision on every rank (the skips are), so the collectives stay matched."""
+    if not hasattr(engine.optimizer, "pipeline") and not engine.optimizer.optimizer.state:
+        return torch.zeros(sum(p.numel() for p in params))
+    return toy.flat(safe_get_full_optimizer_state(p, key) for p in params).cpu()
+
+
 def run_scenario(sc: dict, rank: int) -> dict:
     cfg = sc["config"]
     gas = cfg["gradient_accumulation_steps"]
@@ -48,7 +57,7 @@ def run_scenario(sc: dict, rank: int) -> dict:
             engine.step()
         traj.append(toy.flat(safe_get_full_fp32_param(p) for p in params).cpu())
         for key, per_step in moments.items():
-            per_step.append(toy.flat(safe_get_full_optimizer_state(p, key) for p in params).cpu())
+            per_step.append(optimizer_states(engine, params, key))
         norm = engine.get_global_grad_norm()
         norms.append(None if norm is None else float(norm))
         scales.append(float(engine.optimizer.cur_scale))
