@@ -32,6 +32,7 @@ import torch
 from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state  # noqa: E402
 
 import acco_ds  # noqa: E402,F401
+from acco_ds.deepspeed.cpu_fp16 import allow_fp16_on_cpu
 from tests.ranks import rank_start, toy  # noqa: E402
 
 
@@ -116,6 +117,8 @@ def refused_step(engine, params) -> dict:
 def run_scenario(sc: dict, rank: int) -> dict:
     model = toy.build()
     cfg = sc["config"]
+    if cfg.get("fp16", {}).get("enabled"):
+        allow_fp16_on_cpu()
     engine, _, _, _ = deepspeed.initialize(model=model, config=cfg, model_parameters=model.parameters())
     params = toy.trainable(engine.module)
     mode = cfg["optimizer"].get("params", {}).get("mode", "zero1")
