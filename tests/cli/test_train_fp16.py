@@ -1,7 +1,7 @@
 """acco-train --dtype fp16: the options and configs (DeepSpeed's dynamic loss scaling for every contender), the
 records and reports that carry the loss scale and the skipped steps, and one short real run of acco and zero1 on 2
-CPU ranks (fp16 allowed on the CPU accelerator in the ranks) that starts at a loss scale too high for fp16, so both
-skip steps while the scale comes down, and still train."""
+CPU ranks (fp16 allowed on the CPU accelerator in the ranks) that starts at a loss scale too high for fp16, so
+they skip steps while the scale comes down, and still train; sync beside them takes ZeRO-1's decisions."""
 
 from __future__ import annotations
 
@@ -127,11 +127,12 @@ INITIAL_SCALE_POWER = (
 
 @pytest.mark.launcher
 def test_acco_train_fp16_run_skips_overflowing_steps_and_trains(tmp_path):
-    """A real 2-rank fp16 run of acco and zero1 (DeepSpeed's ZeRO-1 fp16), starting at loss scale 2^20: both skip
-    the steps whose gradients overflow (hysteresis 2: the first overflow keeps the scale, each one after halves
-    it), report them and the final scale per run and per step, and train (the loss falls)."""
+    """A real 2-rank fp16 run of acco, sync and zero1 (DeepSpeed's ZeRO-1 fp16), starting at loss scale 2^20: each
+    skips the steps whose gradients overflow (hysteresis 2: the first overflow keeps the scale, each one after
+    halves it), reports them and the final scale per run and per step, and trains (the loss falls); sync takes
+    ZeRO-1's decisions step for step, with its losses within fp16 rounding."""
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "acco_ds.train", "--mode", "acco", "zero1", "--dtype", "fp16"]
+    cmd = [sys.executable, "-m", "acco_ds.train", "--mode", "acco", "sync", "zero1", "--dtype", "fp16"]
     cmd += [
         "--initial-scale-power",
         str(INITIAL_SCALE_POWER),
@@ -164,7 +165,7 @@ def test_acco_train_fp16_run_skips_overflowing_steps_and_trains(tmp_path):
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     header = next(line for line in proc.stdout.splitlines() if line.strip().startswith("mode"))
     assert header.split()[-3:] == ["skipped", "loss", "scale"]
-    for mode in ("acco", "zero1"):
+    for mode in ("acco", "sync", "zero1"):
         s = summary["runs"][mode]
         mine = [x for x in lines if x["mode"] == mode]
         assert s["fp16"] and s["fp16_allowed_on_cpu"] and s["steps"] == 24
@@ -181,3 +182,8 @@ def test_acco_train_fp16_run_skips_overflowing_steps_and_trains(tmp_path):
         assert scales == sorted(scales, reverse=True) and scales[0] >= scale
         assert mine[-1]["loss"] < mine[0]["loss"] - 0.5, (mode, mine[0]["loss"], mine[-1]["loss"])
         assert s["val_loss"] < math.log(256) - 0.5, (mode, s["val_loss"])
+    sync, zero1 = ([x for x in lines if x["mode"] == m] for m in ("sync", "zero1"))
+    for key in ("skipped_steps", "loss_scale"):
+        assert [x[key] for x in sync] == [x[key] for x in zero1], key
+    gaps = [abs(a["loss"] - b["loss"]) / b["loss"] for a, b in zip(sync, zero1)]
+    assert max(gaps) <= 2e-3, gaps  # two fp16 rounding steps of the loss
