@@ -11,7 +11,7 @@ checkpoint folder when there is one, at the world size of this start, and saving
 steps. When a node is lost, the ranks that are left fail their round (a lost peer), exit, and the agents
 restart them at the new world size: the restarted ranks resume from the last save. Rank 0 appends one line
 per completed start to the run folder's ``starts.jsonl`` (world size, resume step, first step's time, val
-loss, save times, checkpoint bytes) and warns when torchrun shares its rendezvous store with the workers
+loss, the engine's skipped steps and the loss scale (fp16; None otherwise), save times, checkpoint bytes) and warns when torchrun shares its rendezvous store with the workers
 (``SHARED_STORE_WARNING``). Returns 0.
 """
 
@@ -63,6 +63,8 @@ def run_rank(a) -> int:
                         "resumed_at_step": summary["resumed_at_step"],
                         "steps": summary["steps"],
                         "val_loss": summary["val_loss"],
+                        "skipped_steps": summary["skipped_steps"],
+                        "loss_scale": summary["loss_scale"],
                         "save_s": summary["save_s"],
                         "checkpoint_bytes": summary["checkpoint_bytes"],
                         "first_step_unix": summary["first_step_unix"],

@@ -7,8 +7,9 @@ every rank (``acco_ds.cli.in_launcher``), which is how an elastic agent restarts
   resumes at step 6 (ACCO re-shards the committed state), trains steps 7-10 only, and saves 8 and 10.
 - Under torchrun (2 ranks, then a restart with 1): the second start resumes from the first one's last save,
   the run folder's ``starts.jsonl`` records both starts.
+- fp16: a run resumed at another world size goes on from the saved loss scale and skipped-step count.
 - A folder holding a checkpoint acco-train did not write is refused, naming the folder.
-Tiny model, 2 CPU ranks, fp32."""
+Tiny model, 2 CPU ranks, fp32 (fp16 where said)."""
 
 from __future__ import annotations
 
@@ -99,7 +100,27 @@ def test_torchrun_restart_resumes_from_the_last_save(tmp_path):
     ok(train(tmp_path, *args, "--steps", "6", torchrun_world=1))
     starts = [json.loads(x) for x in (out / "runs" / "acco" / "starts.jsonl").read_text().splitlines()]
     assert [(s["world"], s["resumed_at_step"], s["steps"]) for s in starts] == [(2, 0, 4), (1, 4, 6)]
+    assert [(s["skipped_steps"], s["loss_scale"]) for s in starts] == [(0, None), (0, None)]  # fp32: no scale
     assert saved_tags(out / "checkpoints")[-1] == "step6"
+
+
+def test_fp16_resume_keeps_the_loss_scale_and_the_skipped_steps(tmp_path):
+    """--dtype fp16 from scale 2^20: the first run skips its overflowing steps and saves at step 4; the run resumed
+    from that save at another world size starts from the saved scale and count (not from 2^20 and 0 again)."""
+    ckpt = tmp_path / "ckpt"
+    common = ["--mode", "acco", "--dtype", "fp16", "--initial-scale-power", "20", "--save-every", "4"]
+    common += ["--checkpoint-dir", ckpt]
+    ok(train(tmp_path, *common, "--steps", "4", "--world-size", "2", "--out", tmp_path / "first"))
+    first = rank0(tmp_path / "first")
+    assert first["fp16"] and first["saves"] == [4] and first["skipped_steps"] >= 1, first
+    assert first["loss_scale"] < 2**20
+    ok(train(tmp_path, *common, "--steps", "8", "--world-size", "1", "--out", tmp_path / "second"))
+    second = rank0(tmp_path / "second")
+    assert second["resumed_at_step"] == 4 and second["steps"] == 8
+    records = step_records(tmp_path / "second")
+    assert records[0]["step"] == 5 and records[0]["skipped_steps"] >= first["skipped_steps"], records[0]
+    assert records[0]["loss_scale"] <= first["loss_scale"], (records[0], first["loss_scale"])
+    assert second["skipped_steps"] >= first["skipped_steps"] and second["loss_scale"] <= first["loss_scale"]
 
 
 def test_a_folder_with_someone_elses_checkpoint_is_refused(tmp_path):
