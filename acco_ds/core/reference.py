@@ -271,7 +271,7 @@ def reference_run(
     ``step_sizes`` it is not supported.
 
     ``loss_scale``: fp16's loss scaler (docs/ALGORITHM.md, "fp16: loss scaling"; :class:`RefLossScaler`, DeepSpeed's
-    rule in plain Python). ``grad_fn`` then returns the unscaled gradients (a non-finite one where an overflow is
+    rule in plain Python), with or without ``compression``. ``grad_fn`` then returns the unscaled gradients (a non-finite one where an overflow is
     planted); ``hypers(a)`` is called with ``a``, the commits APPLIED before this one (a skipped commit does not
     advance the LR schedule); the run records the scale after every commit and which commits were skipped.
     """
@@ -280,10 +280,8 @@ def reference_run(
     adam = _Adam(theta0, clip, initial_state)
     k, W = micro_batches_per_round, world_size
     next_mb = [first_micro_batch] * W
-    if loss_scale is not None:
-        if step_sizes is not None or compression is not None:
-            raise ValueError("reference_run: loss_scale with step_sizes or compression is not supported")
-        return _reference_scaled(mode, adam, k, W, steps, hypers, compute_dtype, grad_fn, next_mb, loss_scale)
+    if loss_scale is not None and step_sizes is not None:
+        raise ValueError("reference_run: loss_scale with step_sizes is not supported")
     if step_sizes is not None:
         return _reference_sized(mode, adam, k, W, list(step_sizes), hypers, compute_dtype, grad_fn, next_mb)
 
@@ -307,6 +305,8 @@ def reference_run(
         """Where the workers compute after a round that sent ``new`` (the replicas; ``_Exchange.publish``)."""
         return new if exchange is None else exchange.publish(new, compute_dtype)
 
+    if loss_scale is not None:
+        return _reference_scaled(mode, adam, steps, hypers, accumulate, publish, loss_scale)
     avg = _avg
     out = RefRun()
     at_theta = publish(adam.theta())
@@ -379,18 +379,16 @@ class RefLossScaler:
         return after.scale
 
 
-def _reference_scaled(mode, adam, k, W, steps, hypers, compute_dtype, grad_fn, next_mb, spec) -> RefRun:
+def _reference_scaled(mode, adam, steps, hypers, accumulate, publish, spec) -> RefRun:
     """``reference_run`` with fp16's loss scaler. The scaler is updated once per commit, in commit order, by the
     commits computed under the scale in force (same epoch) when their outcome is known. Commit c's rounds ran
     under ``states[c]`` in sync (the scaler after commits < c: sync waits for each commit) and ``states[c - 1]``
     in dpu and acco (the commit before is still in flight when its rounds start; acco's two rounds of one step
     share the scale of its first). sync unscales a good step by the scale after its own update, as ZeRO-1 does:
     the step's gradient is the average times ``scale / grown`` (1/2 where the step grows the scale), its clip
-    coefficient from that gradient's norm, its reported norm the average's."""
-
-    def accumulate(at, count):
-        return _accumulate(at, count, W, compute_dtype, grad_fn, next_mb)
-
+    coefficient from that gradient's norm, its reported norm the average's. ``accumulate(at, kind)`` and ``publish``
+    are :func:`reference_run`'s (compressed rounds included: quantization is equivariant under a power-of-two scale,
+    so the scaled rounds quantize as the unscaled ones)."""
     out = RefRun()
     states = [RefLossScaler(spec)]  # states[c]: the scaler after the outcomes of commits < c
     applied = 0
@@ -411,24 +409,27 @@ def _reference_scaled(mode, adam, k, W, steps, hypers, compute_dtype, grad_fn, n
         out.scales.append(new.scale)
         out.skipped.append(not ok)
 
+    at_theta = publish(adam.theta())
     if mode == "sync":
         for t in range(steps):
-            g, n = accumulate(adam.theta(), k)
+            g, n = accumulate(at_theta)
             commit(t, g, n)
+            at_theta = publish(adam.theta())
     elif mode == "dpu":
-        history = [adam.theta()]
+        history = [at_theta]
         for r in range(steps):
-            g, n = accumulate(history[max(r - 1, 0)], k)
+            g, n = accumulate(history[max(r - 1, 0)])
             commit(r, g, n)
-            history.append(adam.theta())
+            history.append(publish(adam.theta()))
     else:
-        g_tilde, n_tilde = accumulate(adam.theta(), k)
+        g_tilde, n_tilde = accumulate(at_theta, "peek")
         for t in range(steps):
-            g, n = accumulate(adam.theta(), k)
-            estimate = adam.peek(_avg(g_tilde, n_tilde), hypers(applied))
+            g, n = accumulate(at_theta)
+            estimate = publish(adam.peek(_avg(g_tilde, n_tilde), hypers(applied)))
             commit(t, [a + b for a, b in zip(g, g_tilde)], n + n_tilde)
+            at_theta = publish(adam.theta())
             if t + 1 < steps:
-                g_tilde, n_tilde = accumulate(estimate, k)
+                g_tilde, n_tilde = accumulate(estimate, "peek")
     return out
 
 

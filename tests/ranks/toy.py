@@ -71,3 +71,27 @@ def make_grad_fn(dtype: torch.dtype):
         return [flat(p.grad if p.grad is not None else torch.zeros_like(p) for p in params)]
 
     return grad_fn
+
+
+# -- a linear loss for exact comparisons: loss = <w, c>, so a micro-batch's gradient is c, whatever w is ----------
+LINEAR_DIM = 77  # divisible by neither 2 nor 3
+
+
+class Linear(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(LINEAR_DIM))
+
+    def forward(self, c):
+        return (self.w * c.to(self.w.dtype)).sum()
+
+
+def linear_input(rank: int, index: int) -> torch.Tensor:
+    """Multiples of 1/16 in [-4, 4]: exact in fp16 and bf16, and times any power-of-two loss scale in range."""
+    g = torch.Generator().manual_seed(1_000_003 * rank + 7 * index + 11)
+    return torch.randint(-64, 65, (LINEAR_DIM,), generator=g).float() / 16
+
+
+def linear_grad_fn(views, rank, index):
+    """grad_fn for acco_ds.core.reference: the linear loss's gradient, ``linear_input``."""
+    return [linear_input(rank, index)]

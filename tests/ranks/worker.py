@@ -40,7 +40,8 @@ def run_scenario(sc: dict, rank: int) -> dict:
         allow_fp16_on_cpu()
     # "poison": [rank, micro-batch index] pairs whose loss is multiplied by inf (a planted fp16 overflow)
     poison = {tuple(p) for p in sc.get("poison", [])}
-    model = toy.build()
+    linear = sc.get("model") == "linear"  # toy.Linear: a micro-batch's gradient is toy.linear_input
+    model = toy.Linear() if linear else toy.build()
     engine, _, _, _ = deepspeed.initialize(model=model, config=cfg, model_parameters=model.parameters())
     params = toy.trainable(engine.module)
     lrs, traj, norms, at_boundary, residuals, committed = [], [], [], [], [], []
@@ -49,8 +50,11 @@ def run_scenario(sc: dict, rank: int) -> dict:
     for step in range(sc["steps"]):
         lrs.append(float(engine.get_lr()[0]))
         for j in range(gas):
-            x, y = toy.micro_batch(rank, step * gas + j)
-            loss = engine(x.to(engine.device), y.to(engine.device))
+            if linear:
+                loss = engine(toy.linear_input(rank, step * gas + j).to(engine.device))
+            else:
+                x, y = toy.micro_batch(rank, step * gas + j)
+                loss = engine(x.to(engine.device), y.to(engine.device))
             if (rank, step * gas + j) in poison:
                 loss = loss * float("inf")
             engine.backward(loss)
