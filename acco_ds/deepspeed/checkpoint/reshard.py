@@ -300,8 +300,9 @@ class UniversalFolder:
     def acco_snapshots(self) -> None:
         return None  # a universal checkpoint keeps no in-flight state
 
-    def loss_scaler(self) -> None:
-        return None  # DeepSpeed's universal format keeps no loss scaler: ZeRO-1 starts its scale over too
+    def loss_scaler(self):
+        """The saving run's loss scaler object (``zero/optimizer_state.pt`` keeps rank 0's global state), or None."""
+        return self._globals.get(LOSS_SCALER) if isinstance(self._globals, dict) else None
 
     def param_groups(self) -> List[dict] | None:
         return self._globals.get(PARAM_GROUPS) if isinstance(self._globals, dict) else None
