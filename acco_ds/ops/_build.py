@@ -26,6 +26,7 @@ fails inside the communication job).
 from __future__ import annotations
 
 import importlib
+import logging
 import os
 import threading
 from typing import Dict, Tuple
@@ -40,7 +41,7 @@ _ALIASES = {"cpu": "adamw_cpu", "cuda": "adamw_cuda"}
 _lock = threading.Lock()
 _cache: Dict[str, Tuple[object | None, str]] = {}
 
-ABI_VERSION = 7
+ABI_VERSION = 8
 """The argument layout the Python fronts use (csrc/common/bindings.h's kAbiVersion must match)."""
 
 DISABLE_ENV = "ACCO_DS_DISABLE_EXT"
@@ -147,14 +148,53 @@ def triton_available() -> bool:
     return True
 
 
+TRITON_MIN_CAPABILITY = (7, 0)
+"""The lowest CUDA compute capability the Triton kernels run on (V100, sm_70): tests/build/test_cuda_compile.py
+compiles them for it and for sm_75 (T4). Triton lists 8.0+ as supported; the kernels use no tensor-core op (the part
+Triton dropped below sm_80) and no bf16 arithmetic (bf16 and fp16 are converted with integer operations). Below it,
+the ops take their torch form."""
+
+_logged_capabilities: set = set()
+_capability_logger = logging.getLogger("acco_ds.ops")
+
+
+def cuda_capability(device) -> Tuple[int, int]:
+    """``torch.cuda.get_device_capability(device)`` (tests mock it)."""
+    import torch
+
+    return tuple(torch.cuda.get_device_capability(device))
+
+
+def triton_obstacle(device) -> str:
+    """Why the Triton kernels cannot run on the CUDA ``device``; "" when they can. A compute capability below
+    :data:`TRITON_MIN_CAPABILITY` is logged once per process and capability (a warning naming the torch form)."""
+    if not triton_available():
+        return "triton is not installed"
+    cap = cuda_capability(device)
+    if cap >= TRITON_MIN_CAPABILITY:
+        return ""
+    low = "sm_{}{}".format(*TRITON_MIN_CAPABILITY)
+    why = f"compute capability {cap[0]}.{cap[1]} is below {low}, the lowest the Triton kernels target"
+    if cap not in _logged_capabilities:
+        _logged_capabilities.add(cap)
+        _capability_logger.warning(
+            "acco_ds: %s (%s); the accumulate, quantize, norm and fused kernels take their torch form on it",
+            why,
+            device,
+        )
+    return why
+
+
 def default_backend(what: str, device, cpu_kind: str, logger) -> str:
     """The backend an op picks by default on ``device``: on CPU the compiled ``cpu_kind`` module ("cpp") where it
-    loads, on CUDA "triton" where triton imports, else "ref"; the choice is logged once per (op, device type) on
-    ``logger`` (a warning when a kernel is missing)."""
+    loads, on CUDA "triton" where triton imports and the device's compute capability is at least
+    :data:`TRITON_MIN_CAPABILITY` (:func:`triton_obstacle`), else "ref"; the choice is logged once per (op, device
+    type) on ``logger`` (a warning when a kernel is missing)."""
     if device.type == "cpu":
         chosen, why = ("cpp", "") if available(cpu_kind) else ("ref", why_missing(cpu_kind))
     elif device.type == "cuda":
-        chosen, why = ("triton", "") if triton_available() else ("ref", "triton is not installed")
+        why = triton_obstacle(device)
+        chosen = "ref" if why else "triton"
     else:
         chosen, why = "ref", f"no kernel for device type {device.type}"
     if (what, device.type, chosen) not in _logged_choices:

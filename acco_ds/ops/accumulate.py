@@ -5,8 +5,8 @@ Semantics (every backend, the ``*_ref`` functions define them)::
     buffer[off:off+numel] = cast(float(buffer[off:off+numel]) + float(grad.flatten()) * scale)
 
 computed in fp32 (the product rounded, then the sum rounded), cast to the buffer's dtype with
-round-to-nearest-even (torch's rule). ``buffer`` is a contiguous 1-D fp32 or bf16 tensor; every gradient is a
-contiguous fp32 or bf16 tensor on the buffer's device; ``None`` gradients are zero and skipped.
+round-to-nearest-even (torch's rule). ``buffer`` is a contiguous 1-D fp32, bf16 or fp16 tensor; every gradient is a
+contiguous fp32, bf16 or fp16 tensor on the buffer's device; ``None`` gradients are zero and skipped.
 
 Backends (``backend=``):
 
@@ -42,11 +42,12 @@ from typing import List, Sequence
 import torch
 
 from acco_ds.ops import _build
+from acco_ds.ops._dtypes import ALLOWED, DTYPE_CODE, FLOATS
 
 logger = logging.getLogger(__name__)
 
-_FLOATS = (torch.float32, torch.bfloat16)
-_DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1}
+_FLOATS = FLOATS
+_DTYPE_CODE = DTYPE_CODE
 _BACKENDS = (None, "auto", "ref", "cpp", "triton")
 
 
@@ -54,7 +55,7 @@ def _check(fn: str, arg: str, t, device: torch.device | None) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{fn}: {arg} must be a torch.Tensor, got {type(t).__name__}.")
     if t.dtype not in _FLOATS:
-        raise TypeError(f"{fn}: {arg} has dtype {t.dtype}; allowed: torch.float32 or torch.bfloat16.")
+        raise TypeError(f"{fn}: {arg} has dtype {t.dtype}; allowed: {ALLOWED}.")
     if device is not None and t.device != device:
         raise ValueError(f"{fn}: {arg} is on {t.device} but buffer is on {device}; use one device.")
     if not t.is_contiguous():
@@ -133,7 +134,7 @@ def accumulate_grads(
 ) -> None:
     """``buffer[off:off+numel] += grad.flatten().float() * scale`` (cast to buffer dtype) for every grad.
 
-    ``grads``: fp32/bf16 contiguous tensors of any shape, or None (skipped); ``offsets[i]``: element offset of
+    ``grads``: fp32/bf16/fp16 contiguous tensors of any shape, or None (skipped); ``offsets[i]``: element offset of
     ``grads[i]`` in ``buffer``. Regions must not overlap. See the module docstring for backends and streams.
     """
     live = _validate_grads("accumulate_grads", buffer, grads, offsets)
@@ -185,7 +186,7 @@ def copy_flat_ref(dst, src, scale: float = 1.0) -> None:
 
 
 def copy_flat(dst, src, scale: float = 1.0, *, backend=None) -> None:
-    """``dst = cast(src.float() * scale)``: same numel, both contiguous fp32/bf16, one pass.
+    """``dst = cast(src.float() * scale)``: same numel, both contiguous fp32/bf16/fp16, one pass.
 
     With ``scale == 1`` and no backend named this is ``dst.copy_(src)`` (torch's cast is round-to-nearest-even,
     one pass on every device); otherwise the cast-and-scale kernel of the chosen backend runs (Triton on CUDA,
@@ -307,7 +308,7 @@ def _clear_table_cache() -> None:
 
 def _aligned(buffer: torch.Tensor, grad: torch.Tensor, offset: int) -> bool:
     """The vectorised kernel's precondition for one tensor: 16-byte aligned addresses (buffer and gradient) and
-    a buffer offset that is a multiple of 8 elements (16 bytes for bf16, 32 for fp32)."""
+    a buffer offset that is a multiple of 8 elements (16 bytes for bf16 and fp16, 32 for fp32)."""
     return buffer.data_ptr() % 16 == 0 and grad.data_ptr() % 16 == 0 and offset % 8 == 0
 
 
@@ -345,8 +346,8 @@ def _triton_launch(
             float(scale),
             CHUNK=_CHUNK,
             BLOCK=_BLOCK,
-            G_BF16=dtype == torch.bfloat16,
-            B_BF16=buffer.dtype == torch.bfloat16,
+            G_DT=_DTYPE_CODE[dtype],
+            B_DT=_DTYPE_CODE[buffer.dtype],
             ACC=accumulate,
             ALIGNED=aligned,
             enable_fp_fusion=False,  # x + g*scale rounded twice, as the reference (no FMA): the same bits

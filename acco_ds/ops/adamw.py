@@ -3,9 +3,9 @@
 Contract (both :func:`adamw_step` and :func:`adamw_step_ref`):
 
 - ``master``, ``exp_avg``, ``exp_avg_sq``: fp32, contiguous, 1-D, the same numel ``n``, one device.
-- ``grad``: fp32 or bf16, contiguous, numel ``n`` (any shape), same device. Read only.
-- ``out``: ``None`` or a contiguous bf16/fp32 tensor of numel ``n`` (typically a slice of the all-gather
-  buffer); receives the updated parameter cast to its dtype (round-to-nearest-even for bf16). ``out`` may be
+- ``grad``: fp32, bf16 or fp16, contiguous, numel ``n`` (any shape), same device. Read only.
+- ``out``: ``None`` or a contiguous fp32/bf16/fp16 tensor of numel ``n`` (typically a slice of the all-gather
+  buffer); receives the updated parameter cast to its dtype (round-to-nearest-even for bf16 and fp16). ``out`` may be
   ``grad`` itself (the same memory, dtype and numel: every element's gradient is read before its output is
   written, which is how ACCO's job updates its buffer in place); any other overlap is rejected.
 - ``g = grad.float() * (grad_scale * scale_tensor[0])``; ``scale_tensor`` is a 1-element fp32 tensor on the
@@ -46,14 +46,18 @@ from typing import NamedTuple
 import torch
 
 from acco_ds.ops import _build
+from acco_ds.ops._dtypes import DTYPE_CODE, FLOATS
 from acco_ds.ops.adamw_settings import KERNEL_FIELDS, SETTING_FIELDS, AdamWSettings, check_finite_nonneg
 
 logger = logging.getLogger(__name__)
 
 _FP32 = torch.float32
-_BF16 = torch.bfloat16
-_DTYPE_CODE = {_FP32: 0, _BF16: 1}
+_DTYPE_CODE = DTYPE_CODE
 _logged_backends: set = set()
+NO_KERNEL_IMAGE = "cudaErrorNoKernelImageForDevice"
+"""The CUDA error of a launch on a GPU the module was not compiled for (e.g. a V100 and a CUDA 13 build, which
+cannot target sm_70)."""
+_no_kernel_image: set = set()  # the devices where that happened: the torch form runs there from then on
 
 
 def _name(t: torch.Tensor) -> str:
@@ -68,7 +72,7 @@ def _check_tensor(arg: str, t, dtypes, n: int | None, device: torch.device | Non
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"adamw_step: {arg} must be a torch.Tensor, got {type(t).__name__}.")
     if t.dtype not in dtypes:
-        allowed = " or ".join(str(d) for d in dtypes)
+        allowed = " or ".join(filter(None, (", ".join(str(d) for d in dtypes[:-1]), str(dtypes[-1]))))
         raise TypeError(f"adamw_step: {arg} has dtype {t.dtype}; allowed: {allowed}.")
     if device is not None and t.device != device:
         raise ValueError(
@@ -148,9 +152,9 @@ def _validate(a: _Step) -> None:
         raise ValueError(f"adamw_step: master is on {dev}; supported devices: cpu, cuda.")
     _check_tensor("exp_avg", a.exp_avg, (_FP32,), n, dev)
     _check_tensor("exp_avg_sq", a.exp_avg_sq, (_FP32,), n, dev)
-    _check_tensor("grad", a.grad, (_FP32, _BF16), n, dev)
+    _check_tensor("grad", a.grad, FLOATS, n, dev)
     if a.out is not None:
-        _check_tensor("out", a.out, (_FP32, _BF16), n, dev)
+        _check_tensor("out", a.out, FLOATS, n, dev)
     elif not a.commit:
         raise ValueError(
             "adamw_step: commit=False (peek) writes only `out`, so out must be a tensor, got None."
@@ -344,6 +348,29 @@ def _log_backend_once(device_type: str, backend: str, why: str = "") -> None:
         logger.info("acco_ds adamw_step on %s: using %s", device_type, backend)
 
 
+def _launch_or_torch(device: torch.device, launch, a: _Step) -> None:
+    """``launch()`` (the CUDA extension's call for ``a``); where the module holds no kernel for ``device``'s
+    architecture (the launch refused with :data:`NO_KERNEL_IMAGE`: nothing ran) the torch form instead, then and
+    on every later call on ``device``, with a warning once per device."""
+    if device in _no_kernel_image:
+        _adamw_torch(a)
+        return
+    try:
+        launch()
+    except RuntimeError as e:
+        if NO_KERNEL_IMAGE not in str(e):
+            raise
+        _no_kernel_image.add(device)
+        msg = (
+            f"acco_ds adamw_step on {device}: the CUDA extension holds no kernel for this GPU's architecture "
+            f"({e}); its AdamW takes the torch form there. Build the extension for this GPU: ACCO_DS_CUDA_ARCHS=<sm> "
+            "`python setup.py build_ext --inplace` (a V100, sm_70, needs a CUDA 12 nvcc: CUDA 13 dropped it)."
+        )
+        logger.warning(msg)
+        warnings.warn(msg, RuntimeWarning, stacklevel=3)
+        _adamw_torch(a)
+
+
 def adamw_step_ref(master, exp_avg, exp_avg_sq, grad, out=None, **keywords) -> None:
     """Pure-torch AdamW step with this module's contract: the test oracle.
 
@@ -357,8 +384,8 @@ def adamw_step(master, exp_avg, exp_avg_sq, grad, out=None, **keywords) -> None:
     """One fused AdamW step on flat shards (see the module docstring for the full contract).
 
     Dispatch: the CUDA extension for CUDA tensors, the CPU extension (OpenMP, ``torch.get_num_threads()``
-    threads) for CPU tensors, :func:`adamw_step_ref` when the extension is missing; the choice is logged once
-    per device type. Arguments are validated before any launch (TypeError/ValueError naming the argument).
+    threads) for CPU tensors, :func:`adamw_step_ref` when the extension is missing or (CUDA) holds no kernel for
+    the GPU's architecture (:func:`_launch_or_torch`); the choice is logged once per device type. Arguments are validated before any launch (TypeError/ValueError naming the argument).
     """
     a = _bind("adamw_step", master, exp_avg, exp_avg_sq, grad, out, keywords)
     dev = master.device.type
@@ -372,8 +399,12 @@ def adamw_step(master, exp_avg, exp_avg_sq, grad, out=None, **keywords) -> None:
         return
     if dev == "cuda":
         _log_backend_once(dev, "the CUDA extension")
-        with torch.cuda.device(master.device):
-            ext.adamw_cuda(*_ext_args(a), torch.cuda.current_stream(master.device).cuda_stream)
+
+        def launch():
+            with torch.cuda.device(master.device):
+                ext.adamw_cuda(*_ext_args(a), torch.cuda.current_stream(master.device).cuda_stream)
+
+        _launch_or_torch(master.device, launch, a)
     else:
         _log_backend_once(dev, "the CPU extension")
         ext.adamw_cpu(*_ext_args(a), torch.get_num_threads())

@@ -8,7 +8,7 @@
     add_dequantized(out, base, q, scales, block_size)                      # what every replica will hold
 
 with ``base`` read before anything is written (the composition's ``base`` is a copy when it is ``out`` itself).
-Arguments: :func:`acco_ds.ops.adamw.adamw_step`'s (``out`` required: the new parameters' shard, fp32 or bf16);
+Arguments: :func:`acco_ds.ops.adamw.adamw_step`'s (``out`` required: the new parameters' shard, fp32, bf16 or fp16);
 ``base``: what every replica holds for this shard, ``out``'s dtype and length, contiguous, either ``out`` itself
 (the same elements) or overlapping none of the other tensors; ``block_size`` and ``bits`` as
 :func:`acco_ds.ops.quantize.quantize_difference`. Returns ``q`` (int8, out's length) and ``scales`` (fp32, one per
@@ -40,6 +40,7 @@ from typing import Tuple
 import torch
 
 from acco_ds.ops import _build
+from acco_ds.ops._dtypes import DTYPE_CODE
 from acco_ds.ops.adamw import _bind, _ext_args, _overlaps, _same, adamw_step, hyper_tensor
 from acco_ds.ops.quantize import (
     QMAX_OF,
@@ -132,7 +133,7 @@ def _launch_triton(a, base: torch.Tensor, block_size: int, bits: int) -> Tuple[t
         a.master if a.noop_flag is None else a.noop_flag,
         float(a.grad_scale), n, nb, block_size,
         QMAX=QMAX_OF[bits], TILE=_tile(block_size), ROWS=rows,
-        G_BF16=a.grad.dtype == torch.bfloat16, P_BF16=out.dtype == torch.bfloat16, COMMIT=bool(a.commit),
+        G_DT=DTYPE_CODE[a.grad.dtype], P_DT=DTYPE_CODE[out.dtype], COMMIT=bool(a.commit),
         HAS_GSCALE=a.scale_tensor is not None, HAS_NOOP=a.noop_flag is not None,
         enable_fp_fusion=False,
     )  # fmt: skip

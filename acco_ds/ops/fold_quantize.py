@@ -1,13 +1,13 @@
 """The round's last accumulation with its quantization, in one pass: the fused round end of a compressed round.
 
-The buffer is a round's flat gradient buffer (fp32 or bf16, 1-D, ``W * chunk`` elements), quantized as
+The buffer is a round's flat gradient buffer (fp32, bf16 or fp16, 1-D, ``W * chunk`` elements), quantized as
 ``acco_ds.core.compressed_comm`` does: blocks of ``block_size`` elements cut inside each rank's ``chunk``-sized
 slice, the last block of a chunk short. Block ``j`` of chunk ``c`` covers ``[c * chunk + j * block_size,
 c * chunk + min((j + 1) * block_size, chunk))``; its global index is ``c * nb + j`` with ``nb = num_blocks(chunk,
 block_size)``, which is also where its scale lies in the flat ``scales`` (``W * nb`` fp32) and ``q`` (int8, the
 buffer's length) is the int8 values at the buffer's own positions: the ``[W, chunk]`` rows the exchange sends.
 
-:func:`fold_quantize` takes ONE parameter's gradient of the round's last micro-batch (``grad``, fp32 or bf16,
+:func:`fold_quantize` takes ONE parameter's gradient of the round's last micro-batch (``grad``, fp32, bf16 or fp16,
 contiguous, landing at ``[offset, offset + numel)`` of the buffer). For every block that lies wholly inside that
 range it computes
 
@@ -56,6 +56,7 @@ from typing import List, Tuple
 import torch
 
 from acco_ds.ops import _build
+from acco_ds.ops._dtypes import ALLOWED, DTYPE_CODE, FLOATS
 from acco_ds.ops.quantize import (
     QMAX_OF,
     _check_bits,
@@ -68,8 +69,8 @@ from acco_ds.ops.quantize import (
 
 logger = logging.getLogger(__name__)
 
-_FLOATS = (torch.float32, torch.bfloat16)
-_DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1}
+_FLOATS = FLOATS
+_DTYPE_CODE = DTYPE_CODE
 _NO_RESIDUAL = -1
 _BACKENDS = (None, "auto", "ref", "cpp", "triton")
 
@@ -107,7 +108,7 @@ def _check_float(fn: str, name: str, t) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype not in _FLOATS:
-        raise TypeError(f"{fn}: {name} has dtype {t.dtype}; allowed: torch.float32 or torch.bfloat16")
+        raise TypeError(f"{fn}: {name} has dtype {t.dtype}; allowed: {ALLOWED}")
     if not t.is_contiguous():
         raise ValueError(f"{fn}: {name} must be contiguous (stride {t.stride()})")
 
@@ -170,7 +171,7 @@ def _spans(**tensors) -> list:
 
 
 def _check_grad(fn: str, grad, offset, buffer, spans: list) -> None:
-    """The gradient of a fold: fp32/bf16, contiguous, on the buffer's device, fitting at ``offset``, overlapping none
+    """The gradient of a fold: fp32/bf16/fp16, contiguous, on the buffer's device, fitting at ``offset``, overlapping none
     of ``spans`` (:func:`_spans` of the buffer and the rows). The common case costs a few attribute reads."""
     if not isinstance(grad, torch.Tensor) or grad.dtype not in _FLOATS or not grad.is_contiguous():
         _check_float(fn, "grad", grad)
@@ -333,7 +334,7 @@ class FoldTarget:
             self._head, self._tail = rows[:2], rows[2:]
 
     def fold(self, grad, offset: int) -> None:
-        """Fold ``grad`` (fp32/bf16, contiguous) landing at ``[offset, offset + numel)``: see the module docstring."""
+        """Fold ``grad`` (fp32/bf16/fp16, contiguous) landing at ``[offset, offset + numel)``: see the module docstring."""
         _check_grad("fold_quantize", grad, offset, self.buffer, self._spans)
         if grad.numel() == 0:
             return
@@ -383,7 +384,7 @@ def fold_quantize(
 ) -> None:
     """Fold one parameter's last gradient into the round's buffer and quantize the blocks it covers whole, in one
     pass (see the module docstring): ``grad`` lands at ``[offset, offset + numel)``; ``residual`` (the buffer's
-    length, fp32 or bf16) or None (no error feedback); ``q`` / ``scales`` the round's flat rows, written for the
+    length, fp32, bf16 or fp16) or None (no error feedback); ``q`` / ``scales`` the round's flat rows, written for the
     whole blocks only; the buffer written at the partly covered blocks only."""
     FoldTarget(buffer, chunk, residual, q, scales, block_size, bits, backend=backend).fold(grad, offset)
 

@@ -1,7 +1,7 @@
 """The gradient norm's accumulation: ``sum_of_squares(x)``, fp64 like DeepSpeed's ZeRO norm (``get_norm_dtype``).
 
-Contract (every backend): an fp64 tensor of shape [1] on x's device, the sum of the squares of ``x`` (fp32 or
-bf16, any shape, contiguous or not), each square exact in fp64 and the squares summed in fp64; no temporary of x's
+Contract (every backend): an fp64 tensor of shape [1] on x's device, the sum of the squares of ``x`` (fp32,
+bf16 or fp16, any shape, contiguous or not), each square exact in fp64 and the squares summed in fp64; no temporary of x's
 size; a non-finite value gives a non-finite sum; no host read of a device value (the round job enqueues it on the
 communication side's CUDA stream, the current stream at the call). Backends differ only in the order of the fp64
 additions (within about 1e-15 relative of each other).
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import torch
 
+from acco_ds.ops._dtypes import ALLOWED, DTYPE_CODE, FLOATS
 from acco_ds.ops.quantize import _triton_obstacle as _kernel_obstacle
 
 NORM_CHUNK = {"cpu": 1 << 18, "cuda": 1 << 22}
@@ -75,15 +76,15 @@ def _triton_sum_of_squares(flat: torch.Tensor) -> torch.Tensor:
     programs = -(-flat.numel() // PER_PROGRAM)
     partials = torch.empty(programs, dtype=torch.float64, device=flat.device)
     kernels.sum_of_squares_partials[(programs,)](
-        flat, partials, flat.numel(), PER_PROGRAM=PER_PROGRAM, TILE=_TILE, X_BF16=flat.dtype == torch.bfloat16
+        flat, partials, flat.numel(), PER_PROGRAM=PER_PROGRAM, TILE=_TILE, X_DT=DTYPE_CODE[flat.dtype]
     )
     return partials.sum().reshape(1)
 
 
 def sum_of_squares(x: torch.Tensor, *, backend: str | None = None) -> torch.Tensor:
     """fp64 [1] on x's device: the sum of the squares of ``x`` (module docstring: the contract, the backends)."""
-    if x.dtype not in (torch.float32, torch.bfloat16):
-        raise TypeError(f"sum_of_squares: x must be float32 or bfloat16, got {x.dtype}")
+    if x.dtype not in FLOATS:
+        raise TypeError(f"sum_of_squares: x must be {ALLOWED}, got {x.dtype}")
     how = _pick(x, backend)
     if how == "triton":
         return _triton_sum_of_squares(x.reshape(-1))

@@ -1,6 +1,6 @@
 """Blockwise int8 quantization of a flat gradient, with an optional error-feedback residual.
 
-A flat tensor ``x`` (fp32 or bf16, 1-D, any length n >= 0) is cut into blocks of ``block_size``
+A flat tensor ``x`` (fp32, bf16 or fp16, 1-D, any length n >= 0) is cut into blocks of ``block_size``
 consecutive elements; the last block is short when ``block_size`` does not divide n. Per block b:
 
     scale_b = absmax_b / 127, rounded UP to fp32 (so |x_i| / scale_b <= 127 holds exactly)
@@ -61,6 +61,7 @@ from typing import Tuple
 import torch
 
 from acco_ds.ops import _build
+from acco_ds.ops._dtypes import ALLOWED, DTYPE_CODE, FLOATS, store_as_kernels
 
 logger = logging.getLogger(__name__)
 
@@ -76,9 +77,9 @@ def _check_bits(bits) -> None:
         raise ValueError(f"bits must be 8 or 4, got {bits!r}")
 
 
-SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
+SUPPORTED_DTYPES = FLOATS
 
-_DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1}
+_DTYPE_CODE = DTYPE_CODE
 _NO_RESIDUAL = -1
 _BACKENDS = (None, "auto", "ref", "cpp", "triton")
 _logged: set = set()
@@ -99,7 +100,7 @@ def _check(x: torch.Tensor, block_size: int, name: str = "x") -> None:
     if x.dim() != 1:
         raise ValueError(f"{name} must be a flat (1-D) tensor, got shape {tuple(x.shape)}")
     if x.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"{name} must be float32 or bfloat16, got {x.dtype}")
+        raise TypeError(f"{name} must be {ALLOWED}, got {x.dtype}")
 
 
 def _check_residual(x: torch.Tensor, residual: torch.Tensor, block_size: int) -> None:
@@ -231,9 +232,7 @@ def dequantize_sum_ref(
     out: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, block_size: int, order=None
 ) -> None:
     """Pure-torch reference of :func:`dequantize_sum` (validates the same way): :func:`dequantize_ref` of the
-    first row, :func:`dequantize_add_ref` of each next one, then copied into ``out`` (torch's cast: round to
-    nearest even; a NaN stored in bf16 is made 0x7FC0, the kernels' rule, where torch's vectorised cast may give
-    other NaN bits)."""
+    first row, :func:`dequantize_add_ref` of each next one, then stored into ``out`` by :func:`store_sum`."""
     order = _check_sum(out, q, scales, block_size, order)
     total = dequantize_ref(q[order[0]], scales[order[0]], block_size)
     for r in order[1:]:
@@ -242,12 +241,10 @@ def dequantize_sum_ref(
 
 
 def store_sum(out: torch.Tensor, total: torch.Tensor) -> None:
-    """``out <- total`` (fp32) in out's dtype by the kernels' rule: round to nearest even, a NaN in bf16 0x7FC0
-    (what :func:`dequantize_sum` stores; for a sum built by :func:`dequantize_add` as chunks arrive)."""
-    out.copy_(total)
-    if out.dtype == torch.bfloat16:  # torch.where, not a boolean index: no host sync on CUDA
-        raw = out.view(torch.int16)
-        raw.copy_(torch.where(total.isnan(), 0x7FC0, raw))
+    """``out <- total`` (fp32) in out's dtype by the kernels' rule (acco_ds.ops._dtypes.store_as_kernels: round to
+    nearest even; a NaN in bf16 0x7FC0, in fp16 a quiet NaN with its sign and payload's top bits): what
+    :func:`dequantize_sum` stores; for a sum built by :func:`dequantize_add` as chunks arrive. No host sync."""
+    store_as_kernels(out, total)
 
 
 def _check_difference(new: torch.Tensor, base: torch.Tensor, block_size: int) -> None:
@@ -351,7 +348,11 @@ def _triton_obstacle(tensors: dict) -> str:
             "CPU tensors need TRITON_INTERPRET=1 in the environment before triton is first imported (the Triton "
             "interpreter)"
         )
-    if not _triton_available():
+    if device.type == "cuda":
+        why = _build.triton_obstacle(device)
+        if why:
+            return why
+    elif not _triton_available():
         return "triton is not installed"
     return _layout_obstacle(tensors)
 
@@ -526,9 +527,9 @@ def _quantize_triton(
         flags = dict(
             QMAX=QMAX_OF[bits],
             TILE=_tile(block_size),
-            X_BF16=x.dtype == torch.bfloat16,
+            X_DT=_DTYPE_CODE[x.dtype],
             HAS_RES=residual is not None,
-            RES_BF16=second is not None and second.dtype == torch.bfloat16,
+            RES_DT=_DTYPE_CODE[x.dtype if second is None else second.dtype],
             SUB=base is not None,
             enable_fp_fusion=False,  # v - q * scale rounded twice, as the reference (no FMA): the same bits
         )
@@ -561,7 +562,7 @@ def _dequantize_triton(out: torch.Tensor, q: torch.Tensor, scales: torch.Tensor,
             TILE=tile,
             ROWS=rows,
             ADD=add,
-            BF16=False,
+            DT=0,
             enable_fp_fusion=False,
         )
     else:
@@ -600,7 +601,7 @@ def _dequantize_sum_triton(
         len(order),
         TILE=_tile(block_size),
         ROWS=rows,
-        OUT_BF16=out.dtype == torch.bfloat16,
+        OUT_DT=_DTYPE_CODE[out.dtype],
         enable_fp_fusion=False,
     )
 
@@ -613,7 +614,7 @@ def quantize(
     backend: str | None = None,
     out: Tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Quantize the flat fp32/bf16 tensor ``x``: returns ``(q, scales)``, q int8 of x's length (values in
+    """Quantize the flat fp32/bf16/fp16 tensor ``x``: returns ``(q, scales)``, q int8 of x's length (values in
     [-qmax, qmax] of ``bits``: 8 or 4), scales fp32 of ``num_blocks(len(x), block_size)``, both new tensors on
     x's device (see the module docstring), or ``out``'s (a (q, scales) pair of those dtypes and lengths, e.g.
     rows of a wider buffer, written in place)."""
@@ -672,7 +673,7 @@ def dequantize_sum(
     """The owner's sum of the ranks' quantized chunks, in one pass over them: ``out = sum over r in order of
     q[r] * scales[r]`` (per block), in fp32 (the first row's products, then each next row's added: every product
     and every sum rounded to fp32, exactly :func:`dequantize` then :func:`dequantize_add` row by row), stored in
-    ``out``'s dtype (fp32, or bf16 rounded to nearest even, every NaN 0x7FC0). ``q`` int8 ``[rows, n]``, ``scales``
+    ``out``'s dtype (fp32, or bf16 / fp16 rounded to nearest even, NaNs by :func:`store_sum`'s rule). ``q`` int8 ``[rows, n]``, ``scales``
     fp32 ``[rows, num_blocks(n)]``, ``out`` flat of n on their device, not overlapping them; ``order``: distinct
     row indices (default every row, 0 first). It reads each quantized value once and writes ``out`` once, where
     the unfused path writes and re-reads an fp32 total per row. Triton runs blocks of at most 1024 in one kernel,
@@ -699,8 +700,8 @@ def dequantize_sum(
 def quantize_difference(
     new: torch.Tensor, base: torch.Tensor, block_size: int, *, bits: int = 8, backend: str | None = None
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """A parameter difference in one pass: ``(q, scales)`` of ``v = new - base`` (both flat, one dtype, fp32 or
-    bf16; the difference in fp32, one rounding), as :func:`quantize` of that difference would give, without
+    """A parameter difference in one pass: ``(q, scales)`` of ``v = new - base`` (both flat, one dtype, fp32,
+    bf16 or fp16; the difference in fp32, one rounding), as :func:`quantize` of that difference would give, without
     materialising it. ``base`` is only read and must not overlap ``new``."""
     _check_difference(new, base, block_size)
     _check_bits(bits)
@@ -722,7 +723,7 @@ def add_dequantized(
     backend: str | None = None,
 ) -> None:
     """A parameter difference applied in one pass: ``out = base + dequantize(q, scales)`` in fp32 (the product,
-    then the sum, one rounding each), stored in base's dtype (fp32, or bf16 by :func:`store_sum`'s rule). ``out``
+    then the sum, one rounding each), stored in base's dtype (fp32, or bf16 / fp16 by :func:`store_sum`'s rule). ``out``
     and ``base``: flat, q's length, one dtype; ``out`` may be ``base`` itself (in place) but overlap nothing else."""
     _check_add(out, base, q, scales, block_size)
     tensors = (
@@ -768,7 +769,7 @@ def add_dequantized(
         TILE=_tile(block_size),
         ROWS=rows,
         ADD=True,
-        BF16=out.dtype == torch.bfloat16,
+        DT=_DTYPE_CODE[out.dtype],
         enable_fp_fusion=False,
     )
 
@@ -784,7 +785,7 @@ def quantize_with_residual(
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Error feedback: quantize ``v = x + residual`` (fp32 arithmetic) and set ``residual`` to ``v -
     dequantize(q, scales)`` in place (rounded to residual's dtype); a block with a non-finite ``v`` gets
-    scale NaN and its residual zeroed. ``residual``: same length and device as x, fp32 or bf16, not
+    scale NaN and its residual zeroed. ``residual``: same length and device as x, fp32, bf16 or fp16, not
     aliasing x (an overlap takes the torch reference). Returns ``(q, scales)`` as :func:`quantize` (``out``
     likewise)."""
     _check_residual(x, residual, block_size)

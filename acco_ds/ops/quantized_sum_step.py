@@ -7,7 +7,7 @@ element::
     s[i] = cast_dtype(sum over r in order of q[r, i] * scales[r, i // block_size])  # fp32, rows in order
     s[i] = cast_dtype(float(s[i]) + float(tilde[i]))                               # only when tilde is given
 
-(``dtype``: the communication dtype, fp32 or bf16; the second line is the acco commit's ``grad += tilde``, the
+(``dtype``: the communication dtype, fp32, bf16 or fp16; the second line is the acco commit's ``grad += tilde``, the
 g~ sum its peek kept). Two passes replace "sum, store, norm, step":
 
 - ``quantized_sum_of_squares(q, scales, block_size, order, dtype, *, tilde=None, tilde_out=None)``: fp64 [1],
@@ -57,6 +57,7 @@ from typing import Tuple
 import torch
 
 from acco_ds.ops import _build
+from acco_ds.ops._dtypes import ALLOWED, FLOATS
 from acco_ds.ops.adamw import _bind, _ext_args, _overlaps, adamw_step, hyper_tensor
 from acco_ds.ops.adamw_difference import _check_base, adamw_step_difference
 from acco_ds.ops.norm import sum_of_squares
@@ -75,7 +76,7 @@ from acco_ds.ops.quantize import (
 from acco_ds.ops.quantize import _triton_obstacle as _quantize_triton_obstacle
 
 _BACKENDS = (None, "auto", "fused", "triton", "composed")
-_SUM_DTYPES = (torch.float32, torch.bfloat16)
+_SUM_DTYPES = FLOATS
 
 
 def _check_shard(who: str, name: str, t, n: int, dtype: torch.dtype, device: torch.device) -> None:
@@ -91,7 +92,7 @@ def _check_shard(who: str, name: str, t, n: int, dtype: torch.dtype, device: tor
 def _check_sum_args(who: str, q, scales, block_size: int, order, dtype, shards: dict, others: dict) -> list:
     """Validate the quantized rows, the sum's dtype and the flat shards beside them; returns the order."""
     if dtype not in _SUM_DTYPES:
-        raise TypeError(f"{who}: dtype (the sum's) must be torch.float32 or torch.bfloat16, got {dtype!r}.")
+        raise TypeError(f"{who}: dtype (the sum's) must be {ALLOWED}, got {dtype!r}.")
     if not isinstance(q, torch.Tensor) or not isinstance(scales, torch.Tensor):
         raise TypeError(f"{who}: q and scales must be tensors.")
     order = _check_rows(q, scales, block_size, order)
@@ -208,7 +209,7 @@ def quantized_sum_of_squares(
         q, scales, _order_on(order, q.device),
         q if tilde is None else tilde, q if tilde_out is None else tilde_out, partials,
         n, nb, block_size, len(order),
-        TILE=_tile(block_size), ROWS=rows, S_BF16=dtype == torch.bfloat16,
+        TILE=_tile(block_size), ROWS=rows, S_DT=_DTYPE_CODE[dtype],
         HAS_TILDE=tilde is not None, HAS_TILDE_OUT=tilde_out is not None,
         enable_fp_fusion=False,
     )  # fmt: skip
@@ -302,7 +303,7 @@ def _launch_triton(a, q, scales, block_size, order, dtype, tilde, base, dq, dsca
         a.master if a.noop_flag is None else a.noop_flag,
         float(a.grad_scale), n, nb, block_size, len(order),
         QMAX=QMAX_OF[bits], TILE=_tile(block_size), ROWS=rows,
-        S_BF16=dtype == torch.bfloat16, P_BF16=out.dtype == torch.bfloat16, COMMIT=bool(a.commit),
+        S_DT=_DTYPE_CODE[dtype], P_DT=_DTYPE_CODE[out.dtype], COMMIT=bool(a.commit),
         HAS_GSCALE=a.scale_tensor is not None, HAS_NOOP=a.noop_flag is not None,
         HAS_TILDE=tilde is not None, DIFF=diff,
         enable_fp_fusion=False,

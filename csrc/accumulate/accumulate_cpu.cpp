@@ -3,7 +3,7 @@
 //
 // buffer[off_i : off_i + numel_i] = cast(float(buffer) + float(grad_i) * scale) for every i (accumulate), or
 // buffer = cast(float(grad) * scale) (copy): the fp32 product rounded, then the sum rounded, cast with
-// csrc/common/bf16.h's rule. The tensors are cut in chunks of kChunk elements, run over OpenMP threads (at most
+// csrc/common/bf16.h's rule (bf16 or fp16). The tensors are cut in chunks of kChunk elements, run over OpenMP threads (at most
 // `num_threads`, fewer for small inputs); each chunk's loop is compiled once per instruction-set variant
 // (csrc/common/cpu.h) with -ffp-contract=off, so every variant gives the same bits.
 #include "accumulate/accumulate_cpu.h"
@@ -61,9 +61,11 @@ AccRange pick_acc3() {
 
 template <bool ACC>
 AccRange pick_acc(int buf_dtype, int grad_dtype) {
-  if (buf_dtype == kBF16)
-    return grad_dtype == kBF16 ? pick_acc3<uint16_t, uint16_t, ACC>() : pick_acc3<uint16_t, float, ACC>();
-  return grad_dtype == kBF16 ? pick_acc3<float, uint16_t, ACC>() : pick_acc3<float, float, ACC>();
+  return with_elem(buf_dtype, [&](auto b) {
+    return with_elem(grad_dtype, [&](auto g) {
+      return pick_acc3<typename decltype(b)::type, typename decltype(g)::type, ACC>();
+    });
+  });
 }
 
 }  // namespace

@@ -70,9 +70,10 @@ AdamWRange pick_cast() {
 template <typename G>
 AdamWRange pick_adamw_out(int out_dtype, bool commit) {
   if (out_dtype < 0) return commit ? pick_adamw<G, float, true, false>() : nullptr;
-  if (out_dtype == kBF16)
-    return commit ? pick_adamw<G, uint16_t, true, true>() : pick_adamw<G, uint16_t, false, true>();
-  return commit ? pick_adamw<G, float, true, true>() : pick_adamw<G, float, false, true>();
+  return with_elem(out_dtype, [&](auto o) {
+    using O = typename decltype(o)::type;
+    return commit ? pick_adamw<G, O, true, true>() : pick_adamw<G, O, false, true>();
+  });
 }
 
 // Runs f(begin, end) over [0, n) on at most num_threads OpenMP threads, in contiguous slices of whole tiles.
@@ -103,9 +104,9 @@ void adamw_cpu(const AdamWKernelArgs& args, int g_dtype, int out_dtype, bool com
   AdamWRange fn;
   if (noop) {
     if (out_dtype < 0) return;
-    fn = out_dtype == kBF16 ? pick_cast<uint16_t>() : pick_cast<float>();
+    fn = with_elem(out_dtype, [](auto o) { return pick_cast<typename decltype(o)::type>(); });
   } else {
-    fn = g_dtype == kBF16 ? pick_adamw_out<uint16_t>(out_dtype, commit) : pick_adamw_out<float>(out_dtype, commit);
+    fn = with_elem(g_dtype, [&](auto g) { return pick_adamw_out<typename decltype(g)::type>(out_dtype, commit); });
   }
   if (fn == nullptr) return;  // peek without out: nothing to write (the Python front forbids it)
   const bool stream_out = out_dtype >= 0 && a.n * elem_size(out_dtype) >= kStreamOutBytes;

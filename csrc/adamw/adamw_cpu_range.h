@@ -41,7 +41,7 @@ inline void stream_fence() {
 }
 
 // The loop is split in tiles so that the compiler vectorises the fp32 math at the full vector width: a
-// bf16 <-> fp32 conversion inside the math loop makes GCC pick half-width vectors for everything.
+// 16-bit <-> fp32 conversion inside the math loop makes GCC pick half-width vectors for everything.
 template <typename G, typename O, bool COMMIT, bool HAS_OUT>
 inline __attribute__((always_inline)) void adamw_range_impl(const AdamWKernelArgs& a, float s, int64_t b,
                                                               int64_t e, bool stream_out) {

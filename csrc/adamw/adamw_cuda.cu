@@ -29,10 +29,7 @@ void launch_commit(const AdamWKernelArgs& a, bool commit, cudaStream_t stream) {
 
 template <typename G>
 void launch_out(const AdamWKernelArgs& a, int out_dtype, bool commit, cudaStream_t stream) {
-  if (out_dtype == kBF16)
-    launch_commit<G, uint16_t>(a, commit, stream);
-  else
-    launch_commit<G, float>(a, commit, stream);
+  with_elem(out_dtype, [&](auto o) { launch_commit<G, typename decltype(o)::type>(a, commit, stream); });
 }
 
 }  // namespace
@@ -41,10 +38,7 @@ int adamw_cuda(const AdamWKernelArgs& a, int g_dtype, int out_dtype, bool commit
   cudaGetLastError();  // clear a stale error so the one returned belongs to this launch
   if (a.n <= 0) return 0;
   cudaStream_t s = static_cast<cudaStream_t>(stream);
-  if (g_dtype == kBF16)
-    launch_out<uint16_t>(a, out_dtype, commit, s);
-  else
-    launch_out<float>(a, out_dtype, commit, s);
+  with_elem(g_dtype, [&](auto g) { launch_out<typename decltype(g)::type>(a, out_dtype, commit, s); });
   return static_cast<int>(cudaGetLastError());
 }
 

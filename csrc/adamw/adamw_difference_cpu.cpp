@@ -81,8 +81,10 @@ DiffItem pick_diff3() {
 
 template <typename G>
 DiffItem pick_diff2(int out_dtype, bool commit) {
-  if (out_dtype == kBF16) return commit ? pick_diff3<G, uint16_t, true>() : pick_diff3<G, uint16_t, false>();
-  return commit ? pick_diff3<G, float, true>() : pick_diff3<G, float, false>();
+  return with_elem(out_dtype, [&](auto o) {
+    using O = typename decltype(o)::type;
+    return commit ? pick_diff3<G, O, true>() : pick_diff3<G, O, false>();
+  });
 }
 
 }  // namespace
@@ -93,7 +95,8 @@ void adamw_difference_cpu(const AdamWKernelArgs& args, int g_dtype, int out_dtyp
   if (a.hyper_ptr != nullptr) a.h = load_hyper(a.hyper_ptr);  // host memory here: read once, by value
   const bool noop = a.noop_ptr != nullptr && *a.noop_ptr != 0;
   const float s = a.scale_ptr != nullptr ? a.grad_scale * *a.scale_ptr : a.grad_scale;
-  const DiffItem fn = g_dtype == kBF16 ? pick_diff2<uint16_t>(out_dtype, commit) : pick_diff2<float>(out_dtype, commit);
+  const DiffItem fn =
+      with_elem(g_dtype, [&](auto g) { return pick_diff2<typename decltype(g)::type>(out_dtype, commit); });
   const int64_t os = elem_size(out_dtype);
   quant::for_items(a.n, block_size, num_threads, [&](int64_t first, int64_t len, int64_t) {
     std::vector<char> scratch(static_cast<size_t>(std::min(block_size, len) * os));

@@ -7,8 +7,8 @@
 //
 // Work split: the shard is cut in groups of kVec = 4 elements; thread t of block b handles groups
 // b*block_dim + t, then + grid_dim*block_dim (grid-stride). A full group moves each array with one vector
-// access (fp32x4 = 16 B, bf16x4 = 8 B) when that array's base pointer is aligned for it, else with 4 scalar
-// accesses; the last, partial group (n % 4 elements) is scalar.
+// access (fp32x4 = 16 B, bf16x4 / fp16x4 = 8 B) when that array's base pointer is aligned for it, else with 4 scalar
+// accesses; the last, partial group (n % 4 elements) is scalar. 16-bit types (bf16, fp16) move 8 B per vector.
 #pragma once
 
 #include <stdint.h>
@@ -48,8 +48,8 @@ struct AdamWKernelArgs {
   float* p;                  // fp32 master [n]
   float* m;                  // fp32 exp_avg [n]
   float* v;                  // fp32 exp_avg_sq [n]
-  const void* g;             // grad [n], fp32 or bf16 (template G)
-  void* out;                 // nullptr or out [n], fp32 or bf16 (template O)
+  const void* g;             // grad [n], fp32, bf16 or fp16 (template G)
+  void* out;                 // nullptr or out [n], fp32, bf16 or fp16 (template O)
   const float* scale_ptr;    // nullptr or 1 fp32 on the device: extra gradient scale
   const int32_t* noop_ptr;   // nullptr or 1 int32 on the device: nonzero = skip the step
   const float* hyper_ptr;    // nullptr = use h; else kHyperFields fp32 on the device (AdamWHyper's), used instead
@@ -74,6 +74,13 @@ struct Vec4Of<float> {
 template <>
 struct Vec4Of<uint16_t> {
   using type = Bf16x4;
+};
+struct alignas(8) F16x4 {
+  fp16_t x[kVec];
+};
+template <>
+struct Vec4Of<fp16_t> {
+  using type = F16x4;
 };
 
 // True when `ptr` may be accessed as vectors of 4 T (the launcher fills the *_vec flags with it).
@@ -115,7 +122,8 @@ ACCO_UNROLL
   }
 }
 
-// G: grad element type, O: out element type (float = fp32, uint16_t = bf16); COMMIT: write master/m/v.
+// G: grad element type, O: out element type (float = fp32, uint16_t = bf16, fp16_t = fp16); COMMIT: write
+// master/m/v.
 template <typename G, typename O, bool COMMIT>
 ACCO_HD void adamw_kernel_body(int64_t block, int64_t thread, int64_t block_dim, int64_t grid_dim,
                                const AdamWKernelArgs& a) {

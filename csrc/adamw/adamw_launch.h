@@ -1,6 +1,6 @@
 // AdamW launcher declarations shared by the bindings and the launchers. Plain C++: no libtorch, no CUDA headers.
 //
-// Dtype codes: csrc/common/dtype.h (0 = fp32, 1 = bf16, -1 = no out). All pointers are raw addresses of
+// Dtype codes: csrc/common/dtype.h (0 = fp32, 1 = bf16, 2 = fp16, -1 = no out). All pointers are raw addresses of
 // contiguous buffers that the caller keeps alive until the work is done (the CPU calls return when done;
 // the CUDA call is asynchronous on `stream`).
 #pragma once
@@ -34,8 +34,8 @@ inline AdamWKernelArgs make_adamw_args(uintptr_t p, uintptr_t m, uintptr_t v, ui
   a.p_vec = vec_aligned<float>(a.p);
   a.m_vec = vec_aligned<float>(a.m);
   a.v_vec = vec_aligned<float>(a.v);
-  a.g_vec = g_dtype == kBF16 ? vec_aligned<uint16_t>(a.g) : vec_aligned<float>(a.g);
-  a.out_vec = out_dtype == kBF16 ? vec_aligned<uint16_t>(a.out) : vec_aligned<float>(a.out);
+  a.g_vec = with_elem(g_dtype, [&](auto t) { return vec_aligned<typename decltype(t)::type>(a.g); });
+  a.out_vec = with_elem(out_dtype, [&](auto t) { return vec_aligned<typename decltype(t)::type>(a.out); });
   return a;
 }
 

@@ -1,7 +1,7 @@
 // The element-wise AdamW update and its scalars: one truth for the GPU (nvcc) and the CPU (g++).
 //
 // Everything here is a __host__ __device__ inline function of plain values: no libtorch, no CUDA runtime.
-// fp32 arithmetic in torch.optim.AdamW's order (decoupled weight decay first). The bf16 conversions are
+// fp32 arithmetic in torch.optim.AdamW's order (decoupled weight decay first). The bf16 / fp16 conversions are
 // csrc/common/bf16.h's.
 #pragma once
 

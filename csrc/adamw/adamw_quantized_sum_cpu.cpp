@@ -109,7 +109,7 @@ SumItem pick2(bool commit, bool diff) {
 
 template <typename G>
 SumItem pick1(int out_dtype, bool commit, bool diff) {
-  return out_dtype == kBF16 ? pick2<G, uint16_t>(commit, diff) : pick2<G, float>(commit, diff);
+  return with_elem(out_dtype, [&](auto o) { return pick2<G, typename decltype(o)::type>(commit, diff); });
 }
 
 }  // namespace
@@ -127,7 +127,8 @@ void adamw_quantized_sum_cpu(const AdamWKernelArgs& args, int g_dtype, int out_d
   const bool diff = base != 0;
   const Difference d{reinterpret_cast<const void*>(base), reinterpret_cast<int8_t*>(dq),
                      reinterpret_cast<float*>(dscales)};
-  const SumItem fn = g_dtype == kBF16 ? pick1<uint16_t>(out_dtype, commit, diff) : pick1<float>(out_dtype, commit, diff);
+  const SumItem fn =
+      with_elem(g_dtype, [&](auto g) { return pick1<typename decltype(g)::type>(out_dtype, commit, diff); });
   const int64_t gs = elem_size(g_dtype), os = elem_size(out_dtype);
   quant::for_items(a.n, block_size, num_threads, [&](int64_t first, int64_t len, int64_t) {
     const int64_t m = std::min(block_size, len);

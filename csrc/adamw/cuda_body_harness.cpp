@@ -28,10 +28,7 @@ void run_commit(const AdamWKernelArgs& a, bool commit, int64_t grid_dim, int64_t
 
 template <typename G>
 void run_out(const AdamWKernelArgs& a, int out_dtype, bool commit, int64_t grid_dim, int64_t block_dim) {
-  if (out_dtype == kBF16)
-    run_commit<G, uint16_t>(a, commit, grid_dim, block_dim);
-  else
-    run_commit<G, float>(a, commit, grid_dim, block_dim);
+  with_elem(out_dtype, [&](auto o) { run_commit<G, typename decltype(o)::type>(a, commit, grid_dim, block_dim); });
 }
 
 }  // namespace
@@ -40,10 +37,7 @@ void adamw_cuda_body_on_cpu(const AdamWKernelArgs& a, int g_dtype, int out_dtype
                             int64_t block_dim) {
   if (grid_dim <= 0) grid_dim = adamw_grid(a.n);
   if (block_dim <= 0) block_dim = kBlock;
-  if (g_dtype == kBF16)
-    run_out<uint16_t>(a, out_dtype, commit, grid_dim, block_dim);
-  else
-    run_out<float>(a, out_dtype, commit, grid_dim, block_dim);
+  with_elem(g_dtype, [&](auto g) { run_out<typename decltype(g)::type>(a, out_dtype, commit, grid_dim, block_dim); });
 }
 
 }  // namespace acco

@@ -13,12 +13,12 @@ namespace acco {
 
 // Bumped whenever an entry point's arguments change; acco_ds/ops/_build.py refuses a module with another
 // value (a stale build) instead of failing at the first call.
-constexpr int kAbiVersion = 7;
+constexpr int kAbiVersion = 8;
 
 inline void check_dtype(const char* what, int code, bool allow_none) {
-  if (code == kF32 || code == kBF16 || (allow_none && code == -1)) return;
+  if (code == kF32 || code == kBF16 || code == kF16 || (allow_none && code == -1)) return;
   throw std::invalid_argument(std::string(what) + ": unknown dtype code " + std::to_string(code) +
-                              " (0 = fp32, 1 = bf16" + (allow_none ? ", -1 = none)" : ")"));
+                              " (0 = fp32, 1 = bf16, 2 = fp16" + (allow_none ? ", -1 = none)" : ")"));
 }
 
 }  // namespace acco

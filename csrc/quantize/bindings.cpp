@@ -79,7 +79,7 @@ PYBIND11_MODULE(_quantize_cpu, mod) {
                                       std::to_string(q_rows.size()) + " and " + std::to_string(scale_rows.size()));
         acco::dequantize_sum_cpu(q_rows, scale_rows, n, block_size, out, out_dtype, num_threads);
       },
-      "out (fp32 or bf16, n) = the sum of q_r * scale_r over the rows in their order (fp32 arithmetic).",
+      "out (fp32, bf16 or fp16, n) = the sum of q_r * scale_r over the rows in their order (fp32 arithmetic).",
       py::call_guard<py::gil_scoped_release>());
   mod.def(
       "quantized_sum_squares_cpu",

@@ -139,17 +139,16 @@ FoldItem pick_fold5() {
 }
 template <typename B, typename G, int32_t QMAX>
 FoldItem pick_fold3(int residual_dtype) {
-  if (residual_dtype == kF32) return pick_fold5<B, G, float, true, QMAX>();
-  if (residual_dtype == kBF16) return pick_fold5<B, G, uint16_t, true, QMAX>();
-  return pick_fold5<B, G, float, false, QMAX>();
+  if (residual_dtype == -1) return pick_fold5<B, G, float, false, QMAX>();
+  return with_elem(residual_dtype, [](auto r) { return pick_fold5<B, G, typename decltype(r)::type, true, QMAX>(); });
 }
 template <int32_t QMAX>
 FoldItem pick_fold2(int buffer_dtype, int grad_dtype, int residual_dtype) {
-  if (buffer_dtype == kBF16)
-    return grad_dtype == kBF16 ? pick_fold3<uint16_t, uint16_t, QMAX>(residual_dtype)
-                               : pick_fold3<uint16_t, float, QMAX>(residual_dtype);
-  return grad_dtype == kBF16 ? pick_fold3<float, uint16_t, QMAX>(residual_dtype)
-                             : pick_fold3<float, float, QMAX>(residual_dtype);
+  return with_elem(buffer_dtype, [&](auto b) {
+    return with_elem(grad_dtype, [&](auto g) {
+      return pick_fold3<typename decltype(b)::type, typename decltype(g)::type, QMAX>(residual_dtype);
+    });
+  });
 }
 FoldItem pick_fold(int buffer_dtype, int grad_dtype, int residual_dtype, int qmax) {
   return qmax == 7 ? pick_fold2<7>(buffer_dtype, grad_dtype, residual_dtype)
@@ -165,9 +164,9 @@ AccItem pick_acc2() {
   return &acc_base<B, G>;
 }
 AccItem pick_acc(int buffer_dtype, int grad_dtype) {
-  if (buffer_dtype == kBF16)
-    return grad_dtype == kBF16 ? pick_acc2<uint16_t, uint16_t>() : pick_acc2<uint16_t, float>();
-  return grad_dtype == kBF16 ? pick_acc2<float, uint16_t>() : pick_acc2<float, float>();
+  return with_elem(buffer_dtype, [&](auto b) {
+    return with_elem(grad_dtype, [](auto g) { return pick_acc2<typename decltype(b)::type, typename decltype(g)::type>(); });
+  });
 }
 
 template <typename X, typename R, int OP, int32_t QMAX>
@@ -180,14 +179,14 @@ ListItem pick_list4() {
 }
 template <typename X, int32_t QMAX>
 ListItem pick_list2(int residual_dtype) {
-  if (residual_dtype == kF32) return pick_list4<X, float, kResidual, QMAX>();
-  if (residual_dtype == kBF16) return pick_list4<X, uint16_t, kResidual, QMAX>();
-  return pick_list4<X, float, kPlain, QMAX>();
+  if (residual_dtype == -1) return pick_list4<X, float, kPlain, QMAX>();
+  return with_elem(residual_dtype, [](auto r) { return pick_list4<X, typename decltype(r)::type, kResidual, QMAX>(); });
 }
 ListItem pick_list(int x_dtype, int residual_dtype, int qmax) {
-  if (qmax == 7)
-    return x_dtype == kBF16 ? pick_list2<uint16_t, 7>(residual_dtype) : pick_list2<float, 7>(residual_dtype);
-  return x_dtype == kBF16 ? pick_list2<uint16_t, kQmax>(residual_dtype) : pick_list2<float, kQmax>(residual_dtype);
+  return with_elem(x_dtype, [&](auto x) {
+    using X = typename decltype(x)::type;
+    return qmax == 7 ? pick_list2<X, 7>(residual_dtype) : pick_list2<X, kQmax>(residual_dtype);
+  });
 }
 
 // A work item: `len` elements from buffer position `pos`; `block` is the global index of its first block (fused

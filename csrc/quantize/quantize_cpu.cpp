@@ -183,15 +183,15 @@ QuantItem pick_quant3() {
 
 template <typename X>
 QuantItem pick_quant2(int residual_dtype, bool difference) {
-  if (difference) return residual_dtype == kBF16 ? pick_quant3<X, uint16_t, kDifference>() : pick_quant3<X, float, kDifference>();
-  if (residual_dtype == kF32) return pick_quant3<X, float, kResidual>();
-  if (residual_dtype == kBF16) return pick_quant3<X, uint16_t, kResidual>();
-  return pick_quant3<X, float, kPlain>();
+  if (residual_dtype == -1) return pick_quant3<X, float, kPlain>();
+  return with_elem(residual_dtype, [&](auto r) {
+    using R = typename decltype(r)::type;
+    return difference ? pick_quant3<X, R, kDifference>() : pick_quant3<X, R, kResidual>();
+  });
 }
 
 QuantItem pick_quant(int x_dtype, int residual_dtype, bool difference) {
-  return x_dtype == kBF16 ? pick_quant2<uint16_t>(residual_dtype, difference)
-                          : pick_quant2<float>(residual_dtype, difference);
+  return with_elem(x_dtype, [&](auto x) { return pick_quant2<typename decltype(x)::type>(residual_dtype, difference); });
 }
 
 using AddDeqItem = void (*)(const int8_t*, const float*, const void*, void*, int64_t, int64_t);
@@ -253,7 +253,7 @@ void dequantize_cpu(uintptr_t q, uintptr_t scales, int64_t n, int64_t block_size
 void dequantize_sum_cpu(const std::vector<uintptr_t>& q_rows, const std::vector<uintptr_t>& scale_rows, int64_t n,
                         int64_t block_size, uintptr_t out, int out_dtype, int num_threads) {
   const QuantRows rows(q_rows, scale_rows);
-  const DeqSumItem fn = out_dtype == kBF16 ? pick_deq_sum1<uint16_t>() : pick_deq_sum1<float>();
+  const DeqSumItem fn = with_elem(out_dtype, [](auto o) { return pick_deq_sum1<typename decltype(o)::type>(); });
   const int64_t os = elem_size(out_dtype);
   for_items(n, block_size, num_threads, [&](int64_t first, int64_t len, int64_t) {
     fn(rows.q.data(), rows.scales.data(), rows.size(), first, reinterpret_cast<char*>(out) + first * os, len,
@@ -265,7 +265,7 @@ double quantized_sum_squares_cpu(const std::vector<uintptr_t>& q_rows, const std
                                  int64_t n, int64_t block_size, int dtype, uintptr_t tilde, uintptr_t tilde_out,
                                  int num_threads) {
   const QuantRows rows(q_rows, scale_rows);
-  const SqItem fn = dtype == kBF16 ? pick_sq_sum1<uint16_t>() : pick_sq_sum1<float>();
+  const SqItem fn = with_elem(dtype, [](auto s) { return pick_sq_sum1<typename decltype(s)::type>(); });
   const int64_t es = elem_size(dtype);
   // one partial per work item, summed in item order: the same value whatever the number of threads
   const int64_t per_item = std::max<int64_t>(1, kChunk / block_size) * block_size;
@@ -293,7 +293,7 @@ void quantize_difference_cpu(uintptr_t x, uintptr_t base, int dtype, int64_t n, 
 
 void add_dequantized_cpu(uintptr_t q, uintptr_t scales, uintptr_t base, uintptr_t out, int dtype, int64_t n,
                          int64_t block_size, int num_threads) {
-  const AddDeqItem fn = dtype == kBF16 ? pick_add_deq1<uint16_t>() : pick_add_deq1<float>();
+  const AddDeqItem fn = with_elem(dtype, [](auto o) { return pick_add_deq1<typename decltype(o)::type>(); });
   const int64_t os = elem_size(dtype);
   for_items(n, block_size, num_threads, [&](int64_t first, int64_t len, int64_t block) {
     fn(reinterpret_cast<const int8_t*>(q) + first, reinterpret_cast<const float*>(scales) + block,

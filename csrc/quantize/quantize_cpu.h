@@ -27,12 +27,12 @@ void dequantize_cpu(uintptr_t q, uintptr_t scales, int64_t n, int64_t block_size
 
 // The owner's sum of W ranks' quantized chunks of n values: out[i] = sum over r of q_r[i] * scales_r[b] in fp32,
 // rows in the given order (the first row's product, then each next one added: the products and the sums each
-// rounded to fp32), stored in out's dtype (fp32 or bf16, csrc/common/bf16.h's rounding). q_rows[r] / scale_rows[r]
+// rounded to fp32), stored in out's dtype (fp32, bf16 or fp16, csrc/common/bf16.h's rounding). q_rows[r] / scale_rows[r]
 // are the addresses of row r's q (int8, n) and scales (fp32, one per block); at least one row.
 void dequantize_sum_cpu(const std::vector<uintptr_t>& q_rows, const std::vector<uintptr_t>& scale_rows, int64_t n,
                         int64_t block_size, uintptr_t out, int out_dtype, int num_threads);
 
-// The same sum, stored in `dtype` (fp32 or bf16), plus tilde (`dtype`, n) when tilde != 0, never stored in full: the
+// The same sum, stored in `dtype` (fp32, bf16 or fp16), plus tilde (`dtype`, n) when tilde != 0, never stored in full: the
 // fp64 sum of the squares of its n values (each square exact, the sums in an order fixed by n and block_size);
 // tilde_out (`dtype`, n; when != 0) receives the values.
 double quantized_sum_squares_cpu(const std::vector<uintptr_t>& q_rows, const std::vector<uintptr_t>& scale_rows,

@@ -1,7 +1,8 @@
 """``acco_ds.ops.fold_quantize`` on a CUDA GPU: the Triton kernels (the default for CUDA tensors) against the torch
 reference on the CPU, bit for bit (a NaN matching any NaN), after every call of a fused round end: each parameter's
 gradient folded, then the leftover blocks listed. A 10M-element bf16 buffer (W = 2, bf16 gradients, fp32 residual),
-mixed dtypes at 4 bits on three odd-sized chunks, blocks longer than a tile without a residual; offsets that are
+mixed dtypes at 4 bits on three odd-sized chunks, blocks longer than a tile without a residual, fp16 buffers (with
+fp16 and fp32 gradients and residuals); offsets that are
 and are not 16-divisible, a parameter spanning a chunk end, one smaller than a block, an inf and a NaN; the host
 never waits. Skipped without a CUDA GPU."""
 
@@ -14,6 +15,7 @@ from acco_ds.ops.fold_quantize import fold_quantize, quantize_listed_blocks
 from acco_ds.ops.quantize import num_blocks
 from tests.ops.test_fold_quantize_triton import (
     BF16,
+    F16,
     F32,
     Q_UNSET,
     SCALE_UNSET,
@@ -29,11 +31,14 @@ pytestmark = [
 ]
 
 # (world, chunk, block size, buffer, gradient, residual dtype, bits, 16-divisible offsets only): 7 Triton
-# compilations (a fold kernel per dtype combination and offset alignment, a listed kernel per dtype combination)
+# compilations and more (a fold kernel per dtype combination and offset alignment, a listed kernel per dtype
+# combination)
 CASES = [
     (2, 5_000_016, 256, BF16, BF16, F32, 8, False),
     (3, 100_003, 64, F32, BF16, BF16, 4, True),
     (2, 40_000, 2048, BF16, F32, None, 8, True),
+    (2, 100_003, 256, F16, F16, F32, 8, False),
+    (1, 40_000, 64, F16, F32, F16, 4, True),
 ]
 
 

@@ -24,7 +24,7 @@ pytestmark = [
 ]
 
 HP = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8)
-DTYPES = [torch.float32, torch.bfloat16]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 SIZES = [1, 7, 4096, 278011, 10_000_019]
 
 
@@ -373,3 +373,29 @@ def test_cuda_fallback_decides_noop_on_device(monkeypatch):
     finally:
         monkeypatch.delenv(_build.DISABLE_ENV)
         _build.reset_cache()
+
+
+def test_fp16_conversions_on_gpu_have_torch_cpu_bits():
+    """The Triton cast (copy_flat's kernel) and the CUDA AdamW's (its noop step stores cast(master)) turn every probe
+    of tests/ops/test_fp16_conversion.py into torch's CPU fp16 bits on the GPU too (NaN payloads included: integer
+    operations, not the device's cvt), and fp16 -> fp32 back exactly."""
+    from tests.ops.test_fp16_conversion import all_fp16, assert_bits, edge_values, fp16_to_f32_expected
+
+    pytest.importorskip("triton")
+    x = edge_values()
+    want = x.to(torch.float16)
+    half = poisoned(x.numel(), torch.float16)
+    copy_flat(half, x.cuda(), 1.0, backend="triton")
+    assert_bits(half.cpu(), want, x, "triton fp32 -> fp16 on the GPU")
+    h = all_fp16()
+    single = poisoned(h.numel(), torch.float32)
+    copy_flat(single, h.cuda(), 1.0, backend="triton")
+    assert_bits(
+        single.cpu(), fp16_to_f32_expected(h).view(torch.float32), h, "triton fp16 -> fp32 on the GPU"
+    )
+    cuda_ext()
+    zeros = torch.zeros(x.numel(), device="cuda")
+    out = poisoned(x.numel(), torch.float16)
+    adamw_step(x.cuda(), zeros.clone(), zeros.clone(), torch.zeros(x.numel(), dtype=torch.float16, device="cuda"),
+               out, step=1, weight_decay=0.0, noop_flag=torch.ones(1, dtype=torch.int32, device="cuda"), **HP)  # fmt: skip
+    assert_bits(out.cpu(), want, x, "CUDA AdamW fp32 -> fp16")

@@ -22,7 +22,9 @@ N = NORM_CHUNK["cuda"] * 3 + 7  # several chunks of the torch path, a short last
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton", None])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"]
+)
 def test_cuda_fp64_without_host_sync_or_shard_copy(dtype, backend):
     x = swamping_shard(N, 8192, dtype, device="cuda")
     want = fp64_reference(x.cpu())

@@ -1,7 +1,7 @@
 """``acco_ds.ops.quantized_sum_step`` on a CUDA GPU: the Triton kernels (the default for CUDA tensors) against the
 composition (the Triton dequantize_sum, the kept g~ added, the norm, the CUDA AdamW or the Triton AdamW + difference),
 bit for bit for the state, the new parameters, the difference and the g~ written, the norm within the fp64 order of
-its additions; W = 1 to 3, fp32 and bf16, commit / peek / noop, with and without the g~ and the difference, a
+its additions; W = 1 to 3, fp32, bf16 and fp16, commit / peek / noop, with and without the g~ and the difference, a
 non-finite block; the host never waits. Skipped without a CUDA GPU."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.ops.test_quantized_sum_step import BF16, F32, _bits, _rows, _run, _state
+from tests.ops.test_quantized_sum_step import BF16, F16, F32, _bits, _rows, _run, _state
 
 pytestmark = [
     pytest.mark.gpu,
@@ -34,7 +34,7 @@ def _cuda(ts):
     return tuple(t.cuda() for t in ts)
 
 
-@pytest.mark.parametrize(("sdt", "pdt"), [(F32, F32), (BF16, BF16), (F32, BF16)])
+@pytest.mark.parametrize(("sdt", "pdt"), [(F32, F32), (BF16, BF16), (F32, BF16), (F16, F16), (F32, F16)])
 def test_triton_is_the_composition_on_the_gpu(sdt, pdt):
     for world, n, bs in CASES:
         rows = _cuda(_rows(world, n, bs, seed=n, nan_block=n % 2 == 1))

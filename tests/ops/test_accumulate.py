@@ -31,7 +31,7 @@ from acco_ds.ops.accumulate import (
 from tests.ops.triton_interpreter import run_this_file_interpreted
 
 ROOT = Path(__file__).resolve().parents[2]
-DTYPES = [torch.float32, torch.bfloat16]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 SIZES = [1, 7, 278011]
 
 
@@ -161,7 +161,11 @@ def test_copy_flat_scale_one_is_a_cast():
             ValueError,
             r"grads\[0\] is not contiguous",
         ),
-        (lambda b: accumulate_grads(b, [torch.ones(3, dtype=torch.float16)], [0]), TypeError, "float16"),
+        (
+            lambda b: accumulate_grads(b, [torch.ones(3, dtype=torch.float64)], [0]),
+            TypeError,
+            "float64; allowed: torch.float32, torch.bfloat16 or torch.float16",
+        ),
         (lambda b: accumulate_grads(b, [torch.ones(3, device="meta")], [0]), ValueError, "is on meta"),
         (lambda b: accumulate_grads(b, [torch.ones(3)], [0], backend="cuda"), ValueError, "backend must be"),
         (lambda b: accumulate_grads(b.view(10, 10), [torch.ones(3)], [0]), ValueError, "buffer must be 1-D"),
@@ -344,8 +348,8 @@ def test_importing_acco_ds_does_not_import_triton():
 
 def test_triton_kernel_under_interpreter():
     """Runs this file's Triton checks in a subprocess with TRITON_INTERPRET=1 (set before triton is imported)."""
-    out = run_this_file_interpreted(__file__, timeout=600)
-    assert "triton interpret checks: 24 passed" in out, out[-2000:]
+    out = run_this_file_interpreted(__file__, timeout=1800)
+    assert "triton interpret checks: 54 passed" in out, out[-2000:]
     assert "mixed alignment: 4 launches, vector path for [0, 1, 3, 6]" in out, out[-2000:]
     assert "fold: 40 parameters x 4 micro-batches, 40 chunk tables built" in out, out[-2000:]
 
@@ -418,10 +422,14 @@ def _triton_interpret_checks() -> int:
     # mixed gradient dtypes in one call (one launch per dtype)
     g = gen("mixed")
     buffer = (torch.rand(100, generator=g) * 0.2 - 0.1).to(torch.bfloat16)
-    grads = [big_grad((10,), torch.float32, g), big_grad((20,), torch.bfloat16, g)]
+    grads = [
+        big_grad((10,), torch.float32, g),
+        big_grad((20,), torch.bfloat16, g),
+        big_grad((9,), torch.float16, g),
+    ]
     ref, ours = buffer.clone(), buffer.clone()
-    accumulate_grads_ref(ref, grads, [3, 40], 0.5)
-    accumulate_grads(ours, grads, [3, 40], 0.5, backend="triton")
+    accumulate_grads_ref(ref, grads, [3, 40, 70], 0.5)
+    accumulate_grads(ours, grads, [3, 40, 70], 0.5, backend="triton")
     assert torch.equal(ref, ours)
     print(f"triton interpret checks: {count} passed")
     _mixed_alignment_interpret_check()

@@ -19,7 +19,8 @@ from tests.ops.adamw_oracle import AdamWOracle, ulp_atol
 
 HP = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8)
 SIZES = [1, 7, 4096, 278011]
-DTYPES = [torch.float32, torch.bfloat16]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+HALF_TOL = {torch.bfloat16: dict(rtol=8e-3, atol=0.0), torch.float16: dict(rtol=1e-3, atol=2.0**-24)}
 
 
 def require_cpu_ext():
@@ -97,8 +98,8 @@ def test_single_step_vs_ref_with_scales(step_fn, n, gdtype, odtype):
     for ours, r in zip((master, m, v), ref):
         torch.testing.assert_close(ours, r, rtol=2e-6, atol=ulp_atol(r))
     assert torch.equal(out, master.to(odtype))
-    # fp32: within an ulp of the largest value (as the state); bf16: the same, rounded (1 bf16 ulp apart at most)
-    tol = dict(rtol=8e-3, atol=0.0) if odtype == torch.bfloat16 else dict(rtol=2e-6, atol=ulp_atol(ref[0]))
+    # fp32: within an ulp of the largest value (as the state); bf16 / fp16: the same, rounded (1 ulp apart at most)
+    tol = HALF_TOL.get(odtype) or dict(rtol=2e-6, atol=ulp_atol(ref[0]))
     torch.testing.assert_close(out.float(), ref_out.float(), **tol)
 
 
@@ -158,20 +159,21 @@ def test_scale_tensor_equals_grad_scale(step_fn):
     assert not torch.equal(a[1], c[1]), "the scale had no effect"
 
 
-def test_misaligned_slices_use_scalar_path(step_fn):
+@pytest.mark.parametrize("half", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_misaligned_slices_use_scalar_path(step_fn, half):
     """Shards at odd offsets of larger buffers (no vector alignment) give the same result as aligned ones."""
     n = 1031
-    g = gen("misaligned")
+    g = gen("misaligned", half)
     base = [torch.empty(n + 3) for _ in range(3)]
     aligned = rand_state(n, g)
     odd = [b[1 : n + 1] for b in base]
     for o, a in zip(odd, aligned):
         o.copy_(a)
-    grad_buf = torch.empty(n + 1, dtype=torch.bfloat16)
+    grad_buf = torch.empty(n + 1, dtype=half)
     grad_buf[1:] = torch.randn(n, generator=g)
     grad = grad_buf[1:]
-    out_buf = poisoned(n + 1, torch.bfloat16)
-    out_a = poisoned(n, torch.bfloat16)
+    out_buf = poisoned(n + 1, half)
+    out_a = poisoned(n, half)
     step_fn(*aligned, grad.clone(), out_a, step=2, weight_decay=0.1, **HP)
     step_fn(*odd, grad, out_buf[1:], step=2, weight_decay=0.1, **HP)
     assert torch.equal(out_buf[1:], out_a) and out_buf[0].isnan()
@@ -251,8 +253,13 @@ BAD = [
     ("master", lambda n: torch.randn(2 * n)[::2], ValueError, "master is not contiguous"),
     ("grad", lambda n: torch.randn(2 * n)[::2], ValueError, "grad is not contiguous"),
     ("exp_avg", lambda n: torch.randn(n, dtype=torch.float64), TypeError, "exp_avg has dtype torch.float64"),
-    ("grad", lambda n: torch.randn(n, dtype=torch.float16), TypeError, "grad has dtype torch.float16"),
-    ("out", lambda n: torch.empty(n, dtype=torch.float16), TypeError, "out has dtype torch.float16"),
+    (
+        "grad",
+        lambda n: torch.randn(n, dtype=torch.float64),
+        TypeError,
+        "grad has dtype torch.float64; allowed: torch.float32, torch.bfloat16 or torch.float16",
+    ),
+    ("out", lambda n: torch.empty(n, dtype=torch.int16), TypeError, "out has dtype torch.int16"),
     ("exp_avg_sq", lambda n: torch.rand(n + 1), ValueError, "exp_avg_sq has 17 elements but master has 16"),
     ("grad", lambda n: torch.randn(n, device="meta"), ValueError, "grad is on meta but master is on cpu"),
     ("master", lambda n: torch.randn(n, 1), ValueError, "master must be 1-D"),
@@ -353,8 +360,8 @@ torch.set_num_threads(1)
 g = torch.Generator().manual_seed(1234)
 n = 100_003
 res = {"isa": ext.ISA}
-for gdt in (torch.float32, torch.bfloat16):
-    for odt in (torch.float32, torch.bfloat16):
+for gdt in (torch.float32, torch.bfloat16, torch.float16):
+    for odt in (torch.float32, torch.bfloat16, torch.float16):
         for commit in (True, False):
             st = [torch.randn(n, generator=g), torch.randn(n, generator=g) * 0.1, torch.rand(n, generator=g) * 0.01]
             grad = torch.randn(n, generator=g).to(gdt)
@@ -362,9 +369,10 @@ for gdt in (torch.float32, torch.bfloat16):
             adamw_step(*st, grad, out, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, step=7,
                        grad_scale=0.5, commit=commit)
             res[(gdt, odt, commit)] = (*st, out)
-for bdt in (torch.float32, torch.bfloat16):
+for bdt in (torch.float32, torch.bfloat16, torch.float16):
     buf = torch.randn(n, generator=g).to(bdt)
     accumulate_grads(buf, [torch.randn(n - 5, generator=g).to(torch.bfloat16)], [3], 0.37)
+    accumulate_grads(buf, [torch.randn(n - 9, generator=g).to(torch.float16)], [7], 0.37)
     dst = torch.empty(n, dtype=bdt)
     copy_flat(dst, torch.randn(n, generator=g), 0.37)
     res[("acc", bdt)] = (buf, dst)
@@ -424,7 +432,7 @@ def _forbid_host_reads(monkeypatch):
 @pytest.mark.parametrize("grad_nan", [False, True])
 @pytest.mark.parametrize("flag", [0, 1])
 @pytest.mark.parametrize("commit", [True, False])
-@pytest.mark.parametrize("odtype", [None, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("odtype", [None, *DTYPES])
 @pytest.mark.parametrize("gdtype", DTYPES)
 def test_fallback_noop_on_device_is_bit_identical_to_ref(monkeypatch, gdtype, odtype, commit, flag, grad_nan):
     from acco_ds.ops import adamw as adamw_mod
@@ -453,8 +461,8 @@ def test_fallback_noop_on_device_is_bit_identical_to_ref(monkeypatch, gdtype, od
     for x, y in zip(ours, ref):
         assert torch.equal(x.view(torch.int32), y.view(torch.int32))  # bits, NaN payloads included
     if out is not None:
-        assert torch.equal(out.view(torch.int16 if odtype == torch.bfloat16 else torch.int32),
-                           out_ref.view(torch.int16 if odtype == torch.bfloat16 else torch.int32))  # fmt: skip
+        raw = torch.int32 if odtype == torch.float32 else torch.int16
+        assert torch.equal(out.view(raw), out_ref.view(raw))
     if flag:
         assert all(torch.equal(x, s) for x, s in zip(ours, state)), "a noop step changed the state"
 
@@ -480,3 +488,44 @@ def test_cuda_fallback_warns_loudly_once(monkeypatch, caplog):
         adamw_mod._log_backend_once("cuda", "the torch reference", "no module")
     msgs = [r.getMessage() for r in caplog.records if "CUDA tensors take" in r.getMessage()]
     assert len(msgs) == 1 and "build_ext" in msgs[0]
+
+
+def test_no_kernel_for_the_gpu_takes_the_torch_form_once_warned(monkeypatch, caplog):
+    """A CUDA module built without this GPU's architecture (a V100 and a CUDA 13 nvcc, which cannot target sm_70)
+    refuses the launch with cudaErrorNoKernelImageForDevice: the step runs in torch (the reference's bits), with
+    one warning for the device, and later calls on it go straight to torch; any other launch error propagates.
+    The launch is a stand-in and the tensors CPU ones: no GPU is touched."""
+    from acco_ds.ops import adamw as adamw_mod
+
+    monkeypatch.setattr(adamw_mod, "_no_kernel_image", set())
+    gpu = torch.device("cuda", 0)
+    calls = []
+
+    def refused():
+        calls.append(1)
+        raise RuntimeError("acco_ds adamw_cuda launch failed: cudaErrorNoKernelImageForDevice: no kernel image is "
+                           "available for execution on the device")  # fmt: skip
+
+    n = 1031
+    g = gen("no-image")
+    state = rand_state(n, g)
+    grad = torch.randn(n, generator=g).to(torch.float16)
+    kw = dict(step=3, weight_decay=0.1, **HP)
+    ref = [t.clone() for t in state]
+    out_ref = poisoned(n, torch.float16)
+    adamw_step_ref(*ref, grad, out_ref, **kw)
+    ours = [t.clone() for t in state]
+    out = poisoned(n, torch.float16)
+    a = adamw_mod._bind("adamw_step", *ours, grad, out, kw)
+    with caplog.at_level(logging.WARNING), pytest.warns(RuntimeWarning, match="no kernel for this GPU"):
+        adamw_mod._launch_or_torch(gpu, refused, a)
+    assert calls == [1] and all(torch.equal(x, y) for x, y in zip(ours, ref)) and torch.equal(out, out_ref)
+    adamw_mod._launch_or_torch(gpu, refused, adamw_mod._bind("adamw_step", *ours, grad, out, kw))
+    assert calls == [1], "a second launch on the device"
+    assert sum("no kernel for this GPU" in r.getMessage() for r in caplog.records) == 1
+
+    def broken():
+        raise RuntimeError("acco_ds adamw_cuda launch failed: cudaErrorInvalidValue: invalid argument")
+
+    with pytest.raises(RuntimeError, match="cudaErrorInvalidValue"):
+        adamw_mod._launch_or_torch(torch.device("cuda", 1), broken, a)

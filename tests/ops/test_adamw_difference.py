@@ -1,7 +1,7 @@
 """``acco_ds.ops.adamw_difference.adamw_step_difference``: the fused CPU pass and the Triton kernel (under the
 interpreter) (AdamW step + quantized parameter difference + its application) give, bit for bit, the composition adamw_step -> quantize_difference ->
 add_dequantized: master, both moments, the new parameters (base + dequantized difference), q and the scales, for
-commit, peek and noop, fp32 and bf16 parameters and gradients, block sizes from 1 to longer than a work item,
+commit, peek and noop, fp32, bf16 and fp16 parameters and gradients, block sizes from 1 to longer than a work item,
 lengths that blocks do not divide, base = out (in place), out = grad (the round job's in-place buffer), a
 non-finite step (a NaN scale, base + NaN), several threads. Bad arguments are refused naming them."""
 
@@ -19,7 +19,7 @@ from tests.ops.triton_interpreter import run_interpreted
 
 pytestmark = pytest.mark.skipif(not _build.available("adamw_cpu"), reason="the CPU extension is not built")
 
-F32, BF16 = torch.float32, torch.bfloat16
+F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
 HYPER = dict(lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, step=3)
 
 
@@ -69,8 +69,8 @@ CASES = [(n, bs) for n in (0, 1, 7, 255, 1000) for bs in (1, 7, 256, 4096)] + [
 # out is grad only where their dtypes match (the round job's in-place buffer)
 DTYPES_AND_LAYOUTS = [
     (gdt, pdt, layout)
-    for gdt in (F32, BF16)
-    for pdt in (F32, BF16)
+    for gdt in (F32, BF16, F16)
+    for pdt in (F32, BF16, F16)
     for layout in ("separate", "base_is_out", "out_is_grad")
     if layout != "out_is_grad" or gdt == pdt
 ]
@@ -178,7 +178,7 @@ def _interpret_checks() -> int:
 def test_triton_kernel_under_interpreter():
     """Runs :func:`_interpret_checks` in a subprocess with TRITON_INTERPRET=1 (set before triton is imported)."""
     code = "from tests.ops.test_adamw_difference import _interpret_checks as c; print('triton checks:', c())"
-    out = run_interpreted(code, timeout=900)
+    out = run_interpreted(code, timeout=1800)
     want = len(DTYPES_AND_LAYOUTS) * 3 * len(INTERPRETER_CASES) * 2 + 1
     assert f"triton checks: {want}" in out, out[-2000:]
 

@@ -2,7 +2,7 @@
 
 Every backend given ``hyper_tensor=hyper_tensor(lr, ...)`` instead of the host settings computes the same step:
 the CPU extension and the CUDA kernel body (CPU harness, launcher grid and an odd grid) bit for bit, for commit
-and peek, noop 0/1, fp32/bf16 grads and outs, separate and in-place ``out``. The torch reference (and the
+and peek, noop 0/1, fp32/bf16/fp16 grads and outs, separate and in-place ``out``. The torch reference (and the
 fallback, which shares its math) uses tensor arithmetic instead of Python numbers: the contract allows an ulp of
 difference there, so it is checked within 1 ulp of the largest value (rtol 2e-6, atol max|x| * 2**-23); with
 torch 2.13 on CPU it is in fact bit-identical. The host scalars are not even passed to the kernels (NaN in their
@@ -29,7 +29,7 @@ from tests.ops.adamw_oracle import AdamWOracle, ulp_atol
 from tests.ops.test_adamw import _forbid_host_reads, gen, poisoned, rand_state, require_cpu_ext
 
 SETTINGS = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, step=7)
-DTYPES = [torch.float32, torch.bfloat16]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
 def harness(grid_dim: int):
@@ -56,7 +56,7 @@ def odd_offset(h: torch.Tensor) -> torch.Tensor:
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.int16 if t.dtype == torch.bfloat16 else torch.int32)
+    return t.view(torch.int32 if t.dtype == torch.float32 else torch.int16)
 
 
 def test_hyper_tensor_is_hyper_scalars_in_fp32():
@@ -96,6 +96,10 @@ OUTS = [  # (grad dtype, out dtype or None, out is grad)
     (torch.float32, torch.float32, True),
     (torch.bfloat16, torch.bfloat16, True),
     (torch.bfloat16, None, False),
+    (torch.float32, torch.float16, False),
+    (torch.float16, torch.float32, False),
+    (torch.float16, torch.float16, True),
+    (torch.float16, None, False),
 ]
 
 
@@ -138,7 +142,10 @@ def test_hyper_tensor_equals_host_scalars(backend, n, gdtype, odtype, in_place, 
             torch.testing.assert_close(a, b, rtol=2e-6, atol=ulp_atol(b))
         if odtype is not None:
             tol = dict(rtol=2e-6, atol=ulp_atol(host_state[0]))
-            tol = dict(rtol=8e-3, atol=0.0) if odtype == torch.bfloat16 else tol
+            tol = {
+                torch.bfloat16: dict(rtol=8e-3, atol=0.0),
+                torch.float16: dict(rtol=1e-3, atol=2.0**-24),
+            }.get(odtype, tol)
             torch.testing.assert_close(dev_out.float(), host_out.float(), **tol)
     if noop or not commit:  # the state was not written
         for a, b in zip(dev_state, state):
@@ -189,7 +196,7 @@ def test_the_scalars_come_from_the_tensor():
         assert not torch.equal(a[0], c[0])
 
 
-@pytest.mark.parametrize("odtype", [None, torch.bfloat16])
+@pytest.mark.parametrize("odtype", [None, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("flag", [0, 1])
 @pytest.mark.parametrize("commit", [True, False])
 def test_fallback_never_reads_hyper_tensor_on_the_host(monkeypatch, odtype, flag, commit):
@@ -218,5 +225,5 @@ def test_fallback_never_reads_hyper_tensor_on_the_host(monkeypatch, odtype, flag
         adamw_mod._adamw_torch(a)
     for x, y in zip(ours, ref):
         torch.testing.assert_close(x, y, rtol=2e-6, atol=ulp_atol(y))
-    if out is not None:
-        torch.testing.assert_close(out.float(), out_ref.float(), rtol=8e-3, atol=0.0)
+    if out is not None:  # one bf16 / fp16 rounding apart at most
+        torch.testing.assert_close(out.float(), out_ref.float(), rtol=8e-3, atol=2.0**-24)

@@ -1,6 +1,6 @@
 """Fused AdamW in place: ``out`` may be ``grad`` itself (ACCO's job writes the new parameters over this
 rank's reduced gradient slice). Every backend gives exactly the bits of the same step with separate
-buffers, for commit and peek, fp32 and bf16, odd sizes, noop and scale flags; any other overlap is
+buffers, for commit and peek, fp32, bf16 and fp16, odd sizes, noop and scale flags; any other overlap is
 still rejected."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ BACKENDS = {"auto": adamw_step, "ref": adamw_step_ref, "cuda_body": cuda_body}
 
 @pytest.mark.parametrize("backend", list(BACKENDS))
 @pytest.mark.parametrize("n", [1, 7, 4099, 278011])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("commit", [True, False])
 @pytest.mark.parametrize("noop", [0, 1])
 def test_in_place_equals_separate_buffers(backend, n, dtype, commit, noop):
@@ -44,8 +44,8 @@ def test_in_place_equals_separate_buffers(backend, n, dtype, commit, noop):
     buf = grad.clone()
     fn(*in_state, buf, buf, step=5, commit=commit, scale_tensor=scale, noop_flag=flag, **HP)
 
-    assert torch.equal(buf.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
-                       sep_out.view(torch.int16 if dtype == torch.bfloat16 else torch.int32))  # fmt: skip
+    raw = torch.int32 if dtype == torch.float32 else torch.int16
+    assert torch.equal(buf.view(raw), sep_out.view(raw))
     for a, b in zip(in_state, sep_state):
         assert torch.equal(a, b)
     if not commit or noop:  # the state was not written

@@ -1,5 +1,5 @@
 """The ulp bounds of tests/ops/adamw_oracle.py validated on CPU: 100 AdamW steps, n = 1, 7, 4096 and 65536, many
-seeds, fp32 and bf16 gradients, weight decay 0 and 0.1, for every fused AdamW we can run here (the CPU extension
+seeds, fp32, bf16 and fp16 gradients, weight decay 0 and 0.1, for every fused AdamW we can run here (the CPU extension
 through acco_ds.ops.adamw, the CUDA kernel body run by the CPU harness, the pure-torch fallback), torch's own fp32
 AdamW and an emulation of torch's CUDA arithmetic (FMA, product by a reciprocal). The GPU test
 (tests/gpu/test_kernels_gpu.py::test_cuda_matches_torch_adamw_100_steps) applies the same bounds to the CUDA kernel
@@ -47,7 +47,9 @@ def run_100_steps(n, gdtype, wd, seed, fns: dict) -> tuple:
     return oracle, states
 
 
-@pytest.mark.parametrize("gdtype", [torch.float32, torch.bfloat16], ids=["g_fp32", "g_bf16"])
+@pytest.mark.parametrize(
+    "gdtype", [torch.float32, torch.bfloat16, torch.float16], ids=["g_fp32", "g_bf16", "g_fp16"]
+)
 @pytest.mark.parametrize("wd", [0.0, 0.1])
 def test_ulp_bounds_hold_for_every_implementation(wd, gdtype):
     fns = backends()

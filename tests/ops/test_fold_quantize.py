@@ -3,8 +3,8 @@ extension (``backend="cpp"``, acco_ds._quantize_cpu's fold_quantize_cpu / quanti
 
 1. The composition it replaces: for layouts of W = 1, 2, 3 chunks cut into parameters (1 element, less than a
    block, several blocks, spanning chunk ends; one gets no gradient; padding at the end), block sizes 1, 5, 7, 64,
-   256 and one longer than the chunk, buffer / gradient / residual dtypes fp32 and bf16 in every combination (and
-   no residual), 8 and 4 bits: folding every gradient (fold_quantize) then quantizing the blocks no fold covered
+   256 and one longer than the chunk, buffer / gradient / residual dtypes fp32, bf16 and fp16 (each half with
+   itself or fp32; no residual too), 8 and 4 bits: folding every gradient (fold_quantize) then quantizing the blocks no fold covered
    whole (quantize_listed_blocks) gives q, the scales and the residual of accumulate_grads_ref of every gradient
    followed by quantize_with_residual_ref (quantize_ref) of each chunk, bit for bit, for both backends; the buffer
    holds the accumulated values where no fold quantized and its old values where one did.
@@ -15,7 +15,7 @@ extension (``backend="cpp"``, acco_ds._quantize_cpu's fold_quantize_cpu / quanti
    (work split into items), every CPU instruction-set variant (a subprocess per variant).
 3. Argument errors, each naming the argument, for both backends.
 
-Bits: fp32 compared as int32, bf16 as int16 (signed zeros and NaN payloads included).
+Bits: fp32 compared as int32, bf16 and fp16 as int16 (signed zeros and NaN payloads included).
 """
 
 from __future__ import annotations
@@ -39,8 +39,9 @@ from acco_ds.ops.fold_quantize import (
 from acco_ds.ops.quantize import num_blocks, quantize_ref, quantize_with_residual_ref
 from tests.ops.cpu_isa import run_under_isa
 
-F32, BF16 = torch.float32, torch.bfloat16
-OTHER = {F32: BF16, BF16: F32}
+F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
+OTHER = {F32: BF16, BF16: F32, F16: F32}
+HALVES = (BF16, F16)
 Q_UNSET, SCALE_UNSET = -128, -1.0  # never produced: an entry left at these was not written
 BACKENDS = ["ref", "cpp"]
 # per-block magnitudes: ordinary, huge (sums overflow), tiny normal, subnormal, the smallest subnormals
@@ -57,7 +58,7 @@ def gen(*key) -> torch.Generator:
 
 
 def raw(t: torch.Tensor) -> torch.Tensor:
-    return t.view({F32: torch.int32, BF16: torch.int16}.get(t.dtype, t.dtype))
+    return t.view({F32: torch.int32, BF16: torch.int16, F16: torch.int16}.get(t.dtype, t.dtype))
 
 
 def assert_same(a: torch.Tensor, b: torch.Tensor, what: str, any_nan: bool = False) -> None:
@@ -170,7 +171,7 @@ def fused(buffer, residual, grads, params, order, chunk, bs, bits, backend):
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("rdtype", ["none", "same", "other"])
 @pytest.mark.parametrize("gdtype", ["same", "other"])
-@pytest.mark.parametrize("bdtype", [F32, BF16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("bdtype", [F32, BF16, F16], ids=["fp32", "bf16", "fp16"])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_the_fused_round_end_is_the_composition(backend, bdtype, gdtype, rdtype, bits):
     needs(backend)
@@ -243,9 +244,9 @@ def listed(t, blocks, chunk, bs, bits, backend):
 
 
 @pytest.mark.parametrize("bits", [8, 4])
-@pytest.mark.parametrize("rdtype", [None, F32, BF16], ids=["none", "r-fp32", "r-bf16"])
-@pytest.mark.parametrize("gdtype", [F32, BF16], ids=["g-fp32", "g-bf16"])
-@pytest.mark.parametrize("bdtype", [F32, BF16], ids=["b-fp32", "b-bf16"])
+@pytest.mark.parametrize("rdtype", [None, F32, BF16, F16], ids=["none", "r-fp32", "r-bf16", "r-fp16"])
+@pytest.mark.parametrize("gdtype", [F32, BF16, F16], ids=["g-fp32", "g-bf16", "g-fp16"])
+@pytest.mark.parametrize("bdtype", [F32, BF16, F16], ids=["b-fp32", "b-bf16", "b-fp16"])
 def test_cpp_matches_the_reference_call_by_call(bdtype, gdtype, rdtype, bits):
     needs("cpp")
     world, chunk = 2, 1000
@@ -287,13 +288,13 @@ def test_non_finite_zero_huge_and_tiny_blocks():
         assert_same(b, buffer, f"the buffer, untouched ({backend})")
 
 
-@pytest.mark.parametrize("bdtype", [F32, BF16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("bdtype", [F32, BF16, F16], ids=["fp32", "bf16", "fp16"])
 def test_non_finite_values_at_the_ends_and_in_the_cast(bdtype):
     """The accumulated ends store NaN (a NaN in the buffer or the gradient, inf - inf) and inf (an overflow) with
-    the reference's bits; a sum finite in fp32 that the bf16 cast rounds to inf (bf16's largest value + 1e36) makes
+    the reference's bits; a sum finite in fp32 that the bf16 / fp16 cast rounds to inf (its largest value + 1e36) makes
     its fused block non-finite (NaN scale, q 0, residual 0)."""
     chunk, bs = 32, 8  # blocks 0 .. 3; the gradient at [4, 28): blocks 1 and 2 fused, 0 and 3 accumulated
-    big = float(torch.finfo(torch.bfloat16).max)
+    big = float(torch.finfo(bdtype if bdtype in HALVES else BF16).max)
     buffer = torch.zeros(chunk)
     grad = torch.ones(24, dtype=F32)
     buffer[4], grad[1] = float("nan"), float("nan")  # buffer[5] + NaN
@@ -301,9 +302,9 @@ def test_non_finite_values_at_the_ends_and_in_the_cast(bdtype):
     buffer[7], grad[3] = big, big  # overflows
     buffer[24], grad[20] = float("-inf"), 1.0
     buffer[25], grad[21] = -big, -big
-    buffer[8], grad[4] = big, 1e36  # block 1: finite in fp32; in bf16 inf
+    buffer[8], grad[4] = big, 1e36  # block 1: finite in fp32; in bf16 / fp16 inf
     buffer = buffer.to(bdtype)
-    for rdtype in (None, F32, BF16):
+    for rdtype in (None, F32, BF16, F16):
         residual = None if rdtype is None else torch.full((chunk,), 0.5, dtype=rdtype)
         q, scales = rows(1, chunk, bs)
         b, r, q, scales = both(fold, buffer, residual, q, scales, grad, 4, chunk, bs, 8)
@@ -313,9 +314,9 @@ def test_non_finite_values_at_the_ends_and_in_the_cast(bdtype):
             and b[24] == float("-inf")
             and b[25] == float("-inf")
         )
-        assert (scales[1].isnan() if bdtype == BF16 else scales[1] > 0) and scales[2] > 0
-        assert q[16:24].ne(0).any() and (q[8:16].eq(0).all() if bdtype == BF16 else q[8] == 127)
-        if r is not None and bdtype == BF16:
+        assert (scales[1].isnan() if bdtype in HALVES else scales[1] > 0) and scales[2] > 0
+        assert q[16:24].ne(0).any() and (q[8:16].eq(0).all() if bdtype in HALVES else q[8] == 127)
+        if r is not None and bdtype in HALVES:
             assert r[8:16].eq(0).all() and r[16:24].ne(0).any()
 
 
@@ -351,7 +352,8 @@ _ISA_SCRIPT = """
 import torch
 from acco_ds.ops import _build
 from tests.ops import test_fold_quantize as t
-for bdtype, gdtype, rdtype in ((t.F32, t.F32, t.F32), (t.BF16, t.BF16, t.BF16), (t.BF16, t.F32, None)):
+for bdtype, gdtype, rdtype in ((t.F32, t.F32, t.F32), (t.BF16, t.BF16, t.BF16), (t.BF16, t.F32, None),
+                               (t.F16, t.F16, t.F16), (t.F16, t.F32, t.F32), (t.F32, t.F16, None)):
     for bits in (8, 4):
         for bs, offset, numel in ((16, 13, 1500), (7, 0, 2000)):
             buffer, grad, residual = t.special(2, 1000, bs, bdtype, gdtype, rdtype, offset, numel, "isa")
@@ -427,7 +429,7 @@ def test_argument_errors_name_the_argument(backend):
         (dict(offset=-1), ValueError, "offset -1"),
         (dict(offset=55), ValueError, "offset 55"),
         (dict(offset=2.0), TypeError, "offset"),
-        (dict(grad=torch.ones(10, dtype=torch.float16)), TypeError, "grad"),
+        (dict(grad=torch.ones(10, dtype=torch.float64)), TypeError, "grad has dtype torch.float64"),
         (dict(grad=torch.ones(20)[::2]), ValueError, "grad must be contiguous"),
         (dict(block_size=0), ValueError, "block_size"),
         (dict(bits=2), ValueError, "bits"),
@@ -479,11 +481,11 @@ def test_the_extension_checks_its_own_arguments():
 
     for change, match in ((dict(qmax=15), "qmax"), (dict(chunk=0), "chunk"), (dict(bs=0), "block_size"),
                           (dict(offset=60), "does not fit"), (dict(offset=-1), "does not fit"),
-                          (dict(rdtype=1), "residual"), (dict(gdtype=2), "grad dtype")):  # fmt: skip
+                          (dict(rdtype=1), "residual"), (dict(gdtype=3), "grad dtype")):  # fmt: skip
         with pytest.raises(ValueError, match=match):
             fold_raw(**change)
     with pytest.raises(ValueError, match="qmax"):
         ext.quantize_listed_blocks_cpu(
             ptrs[0], 0, 32, 2, 0, -1, q.data_ptr(), scales.data_ptr(), 8, 8, 0, 0, 1
         )
-    assert ext.ABI_VERSION == _build.ABI_VERSION == 7
+    assert ext.ABI_VERSION == _build.ABI_VERSION == 8

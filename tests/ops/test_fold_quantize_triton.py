@@ -8,8 +8,8 @@ each parameter's gradient folded in a shuffled order (2-D gradients too), then t
 (quantize_listed_blocks). After every call q, the scales, the residual and the buffer have the reference's bits (a
 NaN matching any NaN: its payload is the processor's; a bf16 NaN the kernels store is 0x7FC0). Block sizes 7, 64,
 256, 1024 (the row kernel, several blocks a program) and 2000 (longer than a 1024-element tile: one block a program,
-walked tile by tile), the short ones also through the one-block kernel; buffer / gradient / residual dtypes fp32 and
-bf16, mixed, and no residual; 8 and 4 bits; an inf in a block a fold quantizes, a NaN in one it accumulates (the
+walked tile by tile), the short ones also through the one-block kernel; buffer / gradient / residual dtypes fp32,
+bf16 and fp16, mixed, and no residual; 8 and 4 bits; an inf in a block a fold quantizes, a NaN in one it accumulates (the
 listed pass quantizes it: NaN scale), all-zero blocks (with -0.0), exact ties. The interpreter runs one program at a
 time in Python, so the buffers stay small.
 """
@@ -28,8 +28,8 @@ from acco_ds.ops.fold_quantize import covered_blocks, fold_quantize, quantize_li
 from acco_ds.ops.quantize import num_blocks
 from tests.ops.triton_interpreter import assert_same_bits, run_this_file_interpreted
 
-F32, BF16 = torch.float32, torch.bfloat16
-# (buffer, gradient, residual) dtypes: all fp32, all bf16, mixed, no residual
+F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
+# (buffer, gradient, residual) dtypes: all fp32, all bf16, all fp16, mixed, no residual
 DTYPES = [
     (F32, F32, F32),
     (BF16, BF16, BF16),
@@ -39,6 +39,11 @@ DTYPES = [
     (BF16, BF16, None),
     (F32, F32, None),
     (F32, BF16, BF16),
+    (F16, F16, F16),
+    (F16, F16, F32),
+    (F16, F32, F16),
+    (F32, F16, F32),
+    (F16, F16, None),
 ]
 # (block size, chunk): short last blocks of every chunk (the chunk not a multiple of the block size)
 GEOMETRIES = [(7, 101), (64, 500), (256, 1100), (1024, 3100), (2000, 6500)]
@@ -235,6 +240,7 @@ def cases():
     for bs, chunk in GEOMETRIES[1], GEOMETRIES[4]:
         yield 2, chunk, bs, (F32, F32, None), 8, False, True
         yield 1, chunk, bs, (BF16, BF16, None), 8, bs < 1024, True
+        yield 1, chunk, bs, (F16, F16, None), 8, bs < 1024, True
 
 
 def _interpret_checks() -> str:
@@ -257,7 +263,7 @@ def _interpret_checks() -> str:
 
 def test_triton_kernels_under_interpreter():
     """Runs this file's checks in a subprocess with TRITON_INTERPRET=1 (set before triton is imported)."""
-    out = run_this_file_interpreted(__file__, timeout=600)
+    out = run_this_file_interpreted(__file__, timeout=1800)
     assert f"fold quantize checks: {sum(1 for _ in cases())} rounds passed" in out, out[-2000:]
 
 

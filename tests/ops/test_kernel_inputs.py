@@ -109,7 +109,11 @@ ADAMW_ROWS = {
         TypeError,
         "exp_avg_sq has dtype torch.float64",
     ),
-    "grad_float16": (_set("grad", lambda a: a["grad"].half()), TypeError, "grad has dtype torch.float16"),
+    "grad_float64": (
+        _set("grad", lambda a: a["grad"].double()),
+        TypeError,
+        "grad has dtype torch.float64; allowed: torch.float32, torch.bfloat16 or torch.float16",
+    ),
     "out_int32": (
         _set("out", lambda a: torch.zeros(N, dtype=torch.int32)),
         TypeError,
@@ -339,10 +343,10 @@ ACC_ROWS = {
         "buffer is not contiguous",
     ),
     "buffer_2d": (lambda a: a.update(buffer=torch.randn(3, N)), ValueError, "buffer must be 1-D"),
-    "buffer_float16": (
-        lambda a: a.update(buffer=a["buffer"].half()),
+    "buffer_float64": (
+        lambda a: a.update(buffer=a["buffer"].double()),
         TypeError,
-        "buffer has dtype torch.float16",
+        "buffer has dtype torch.float64; allowed: torch.float32, torch.bfloat16 or torch.float16",
     ),
     "buffer_misaligned": (
         lambda a: a.update(buffer=misaligned(3 * N, torch.float32)),
@@ -413,9 +417,10 @@ def test_flat_ops_reject_before_launch(fn, backend, row):
 @pytest.mark.parametrize("offset", [1, 5, 17])
 def test_accumulate_odd_offsets_match_reference(backend, offset):
     g = torch.Generator().manual_seed(3)
-    grads = [torch.randn(N, generator=g), torch.randn(13, 7, generator=g).bfloat16(), None]
-    offsets = [offset, offset + N + 3, 0]
-    for dtype in (torch.float32, torch.bfloat16):
+    grads = [torch.randn(N, generator=g), torch.randn(13, 7, generator=g).bfloat16(), None,
+             torch.randn(5, 11, generator=g).half()]  # fmt: skip
+    offsets = [offset, offset + N + 3, 0, offset + N + 100]
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
         buf = torch.randn(2 * N + 200, generator=g).to(dtype)
         want = buf.clone()
         acc.accumulate_grads(buf, grads, offsets, 0.25, backend=backend)

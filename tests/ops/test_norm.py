@@ -1,6 +1,6 @@
 """``acco_ds.ops.norm.sum_of_squares``, the gradient norm's accumulation: fp64 like DeepSpeed's ZeRO norm, within
 1e-7 (relative) of an fp64 reference on the shards where an fp32 accumulator fails (millions of tiny values beside a
-few large ones: the rarely used rows of an embedding), in fp32 and bf16; no temporary of the shard's size; a
+few large ones: the rarely used rows of an embedding), in fp32, bf16 and fp16; no temporary of the shard's size; a
 non-finite value stays non-finite (the round job skips the step on it). Both backends: "torch" here, "triton" under
 the Triton interpreter (a subprocess: TRITON_INTERPRET=1 must be set before triton is imported) and on a GPU. The
 CUDA tests also check that it never makes the host wait; they are skipped without a GPU."""
@@ -17,6 +17,7 @@ from acco_ds.ops.norm import NORM_CHUNK, PER_PROGRAM, sum_of_squares
 from tests.ops.triton_interpreter import run_interpreted
 
 REL = 1e-7
+DTYPES, DTYPE_IDS = [torch.float32, torch.bfloat16, torch.float16], ["fp32", "bf16", "fp16"]
 SMALL, LARGE = 1e-5, 1e-2
 
 
@@ -40,7 +41,7 @@ def fp64_reference(x: torch.Tensor) -> float:
 SHAPES = [(3_200_000, 8192), (NORM_CHUNK["cpu"] * 5 + 12_345, 1000), (1_000_003, 1)]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize(("n", "n_large"), SHAPES, ids=[f"{n}x{k}" for n, k in SHAPES])
 def test_matches_fp64_reference(n, n_large, dtype):
     x = swamping_shard(n, n_large, dtype)
@@ -69,7 +70,7 @@ def test_non_finite_stays_non_finite(bad):
     assert not torch.isfinite(sum_of_squares(x)).all()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 def test_no_temporary_of_the_shard_size(dtype):
     """The largest allocation is one fp64 chunk, whatever the shard's size (torch's
     ``vector_norm(x, dtype=torch.float64)`` would allocate an fp64 copy of all of x)."""
@@ -82,8 +83,8 @@ def test_no_temporary_of_the_shard_size(dtype):
 
 
 def test_bad_input_is_refused():
-    with pytest.raises(TypeError, match="float32 or bfloat16"):
-        sum_of_squares(torch.ones(4, dtype=torch.float16))
+    with pytest.raises(TypeError, match="torch.float32, torch.bfloat16 or torch.float16, got torch.float64"):
+        sum_of_squares(torch.ones(4, dtype=torch.float64))
     with pytest.raises(ValueError, match="backend must be one of"):
         sum_of_squares(torch.ones(4), backend="cuda")
 
@@ -102,7 +103,7 @@ def _interpret_checks() -> int:
     assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
     count = 0
     for n, n_large in INTERPRETER_CASES:
-        for dtype in (torch.float32, torch.bfloat16):
+        for dtype in DTYPES:
             x = swamping_shard(n, n_large, dtype, seed=n)
             got = sum_of_squares(x, backend="triton")
             assert got.dtype == torch.float64 and got.shape == (1,), (got.dtype, got.shape)
@@ -128,4 +129,4 @@ def test_triton_kernel_under_interpreter():
         "from tests.ops.test_norm import _interpret_checks; print('norm checks:', _interpret_checks())",
         timeout=600,
     )
-    assert f"norm checks: {2 * len(INTERPRETER_CASES) + 3}" in out, out[-2000:]
+    assert f"norm checks: {len(DTYPES) * len(INTERPRETER_CASES) + 3}" in out, out[-2000:]

@@ -15,7 +15,7 @@ from acco_ds.ops import _build
 from acco_ds.ops import quantize as Q
 from acco_ds.ops.quantize import QMAX, num_blocks
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 BACKENDS = ["ref"] + (["cpp"] if _build.available("quantize_cpu") else [])
 _BACKEND = {"name": "ref"}
 
@@ -110,7 +110,7 @@ def test_huge_and_tiny_magnitudes(dtype):
         [big, -big / 3, 1.0, 0.0],
         [tiny, -tiny * 5, tiny / 4, 0.0],  # tiny / 4: subnormal
         [1e-40, -3e-41, 1e-44, 0.0],  # subnormal fp32 (bf16 keeps its own nearest)
-        [1e30, 1e-30, -1e10, 7.0],
+        [1e30, 1e-30, -1e10, 7.0] if big > 1e30 else [big / 2, 1e-7, -1e3, 7.0],  # fp16: within its range
     ]
     x = torch.tensor([v for b in blocks for v in b], dtype=torch.float64).to(DTYPES[dtype])
     check_against_reference(x, 4)
@@ -184,7 +184,7 @@ def test_residual_of_a_non_finite_block_is_zeroed():
 def test_bad_arguments_are_refused():
     with pytest.raises(ValueError, match="block_size"):
         quantize(torch.ones(4), 0)
-    with pytest.raises(TypeError, match="float32 or bfloat16"):
+    with pytest.raises(TypeError, match="torch.float32, torch.bfloat16 or torch.float16, got torch.float64"):
         quantize(torch.ones(4, dtype=torch.float64), 4)
     with pytest.raises(ValueError, match="flat"):
         quantize(torch.ones(2, 2), 4)
@@ -253,7 +253,7 @@ BACKENDS_HERE = ["ref"] + (["cpp"] if _build.available("quantize_cpu") else [])
 
 @pytest.mark.parametrize("backend", BACKENDS_HERE)
 @pytest.mark.parametrize("bits", [8, 4])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
 def test_out_rows_get_the_bits_of_new_tensors(dtype, bits, backend):
     """``out=``: each chunk quantized straight into its row of a wider q / scales buffer (the compressed
     reduce-scatter's layout) gives the bits of the call that allocates, residual included."""

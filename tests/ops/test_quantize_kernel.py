@@ -1,7 +1,8 @@
 """The CPU quantize kernels (acco_ds._quantize_cpu, ``backend="cpp"``) against the torch reference, bit for bit.
 
-Every check compares the bits (fp32 as int32, bf16 as int16: NaN payloads and the sign of zero included) of q,
-scales, the residual and dequantized values / sums, for fp32 and bf16 inputs and residuals, odd lengths (short
+Every check compares the bits (fp32 as int32, bf16 and fp16 as int16: NaN payloads and the sign of zero included)
+of q, scales, the residual and dequantized values / sums, for fp32, bf16 and fp16 inputs and residuals (fp16 turns
+the huge magnitudes into infs and the tiny ones into subnormals or zeros), odd lengths (short
 last blocks), block sizes from 1 to 4096, all-zero blocks, huge (1e38) and subnormal (1e-40) magnitudes, +-inf
 and NaN in some blocks, one and two OpenMP threads, every CPU instruction-set variant, and many rounds of error
 feedback (the residual evolves). The module skips when the extension is not built.
@@ -33,7 +34,7 @@ from acco_ds.ops.quantize import (
 )
 from tests.ops.cpu_isa import run_under_isa
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 SIZES = [0, 1, 7, 255, 257, 4099, 100_003]
 BLOCKS = [1, 7, 16, 256, 4096]
 # per-block magnitudes: ordinary, huge, tiny normal, subnormal, the smallest subnormals
@@ -52,7 +53,11 @@ def gen(*key) -> torch.Generator:
 
 def bits(t: torch.Tensor) -> torch.Tensor:
     """The raw bits of ``t`` (comparing them compares NaN payloads and signed zeros too)."""
-    return t.view({torch.float32: torch.int32, torch.bfloat16: torch.int16}.get(t.dtype, t.dtype))
+    return t.view(
+        {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}.get(
+            t.dtype, t.dtype
+        )
+    )
 
 
 def assert_same(a: torch.Tensor, b: torch.Tensor, what: str, any_nan: bool = False) -> None:
@@ -235,7 +240,7 @@ def test_dequantize_sum_follows_the_order_and_checks_its_arguments():
         (dict(order=[]), "at least one"),
         (dict(scales=s[:, :-1]), "scales must be fp32 of shape"),
         (dict(out=torch.empty(999)), "row length"),
-        (dict(out=torch.empty(1000, dtype=torch.float16)), "float32 or bfloat16"),
+        (dict(out=torch.empty(1000, dtype=torch.float64)), "torch.float32, torch.bfloat16 or torch.float16"),
     ):
         args = dict(out=torch.empty(1000), q=q, scales=s, block_size=16, order=None) | bad
         with pytest.raises((ValueError, TypeError), match=match):
@@ -362,8 +367,8 @@ from acco_ds.ops.quantize import dequantize_add, dequantize_add_ref, quantize_wi
 from acco_ds.ops.quantize import dequantize_sum, dequantize_sum_ref
 from acco_ds.ops.quantize import add_dequantized, add_dequantized_ref, quantize_difference, quantize_difference_ref
 print(_build.load("quantize_cpu").ISA)
-for dtype in (torch.float32, torch.bfloat16):
-    for rdtype in (torch.float32, torch.bfloat16):
+for dtype in (torch.float32, torch.bfloat16, torch.float16):
+    for rdtype in (torch.float32, torch.bfloat16, torch.float16):
         for block_size in (7, 256):
             x = t.special(20_011, block_size, dtype, "isa")
             r = t.small(20_011, rdtype, "isa")

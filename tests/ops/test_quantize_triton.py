@@ -2,8 +2,8 @@
 reference, bit for bit, under the Triton interpreter (``TRITON_INTERPRET=1``, in a subprocess: it must be set before
 triton is imported).
 
-The same cases as the CPU kernel's (tests/ops/test_quantize_kernel.py: its inputs and bit comparison): fp32 and bf16
-inputs and residuals, 8 and 4 bits, odd lengths (short last blocks), block sizes from 1 to 4096 (a block longer
+The same cases as the CPU kernel's (tests/ops/test_quantize_kernel.py: its inputs and bit comparison): fp32, bf16 and
+fp16 inputs and residuals, 8 and 4 bits, odd lengths (short last blocks), block sizes from 1 to 4096 (a block longer
 than a program's 1024-element tile is walked tile by tile), all-zero and negative-zero blocks, huge and subnormal
 magnitudes, +-inf and NaN, exact ties, rounds of error feedback summed as a chunk's owner sums them. The
 interpreter runs one program at a time in Python, so the lengths stay small where the blocks are.
@@ -69,7 +69,7 @@ def test_importing_the_quantizer_does_not_import_triton():
 
 def test_triton_kernels_under_interpreter():
     """Runs this file's checks in a subprocess with TRITON_INTERPRET=1 (set before triton is imported)."""
-    out = run_this_file_interpreted(__file__, timeout=900)
+    out = run_this_file_interpreted(__file__, timeout=1800)
     assert f"triton quantize checks: {_expected_checks()} passed" in out, out[-2000:]
 
 
@@ -79,10 +79,13 @@ def _bit_widths(n: int, block: int) -> tuple:
 
 
 def _expected_checks() -> int:
-    # per bit width: quantize of 2 dtypes, with a residual of 2 dtypes each; per case one dequantize check
+    # per bit width: quantize of each dtype, with a residual of each dtype; per case one dequantize check
     # + per parameter dtype: dequantize_sum, the difference quantized per bit width, the difference applied
-    per_case = [2 * len(_bit_widths(n, b)) * 3 + 1 + 2 * (2 + len(_bit_widths(n, b))) for n, b in CASES]
-    return sum(per_case) + 4 + 1  # + 4 error-feedback runs + the exact edge cases
+    d = len(DTYPES)
+    per_case = [d * len(_bit_widths(n, b)) * (1 + d) + 1 + d * (2 + len(_bit_widths(n, b))) for n, b in CASES]
+    return (
+        sum(per_case) + d * d + 1
+    )  # + the error-feedback runs (dtype x residual dtype) + the exact edge cases
 
 
 def _interpret_checks() -> int:

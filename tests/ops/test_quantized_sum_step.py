@@ -1,8 +1,8 @@
 """``acco_ds.ops.quantized_sum_step``: the CPU pass that reads the W quantized chunks of a shard straight into the
 norm and the AdamW step gives, bit for bit, the composition ``dequantize_sum`` -> ``+= tilde`` -> ``adamw_step`` /
 ``adamw_step_difference`` (master, both moments, the new parameters, the difference's q and scales, the g~ it
-writes), and the norm within the fp64 order of its additions: W = 1, 2, 3 in an order that is not 0..W-1, fp32 and
-bf16 sums and parameters, lengths the blocks do not divide, commit, peek and noop, with and without the kept g~, a
+writes), and the norm within the fp64 order of its additions: W = 1, 2, 3 in an order that is not 0..W-1, fp32,
+bf16 and fp16 sums and parameters, lengths the blocks do not divide, commit, peek and noop, with and without the kept g~, a
 non-finite block (NaN scale), 1 and 2 threads. Bad arguments are refused naming them."""
 
 from __future__ import annotations
@@ -21,12 +21,15 @@ pytestmark = pytest.mark.skipif(
     reason="the CPU extensions are not built",
 )
 
-F32, BF16 = torch.float32, torch.bfloat16
+F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
 HYPER = dict(lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, step=3)
 
 
+_RAW = {F32: torch.int32, BF16: torch.int16, F16: torch.int16}
+
+
 def _bits(t: torch.Tensor) -> torch.Tensor:
-    return {F32: lambda: t.view(torch.int32), BF16: lambda: t.view(torch.int16)}.get(t.dtype, lambda: t)()
+    return t.view(_RAW[t.dtype]) if t.dtype in _RAW else t
 
 
 def _rows(world: int, n: int, bs: int, seed: int, nan_block: bool = False):
@@ -69,7 +72,11 @@ def _run(backend, rows, state, bs, order, sdt, pdt, *, commit, noop, tilde, diff
     return sumsq, [written, master, m, v, out, *(got or ())]
 
 
-CASES = list(itertools.product([1, 2, 3], [(37, 16), (1000, 64), (70001, 1024)], [F32, BF16], [F32, BF16]))
+# (sum dtype, parameter dtype): bf16 and fp32 in every pair, fp16 with itself and with fp32
+PAIRS = [(F32, F32), (BF16, BF16), (F32, BF16), (BF16, F32), (F16, F16), (F32, F16), (F16, F32)]
+CASES = [
+    (w, size, s, p) for w in (1, 2, 3) for size in ((37, 16), (1000, 64), (70001, 1024)) for s, p in PAIRS
+]
 
 
 @pytest.mark.parametrize(
@@ -99,7 +106,7 @@ def test_the_sum_is_dequantize_sum_plus_tilde():
     """What the passes read as the gradient: the g~ they write equals dequantize_sum's store, plus the kept g~."""
     n, bs, world = 3000, 128, 3
     q, scales = _rows(world, n, bs, seed=5)
-    for sdt in (F32, BF16):
+    for sdt in (F32, BF16, F16):
         tilde = (torch.randn(n) * 0.1).to(sdt)
         expected = torch.empty(n, dtype=sdt)
         dequantize_sum(expected, q, scales, bs, [2, 0, 1])
@@ -150,8 +157,8 @@ def test_bad_arguments_are_refused():
     q, scales = _rows(2, n, bs, seed=0)
     master, m, v, tilde, base = _state(n, F32, F32, seed=0)
     out = torch.empty(n)
-    with pytest.raises(TypeError, match="dtype"):
-        quantized_sum_of_squares(q, scales, bs, [0, 1], torch.float16)
+    with pytest.raises(TypeError, match="torch.float32, torch.bfloat16 or torch.float16, got torch.float64"):
+        quantized_sum_of_squares(q, scales, bs, [0, 1], torch.float64)
     with pytest.raises(ValueError, match="scales must be fp32 of shape"):
         quantized_sum_of_squares(q, scales[:, :-1], bs, [0, 1], F32)
     with pytest.raises(ValueError, match="order"):

@@ -28,7 +28,7 @@ from acco_ds.ops.quantize import num_blocks
 from acco_ds.ops.quantized_sum_step import adamw_step_quantized_sum, quantized_sum_of_squares
 from tests.ops.triton_interpreter import assert_same_bits, run_this_file_interpreted
 
-F32, BF16 = torch.float32, torch.bfloat16
+F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
 HYPER = dict(lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, step=3)
 ROWS = 4  # rows of q; the orders below sum some of them, not in the rows' order
 ORDERS = ([2], [3, 1], [2, 0, 1])
@@ -68,7 +68,7 @@ def _squares_checks() -> int:
     """quantized_sum_of_squares: the triton kernel against the composition."""
     count = 0
     for (n, bs), order, sdt, (has_tilde, has_out) in itertools.product(
-        SHAPES, ORDERS, (F32, BF16), ((False, False), (True, False), (False, True), (True, True))
+        SHAPES, ORDERS, (F32, BF16, F16), ((False, False), (True, False), (False, True), (True, True))
     ):
         bad = count % 3 == 1
         q, scales = _rows(n, bs, 127, count, order[-1] if bad else None)
@@ -99,7 +99,7 @@ def _squares_checks() -> int:
 # the step's cases: on the shortest shape every combination of (sum dtype, out dtype), the difference (none; 8
 # bits to a base of its own; 8 bits to out itself; 4 bits to a base of its own), commit, tilde, the noop flag
 # (absent, 0, 1) and the scale tensor; on the others the first four, the rest turning with the case's index
-DTYPES = [(F32, F32), (BF16, BF16), (F32, BF16), (BF16, F32)]
+DTYPES = [(F32, F32), (BF16, BF16), (F32, BF16), (BF16, F32), (F16, F16), (F32, F16), (F16, F32)]
 DIFFS = [None, ("base", 8), ("out", 8), ("base", 4)]
 NOOPS = (None, 0, 1)
 
@@ -178,14 +178,14 @@ def _interpret_checks() -> str:
 
 
 def _expected() -> str:
-    squares = len(SHAPES) * len(ORDERS) * 2 * 4
+    squares = len(SHAPES) * len(ORDERS) * 3 * 4
     steps = sum(1 for _ in _step_cases())
     return f"quantized sum step checks: {squares} + {steps} passed"
 
 
 def test_triton_kernels_under_interpreter():
     """Runs this file's checks in a subprocess with TRITON_INTERPRET=1 (set before triton is imported)."""
-    out = run_this_file_interpreted(__file__, timeout=600)
+    out = run_this_file_interpreted(__file__, timeout=1800)
     assert _expected() in out, out[-2000:]
 
 

@@ -5,7 +5,7 @@ float(grad[i]) * scale)`` (ACC) or ``cast(float(grad[i]) * scale)`` over one chu
 at ``grad_ptr + delta`` (``delta``: the row's element distance from the launch's first gradient, so the table
 holds no address and one table serves every call with the same layout): the fp32 product rounded, then the sum
 rounded (launch it with ``enable_fp_fusion=False``: no FMA, the bits of the ``*_ref`` functions), cast with
-:mod:`.bf16`'s rule. The table, the launch plan and the launch itself are
+:mod:`.bf16`'s rule (bf16 or fp16). The table, the launch plan and the launch itself are
 ``acco_ds.ops.accumulate``'s (``_chunk_table``, ``launch_plan``, ``_triton_launch``).
 """
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from acco_ds.ops.triton_kernels.bf16 import bf16_to_f32, f32_to_bf16
+from acco_ds.ops.triton_kernels.bf16 import from_f32, to_f32
 
 
 @triton.jit
@@ -25,15 +25,15 @@ def accumulate_chunks(
     scale,
     CHUNK: tl.constexpr,
     BLOCK: tl.constexpr,
-    G_BF16: tl.constexpr,
-    B_BF16: tl.constexpr,
+    G_DT: tl.constexpr,
+    B_DT: tl.constexpr,
     ACC: tl.constexpr,
     ALIGNED: tl.constexpr,
 ):
     """One program = one row of the int64 chunk table ``meta_ptr``: (gradient element offset from ``grad_ptr``,
-    offset in the buffer, chunk start, grad numel). ``grad_ptr``: the launch's first gradient (bf16 when G_BF16,
-    else fp32); CHUNK: elements per row, a multiple of 1024; BLOCK: elements per loop step; G_BF16 / B_BF16:
-    gradient / buffer dtype is bf16 (else fp32); ACC: add into the buffer (else overwrite it); ALIGNED: every
+    offset in the buffer, chunk start, grad numel). ``grad_ptr``: the launch's first gradient (of dtype code
+    G_DT: 0 fp32, 1 bf16, 2 fp16); CHUNK: elements per row, a multiple of 1024; BLOCK: elements per loop step;
+    B_DT: the buffer's dtype code; ACC: add into the buffer (else overwrite it); ALIGNED: every
     gradient address of the table and the buffer are 16-byte aligned and every offset a multiple of 8 (the
     vectorised path)."""
     row = meta_ptr + tl.program_id(0).to(tl.int64) * 4
@@ -61,17 +61,9 @@ def accumulate_chunks(
                     mask = None
                 else:
                     mask = idx < n
-                g = tl.load(gp + idx, mask=mask)
-                if G_BF16:
-                    g = bf16_to_f32(g)
+                g = to_f32(tl.load(gp + idx, mask=mask), G_DT)
                 if ACC:
-                    x = tl.load(bp + idx, mask=mask)
-                    if B_BF16:
-                        x = bf16_to_f32(x)
-                    y = x + g * scale
+                    y = to_f32(tl.load(bp + idx, mask=mask), B_DT) + g * scale
                 else:
                     y = g * scale
-                if B_BF16:
-                    tl.store(bp + idx, f32_to_bf16(y), mask=mask)
-                else:
-                    tl.store(bp + idx, y, mask=mask)
+                tl.store(bp + idx, from_f32(y, B_DT), mask=mask)

@@ -5,7 +5,7 @@
 [ROWS, TILE] tile, as ``quantize_rows``). Per element, the CUDA/CPU AdamW's operations in their order
 (csrc/adamw/adamw_math.h's ``adamw_update``, fp32, IEEE division and square root, no FMA: launch with
 ``enable_fp_fusion=False``), the scaled gradient ``float(g) * s`` with ``s = grad_scale * scale_tensor[0]``; the
-new parameter cast to the parameter dtype (:mod:`.bf16`'s rule); its fp32 difference to ``base`` quantized per
+new parameter cast to the parameter dtype (:mod:`.bf16`'s rule; dtype codes G_DT, P_DT: 0 fp32, 1 bf16, 2 fp16); its fp32 difference to ``base`` quantized per
 block (:mod:`.quantize`'s rules: scale rounded up, IEEE quotient rounded half to even, NaN scale and zero q in a
 non-finite block); ``out = base + q * scale`` stored in the parameter dtype. COMMIT writes master, exp_avg and
 exp_avg_sq unless the device's noop flag is set (then the new parameter is the master, cast). ``base`` may be
@@ -20,7 +20,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from acco_ds.ops.triton_kernels.bf16 import bf16_to_f32, f32_to_bf16
+from acco_ds.ops.triton_kernels.bf16 import round_to, to_f32
 from acco_ds.ops.triton_kernels.quantize import _load_f32, _quantize_tile, _row_tile, _store_as
 
 
@@ -44,8 +44,8 @@ def adamw_difference_rows(
     QMAX: tl.constexpr,
     TILE: tl.constexpr,
     ROWS: tl.constexpr,
-    G_BF16: tl.constexpr,
-    P_BF16: tl.constexpr,
+    G_DT: tl.constexpr,
+    P_DT: tl.constexpr,
     COMMIT: tl.constexpr,
     HAS_GSCALE: tl.constexpr,
     HAS_NOOP: tl.constexpr,
@@ -53,13 +53,11 @@ def adamw_difference_rows(
     """See the module docstring. ``hyper_ptr``: the 8 fp32 AdamW scalars (acco_ds.ops.adamw_settings.KERNEL_FIELDS
     order); ``gscale_ptr`` (HAS_GSCALE): 1 fp32; ``noop_ptr`` (HAS_NOOP): 1 int32, nonzero = no step."""
     rows, idx, mask = _row_tile(n, block_size, TILE, ROWS)
-    g = tl.load(g_ptr + idx, mask=mask, other=0)
-    if G_BF16:
-        g = bf16_to_f32(g)
+    g = to_f32(tl.load(g_ptr + idx, mask=mask, other=0), G_DT)
     p = adamw_tile(
         p_ptr, m_ptr, v_ptr, g, idx, mask, hyper_ptr, gscale_ptr, noop_ptr, grad_scale, COMMIT, HAS_GSCALE, HAS_NOOP
     )  # fmt: skip
-    apply_difference(p, base_ptr, out_ptr, q_ptr, qscale_ptr, rows, idx, mask, nb, QMAX, P_BF16)
+    apply_difference(p, base_ptr, out_ptr, q_ptr, qscale_ptr, rows, idx, mask, nb, QMAX, P_DT)
 
 
 @triton.jit
@@ -115,13 +113,12 @@ def adamw_tile(
 
 @triton.jit
 def apply_difference(
-    p, base_ptr, out_ptr, q_ptr, qscale_ptr, rows, idx, mask, nb, QMAX: tl.constexpr, P_BF16: tl.constexpr
+    p, base_ptr, out_ptr, q_ptr, qscale_ptr, rows, idx, mask, nb, QMAX: tl.constexpr, P_DT: tl.constexpr
 ):
     """The new parameters ``p`` (fp32) as the replicas will hold them: their difference to ``base`` (cast to the
     parameter dtype first) quantized per block into ``q`` / ``qscale``, and ``out = base + q * scale`` stored in the
     parameter dtype (``base`` is loaded before ``out`` is stored: it may be ``out``)."""
-    base = _load_f32(base_ptr, idx, mask, P_BF16)
-    if P_BF16:
-        p = bf16_to_f32(f32_to_bf16(p))  # the new parameter as the bf16 buffer would hold it
+    base = _load_f32(base_ptr, idx, mask, P_DT)
+    p = round_to(p, P_DT)  # the new parameter as the parameter buffer would hold it
     q, _, stored, _ = _quantize_tile(p - base, rows, idx, mask, q_ptr, qscale_ptr, rows < nb, QMAX)
-    _store_as(out_ptr, idx, base + q.to(tl.float32) * stored[:, None], mask, P_BF16)
+    _store_as(out_ptr, idx, base + q.to(tl.float32) * stored[:, None], mask, P_DT)

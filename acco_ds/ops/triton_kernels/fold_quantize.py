@@ -13,7 +13,7 @@ of the chunks between are all of them); only ``first`` and ``last`` can be partl
   block), the residual rewritten as ``v - q * scale`` in its dtype (0 in a non-finite block); the buffer is not
   written.
 - A block it covers in part: ``buffer = cast_buffer(float(buffer) + float(grad))`` at the covered elements only
-  (``accumulate_grads``' rule; the cast to bf16 is :mod:`.bf16`'s, nearest even); nothing else is written.
+  (``accumulate_grads``' rule; the cast to bf16 or fp16 is :mod:`.bf16`'s, nearest even); nothing else is written.
 - A listed block (FOLD false): ``v = float(buffer)`` (+ the residual), quantized as above.
 
 Two kernels, the same arithmetic: ``fold_quantize_rows`` for blocks of at most 1024 elements (ROWS blocks per
@@ -29,12 +29,12 @@ and last blocks, which change with every parameter: a few compilations per dtype
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
+from acco_ds.ops._dtypes import DTYPE_CODE
 from acco_ds.ops.quantize import _rows, _tile
-from acco_ds.ops.triton_kernels.bf16 import bf16_to_f32, f32_to_bf16
+from acco_ds.ops.triton_kernels.bf16 import round_to
 from acco_ds.ops.triton_kernels.quantize import (
     _block_scale,
     _load_f32,
@@ -55,28 +55,27 @@ def _values(
     mask,
     offset,
     FOLD: tl.constexpr,
-    B_BF16: tl.constexpr,
-    G_BF16: tl.constexpr,
+    B_DT: tl.constexpr,
+    G_DT: tl.constexpr,
     HAS_RES: tl.constexpr,
-    RES_BF16: tl.constexpr,
+    RES_DT: tl.constexpr,
 ):
     """fp32 ``v`` of the elements ``idx`` (0 where not ``mask``): the buffer (with FOLD + the gradient at ``idx -
     offset``, the sum rounded to the buffer's dtype), + the residual when HAS_RES."""
-    v = _load_f32(buf_ptr, idx, mask, B_BF16)
+    v = _load_f32(buf_ptr, idx, mask, B_DT)
     if FOLD:
-        v = v + _load_f32(grad_ptr, idx - offset, mask, G_BF16)
-        if B_BF16:
-            v = bf16_to_f32(f32_to_bf16(v))  # the buffer's value after accumulate_grads, as fp32
+        # the buffer's value after accumulate_grads, as fp32
+        v = round_to(v + _load_f32(grad_ptr, idx - offset, mask, G_DT), B_DT)
     if HAS_RES:
-        v = v + _load_f32(res_ptr, idx, mask, RES_BF16)
+        v = v + _load_f32(res_ptr, idx, mask, RES_DT)
     return v
 
 
 @triton.jit
-def _accumulate(buf_ptr, grad_ptr, idx, mask, offset, B_BF16: tl.constexpr, G_BF16: tl.constexpr):
+def _accumulate(buf_ptr, grad_ptr, idx, mask, offset, B_DT: tl.constexpr, G_DT: tl.constexpr):
     """``buffer = cast(float(buffer) + float(grad))`` at ``idx`` where ``mask`` (the gradient at ``idx - offset``)."""
-    s = _load_f32(buf_ptr, idx, mask, B_BF16) + _load_f32(grad_ptr, idx - offset, mask, G_BF16)
-    _store_as(buf_ptr, idx, s, mask, B_BF16)
+    s = _load_f32(buf_ptr, idx, mask, B_DT) + _load_f32(grad_ptr, idx - offset, mask, G_DT)
+    _store_as(buf_ptr, idx, s, mask, B_DT)
 
 
 @triton.jit(do_not_specialize=["end", "first", "last"])
@@ -98,10 +97,10 @@ def fold_quantize_rows(
     TILE: tl.constexpr,
     ROWS: tl.constexpr,
     FOLD: tl.constexpr,
-    B_BF16: tl.constexpr,
-    G_BF16: tl.constexpr,
+    B_DT: tl.constexpr,
+    G_DT: tl.constexpr,
     HAS_RES: tl.constexpr,
-    RES_BF16: tl.constexpr,
+    RES_DT: tl.constexpr,
 ):
     """Blocks of at most TILE elements, ROWS a program (one a row of the tile). FOLD: the global blocks ``first ..
     last`` of the gradient at ``grad_ptr`` landing at ``[offset, end)`` (the whole ones quantized from buffer +
@@ -125,14 +124,14 @@ def fold_quantize_rows(
     else:
         whole = live
     mask = inblk & whole[:, None]
-    v = _values(buf_ptr, grad_ptr, res_ptr, idx, mask, offset, FOLD, B_BF16, G_BF16, HAS_RES, RES_BF16)
+    v = _values(buf_ptr, grad_ptr, res_ptr, idx, mask, offset, FOLD, B_DT, G_DT, HAS_RES, RES_DT)
     q, scale, _, finite = _quantize_tile(v, b, idx, mask, q_ptr, scale_ptr, whole, QMAX)
     if HAS_RES:
-        _store_tile_residual(res_ptr, idx, v, q, scale, finite, mask, RES_BF16)
+        _store_tile_residual(res_ptr, idx, v, q, scale, finite, mask, RES_DT)
     if FOLD:  # noqa: SIM102 (a compile-time branch around a runtime one)
         if (pid == 0) | (pid == tl.num_programs(0) - 1):  # only the range's end blocks can be partly covered
             part = inblk & (~whole)[:, None] & (idx >= offset) & (idx < end)
-            _accumulate(buf_ptr, grad_ptr, idx, part, offset, B_BF16, G_BF16)
+            _accumulate(buf_ptr, grad_ptr, idx, part, offset, B_DT, G_DT)
 
 
 @triton.jit
@@ -149,10 +148,10 @@ def _quantize_block(
     QMAX: tl.constexpr,
     TILE: tl.constexpr,
     FOLD: tl.constexpr,
-    B_BF16: tl.constexpr,
-    G_BF16: tl.constexpr,
+    B_DT: tl.constexpr,
+    G_DT: tl.constexpr,
     HAS_RES: tl.constexpr,
-    RES_BF16: tl.constexpr,
+    RES_DT: tl.constexpr,
 ):
     """Quantizes the block ``b`` (elements ``[start, stop)``) tile by tile: the absmax and finiteness, then q, the
     residual and the scale."""
@@ -162,7 +161,7 @@ def _quantize_block(
     for k in range(start, stop, TILE):
         idx = k + lanes
         mask = idx < stop
-        v = _values(buf_ptr, grad_ptr, res_ptr, idx, mask, offset, FOLD, B_BF16, G_BF16, HAS_RES, RES_BF16)
+        v = _values(buf_ptr, grad_ptr, res_ptr, idx, mask, offset, FOLD, B_DT, G_DT, HAS_RES, RES_DT)
         nonfinite = _nonfinite(v)
         bad = tl.maximum(bad, nonfinite)
         amax = tl.maximum(amax, tl.where(nonfinite == 1, 0.0, tl.abs(v)))
@@ -172,12 +171,12 @@ def _quantize_block(
     for k in range(start, stop, TILE):
         idx = k + lanes
         mask = idx < stop
-        v = _values(buf_ptr, grad_ptr, res_ptr, idx, mask, offset, FOLD, B_BF16, G_BF16, HAS_RES, RES_BF16)
+        v = _values(buf_ptr, grad_ptr, res_ptr, idx, mask, offset, FOLD, B_DT, G_DT, HAS_RES, RES_DT)
         q = _quantize_values(v, div, usable, QMAX)
         tl.store(q_ptr + idx, q, mask=mask)
         if HAS_RES:
             lost = v - q.to(tl.float32) * scale
-            _store_as(res_ptr, idx, tl.where(finite, lost, 0.0), mask, RES_BF16)
+            _store_as(res_ptr, idx, tl.where(finite, lost, 0.0), mask, RES_DT)
 
 
 @triton.jit(do_not_specialize=["end", "first"])
@@ -197,10 +196,10 @@ def fold_quantize_blocks(
     QMAX: tl.constexpr,
     TILE: tl.constexpr,
     FOLD: tl.constexpr,
-    B_BF16: tl.constexpr,
-    G_BF16: tl.constexpr,
+    B_DT: tl.constexpr,
+    G_DT: tl.constexpr,
     HAS_RES: tl.constexpr,
-    RES_BF16: tl.constexpr,
+    RES_DT: tl.constexpr,
 ):
     """One block a program, any block size (walked in TILE-element tiles). FOLD: global block ``first +
     program``, quantized from buffer + gradient when ``[offset, end)`` covers it whole, else accumulated at the
@@ -218,14 +217,14 @@ def fold_quantize_blocks(
     if (start >= offset) & (stop <= end):
         _quantize_block(
             buf_ptr, grad_ptr, res_ptr, q_ptr, scale_ptr, b, start, stop, offset,
-            QMAX, TILE, FOLD, B_BF16, G_BF16, HAS_RES, RES_BF16,
+            QMAX, TILE, FOLD, B_DT, G_DT, HAS_RES, RES_DT,
         )  # fmt: skip
     elif FOLD:
         lo = tl.maximum(start, offset)
         hi = tl.minimum(stop, end)
         for i in range(lo, hi, TILE):
             idx = i + tl.arange(0, TILE)
-            _accumulate(buf_ptr, grad_ptr, idx, idx < hi, offset, B_BF16, G_BF16)
+            _accumulate(buf_ptr, grad_ptr, idx, idx < hi, offset, B_DT, G_DT)
 
 
 # -- launchers -------------------------------------------------------------------------------------------------
@@ -241,10 +240,10 @@ def _launch(buffer, grad, residual, q, scales, blocks, offset, end, first, last,
         QMAX=qmax,
         TILE=_tile(block_size),
         FOLD=fold,
-        B_BF16=buffer.dtype == torch.bfloat16,
-        G_BF16=fold and grad.dtype == torch.bfloat16,
+        B_DT=DTYPE_CODE[buffer.dtype],
+        G_DT=DTYPE_CODE[grad.dtype] if fold else DTYPE_CODE[buffer.dtype],
         HAS_RES=residual is not None,
-        RES_BF16=residual is not None and residual.dtype == torch.bfloat16,
+        RES_DT=DTYPE_CODE[buffer.dtype if residual is None else residual.dtype],
         enable_fp_fusion=False,  # v - q * scale rounded twice, as the reference (no FMA): the same bits
     )
     ptrs = (

@@ -15,7 +15,9 @@ rounds"), bit for bit:
 - dequantized ``q * scale`` (one fp32 product), added into fp32 ``out`` with one more rounding; the owner's sum
   of every rank's chunk (``dequantize_sum_rows``) does that row after row in registers and stores the total once;
 - error feedback: ``v = x + residual`` (one fp32 sum), the residual rewritten as ``v - q * scale`` (each operation
-  rounded to fp32), cast to its dtype with :mod:`.bf16`'s rule, zeroed in a non-finite block.
+  rounded to fp32), cast to its dtype with :mod:`.bf16`'s rule (bf16 or fp16), zeroed in a non-finite block.
+
+Dtypes are constexpr codes (``*_DT``: 0 fp32, 1 bf16, 2 fp16; acco_ds.ops._dtypes.DTYPE_CODE).
 
 Launch with ``enable_fp_fusion=False`` (no FMA: the product and the sum round separately, as the reference does).
 """
@@ -25,7 +27,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from acco_ds.ops.triton_kernels.bf16 import bf16_to_f32, f32_to_bf16
+from acco_ds.ops.triton_kernels.bf16 import from_f32, to_f32
 
 _RNE_SHIFT = tl.constexpr(
     12582912.0
@@ -33,11 +35,9 @@ _RNE_SHIFT = tl.constexpr(
 
 
 @triton.jit
-def _load_f32(ptr, idx, mask, IS_BF16: tl.constexpr):
-    v = tl.load(ptr + idx, mask=mask, other=0)
-    if IS_BF16:
-        v = bf16_to_f32(v)
-    return v
+def _load_f32(ptr, idx, mask, DT: tl.constexpr):
+    """fp32 values of a tensor of dtype code DT (0 where masked off)."""
+    return to_f32(tl.load(ptr + idx, mask=mask, other=0), DT)
 
 
 @triton.jit
@@ -46,27 +46,25 @@ def _load_v(
     res_ptr,
     idx,
     mask,
-    X_BF16: tl.constexpr,
+    X_DT: tl.constexpr,
     HAS_RES: tl.constexpr,
-    RES_BF16: tl.constexpr,
+    RES_DT: tl.constexpr,
     SUB: tl.constexpr = False,
 ):
     """fp32 ``v = x`` (+ the residual when HAS_RES, one fp32 sum; - the base at res_ptr when SUB, one fp32
     difference): what a block quantizes."""
-    v = _load_f32(x_ptr, idx, mask, X_BF16)
+    v = _load_f32(x_ptr, idx, mask, X_DT)
     if HAS_RES:
-        v = v + _load_f32(res_ptr, idx, mask, RES_BF16)
+        v = v + _load_f32(res_ptr, idx, mask, RES_DT)
     if SUB:
-        v = v - _load_f32(res_ptr, idx, mask, RES_BF16)
+        v = v - _load_f32(res_ptr, idx, mask, RES_DT)
     return v
 
 
 @triton.jit
-def _store_as(ptr, idx, v, mask, IS_BF16: tl.constexpr):
-    if IS_BF16:
-        tl.store(ptr + idx, f32_to_bf16(v), mask=mask)
-    else:
-        tl.store(ptr + idx, v, mask=mask)
+def _store_as(ptr, idx, v, mask, DT: tl.constexpr):
+    """Stores the fp32 ``v`` into a tensor of dtype code DT (rounded to nearest even) where ``mask``."""
+    tl.store(ptr + idx, from_f32(v, DT), mask=mask)
 
 
 @triton.jit
@@ -133,11 +131,11 @@ def _quantize_tile(v, rows, idx, mask, q_ptr, scale_ptr, row_mask, QMAX: tl.cons
 
 
 @triton.jit
-def _store_tile_residual(res_ptr, idx, v, q, scale, finite, mask, RES_BF16: tl.constexpr):
+def _store_tile_residual(res_ptr, idx, v, q, scale, finite, mask, RES_DT: tl.constexpr):
     """Error feedback of a row tile :func:`_quantize_tile` quantized: ``v - q * scale`` (from the int8 value, as the
     reference: no -0.0 from q), 0 in a non-finite row, stored in the residual's dtype where ``mask``."""
     lost = v - q.to(tl.float32) * scale[:, None]
-    _store_as(res_ptr, idx, tl.where(finite[:, None], lost, 0.0), mask, RES_BF16)
+    _store_as(res_ptr, idx, tl.where(finite[:, None], lost, 0.0), mask, RES_DT)
 
 
 @triton.jit
@@ -152,19 +150,19 @@ def quantize_rows(
     QMAX: tl.constexpr,
     TILE: tl.constexpr,
     ROWS: tl.constexpr,
-    X_BF16: tl.constexpr,
+    X_DT: tl.constexpr,
     HAS_RES: tl.constexpr,
-    RES_BF16: tl.constexpr,
+    RES_DT: tl.constexpr,
     SUB: tl.constexpr = False,
 ):
     """:func:`quantize_blocks` for blocks of at most TILE elements, ROWS blocks per program (a [ROWS, TILE] tile,
     one block a row): each value is loaded once and kept in registers between the block's absmax and its
     quantization, and a program moves ROWS * TILE elements in wide loads instead of one block's few."""
     rows, idx, mask = _row_tile(n, block_size, TILE, ROWS)
-    v = _load_v(x_ptr, res_ptr, idx, mask, X_BF16, HAS_RES, RES_BF16, SUB)
+    v = _load_v(x_ptr, res_ptr, idx, mask, X_DT, HAS_RES, RES_DT, SUB)
     q, scale, _, finite = _quantize_tile(v, rows, idx, mask, q_ptr, scale_ptr, rows < nb, QMAX)
     if HAS_RES:
-        _store_tile_residual(res_ptr, idx, v, q, scale, finite, mask, RES_BF16)
+        _store_tile_residual(res_ptr, idx, v, q, scale, finite, mask, RES_DT)
 
 
 @triton.jit
@@ -179,17 +177,17 @@ def dequantize_rows(
     TILE: tl.constexpr,
     ROWS: tl.constexpr,
     ADD: tl.constexpr,
-    BF16: tl.constexpr,
+    DT: tl.constexpr,
 ):
     """:func:`dequantize_blocks` for blocks of at most TILE elements, ROWS blocks per program (one a row): ``out =
     q * scale``, or with ADD ``out = base + q * scale`` (fp32: the product, then the sum, one rounding each), out and
-    base in fp32, or both in bf16 when BF16 (the parameter path; ``base`` may be ``out``: dequantize_add)."""
+    base in fp32, or both of dtype code DT (bf16 or fp16: the parameter path; ``base`` may be ``out``: dequantize_add)."""
     rows, idx, mask = _row_tile(n, block_size, TILE, ROWS)
     scale = tl.load(scale_ptr + rows, mask=rows < nb, other=0.0)
     d = tl.load(q_ptr + idx, mask=mask, other=0).to(tl.float32) * scale[:, None]
     if ADD:
-        d = _load_f32(base_ptr, idx, mask, BF16) + d
-    _store_as(out_ptr, idx, d, mask, BF16)
+        d = _load_f32(base_ptr, idx, mask, DT) + d
+    _store_as(out_ptr, idx, d, mask, DT)
 
 
 @triton.jit
@@ -204,14 +202,14 @@ def dequantize_sum_rows(
     num_rows,
     TILE: tl.constexpr,
     ROWS: tl.constexpr,
-    OUT_BF16: tl.constexpr,
+    OUT_DT: tl.constexpr,
 ):
     """``out = sum over k of q[order[k]] * scale[order[k]]`` (fp32: the first row's products, then each next row's
     added, one rounding each), stored in out's dtype: ``q`` int8 [rows, n], ``scale`` fp32 [rows, nb], blocks of at
     most TILE elements, ROWS blocks per program (one a row of the tile), each quantized value loaded once."""
     rows, idx, mask = _row_tile(n, block_size, TILE, ROWS)
     acc = rows_sum_fp32(q_ptr, scale_ptr, order_ptr, rows, idx, mask, n, nb, num_rows)
-    _store_as(out_ptr, idx, acc, mask, OUT_BF16)
+    _store_as(out_ptr, idx, acc, mask, OUT_DT)
 
 
 @triton.jit
@@ -241,13 +239,13 @@ def quantize_blocks(
     block_size,
     QMAX: tl.constexpr,
     TILE: tl.constexpr,
-    X_BF16: tl.constexpr,
+    X_DT: tl.constexpr,
     HAS_RES: tl.constexpr,
-    RES_BF16: tl.constexpr,
+    RES_DT: tl.constexpr,
     SUB: tl.constexpr = False,
 ):
-    """Program b quantizes block b of ``x`` (fp32, or bf16 when X_BF16; n elements): ``v = x`` (+ ``residual`` at
-    ``res_ptr`` when HAS_RES, fp32 or bf16 by RES_BF16), writes int8 ``q`` and fp32 ``scale[b]``, and with HAS_RES
+    """Program b quantizes block b of ``x`` (dtype code X_DT; n elements): ``v = x`` (+ ``residual`` at
+    ``res_ptr`` when HAS_RES, dtype code RES_DT), writes int8 ``q`` and fp32 ``scale[b]``, and with HAS_RES
     rewrites the residual as what quantization lost (zero in a non-finite block). QMAX: 127 (8 bits) or 7 (4)."""
     b = tl.program_id(0).to(tl.int64)
     start = b * block_size
@@ -258,7 +256,7 @@ def quantize_blocks(
     for k in range(start, end, TILE):
         idx = k + lanes
         mask = idx < end
-        v = _load_v(x_ptr, res_ptr, idx, mask, X_BF16, HAS_RES, RES_BF16, SUB)
+        v = _load_v(x_ptr, res_ptr, idx, mask, X_DT, HAS_RES, RES_DT, SUB)
         bad = tl.maximum(bad, _nonfinite(v))
         amax = tl.maximum(amax, tl.where(_nonfinite(v) == 1, 0.0, tl.abs(v)))
     absmax = tl.max(amax, axis=0)
@@ -268,12 +266,12 @@ def quantize_blocks(
     for k in range(start, end, TILE):
         idx = k + lanes
         mask = idx < end
-        v = _load_v(x_ptr, res_ptr, idx, mask, X_BF16, HAS_RES, RES_BF16, SUB)
+        v = _load_v(x_ptr, res_ptr, idx, mask, X_DT, HAS_RES, RES_DT, SUB)
         q = _quantize_values(v, div, usable, QMAX)
         tl.store(q_ptr + idx, q, mask=mask)
         if HAS_RES:
             lost = v - q.to(tl.float32) * scale  # from the int8 value, as the reference (no -0.0 from q)
-            _store_as(res_ptr, idx, tl.where(finite, lost, 0.0), mask, RES_BF16)
+            _store_as(res_ptr, idx, tl.where(finite, lost, 0.0), mask, RES_DT)
 
 
 @triton.jit

@@ -5,7 +5,7 @@ interpreter).
 Both kernels hold ROWS quantization blocks of at most TILE elements per program (one block a row of a [ROWS, TILE]
 tile, as :func:`.quantize.dequantize_sum_rows`) and compute each element's sum as that kernel stores it: the first
 row of ``order``'s products ``q * scale``, then each next row's added (fp32, one rounding each), rounded to the sum's
-dtype (fp32, or bf16 when S_BF16: :mod:`.bf16`'s rule); with HAS_TILDE, ``tilde`` (the sum's dtype) added in fp32
+dtype (dtype code S_DT: fp32, bf16 or fp16, :mod:`.bf16`'s rule); with HAS_TILDE, ``tilde`` (the sum's dtype) added in fp32
 and rounded to that dtype again (the acco commit's ``grad += tilde``).
 
 - ``quantized_sum_squares_rows``: ``partials[program] = sum of float64(s) ** 2`` over its elements (each square
@@ -25,16 +25,8 @@ import triton
 import triton.language as tl
 
 from acco_ds.ops.triton_kernels.adamw_difference import adamw_tile, apply_difference
-from acco_ds.ops.triton_kernels.bf16 import bf16_to_f32, f32_to_bf16
+from acco_ds.ops.triton_kernels.bf16 import round_to
 from acco_ds.ops.triton_kernels.quantize import _load_f32, _row_tile, _store_as, rows_sum_fp32
-
-
-@triton.jit
-def _round_to(v, IS_BF16: tl.constexpr):
-    """fp32 ``v`` rounded to the sum's dtype (bf16, nearest even, when IS_BF16), as an fp32 value."""
-    if IS_BF16:
-        v = bf16_to_f32(f32_to_bf16(v))
-    return v
 
 
 @triton.jit
@@ -49,14 +41,14 @@ def _rows_sum(
     n,
     nb,
     nrows,
-    S_BF16: tl.constexpr,
+    S_DT: tl.constexpr,
     HAS_TILDE: tl.constexpr,
 ):
     """The tile's sums ``s`` (module docstring) as fp32 values of the sum's dtype; 0 where no element is."""
     acc = rows_sum_fp32(q_ptr, scale_ptr, order_ptr, rows, idx, mask, n, nb, nrows)
-    s = _round_to(acc, S_BF16)
+    s = round_to(acc, S_DT)
     if HAS_TILDE:
-        s = _round_to(s + _load_f32(tilde_ptr, idx, mask, S_BF16), S_BF16)
+        s = round_to(s + _load_f32(tilde_ptr, idx, mask, S_DT), S_DT)
     # a NaN or inf scale times a missing element's 0 is NaN: no element there, no value
     return tl.where(mask, s, 0.0)
 
@@ -75,7 +67,7 @@ def quantized_sum_squares_rows(
     nrows,
     TILE: tl.constexpr,
     ROWS: tl.constexpr,
-    S_BF16: tl.constexpr,
+    S_DT: tl.constexpr,
     HAS_TILDE: tl.constexpr,
     HAS_TILDE_OUT: tl.constexpr,
 ):
@@ -83,9 +75,9 @@ def quantized_sum_squares_rows(
     [rows, n], ``scales`` fp32 [rows, nb], ``order`` int64 [nrows]; ``tilde`` (HAS_TILDE) and ``tilde_out``
     (HAS_TILDE_OUT): n elements of the sum's dtype."""
     rows, idx, mask = _row_tile(n, block_size, TILE, ROWS)
-    s = _rows_sum(q_ptr, scales_ptr, order_ptr, tilde_ptr, rows, idx, mask, n, nb, nrows, S_BF16, HAS_TILDE)
+    s = _rows_sum(q_ptr, scales_ptr, order_ptr, tilde_ptr, rows, idx, mask, n, nb, nrows, S_DT, HAS_TILDE)
     if HAS_TILDE_OUT:
-        _store_as(tilde_out_ptr, idx, s, mask, S_BF16)
+        _store_as(tilde_out_ptr, idx, s, mask, S_DT)
     w = s.to(tl.float64)
     tl.store(partials_ptr + tl.program_id(0), tl.sum(tl.sum(w * w, axis=1), axis=0))
 
@@ -114,8 +106,8 @@ def adamw_quantized_sum_rows(
     QMAX: tl.constexpr,
     TILE: tl.constexpr,
     ROWS: tl.constexpr,
-    S_BF16: tl.constexpr,
-    P_BF16: tl.constexpr,
+    S_DT: tl.constexpr,
+    P_DT: tl.constexpr,
     COMMIT: tl.constexpr,
     HAS_GSCALE: tl.constexpr,
     HAS_NOOP: tl.constexpr,
@@ -127,11 +119,11 @@ def adamw_quantized_sum_rows(
     ``qscale`` / ``order`` / ``tilde``: the rows as :func:`quantized_sum_squares_rows`'s; ``dq`` int8 [n] and
     ``dscale`` fp32 [nb] (DIFF): the quantized difference."""
     rows, idx, mask = _row_tile(n, block_size, TILE, ROWS)
-    g = _rows_sum(q_ptr, qscale_ptr, order_ptr, tilde_ptr, rows, idx, mask, n, nb, nrows, S_BF16, HAS_TILDE)
+    g = _rows_sum(q_ptr, qscale_ptr, order_ptr, tilde_ptr, rows, idx, mask, n, nb, nrows, S_DT, HAS_TILDE)
     p = adamw_tile(
         p_ptr, m_ptr, v_ptr, g, idx, mask, hyper_ptr, gscale_ptr, noop_ptr, grad_scale, COMMIT, HAS_GSCALE, HAS_NOOP
     )  # fmt: skip
     if DIFF:
-        apply_difference(p, base_ptr, out_ptr, dq_ptr, dscale_ptr, rows, idx, mask, nb, QMAX, P_BF16)
+        apply_difference(p, base_ptr, out_ptr, dq_ptr, dscale_ptr, rows, idx, mask, nb, QMAX, P_DT)
     else:
-        _store_as(out_ptr, idx, p, mask, P_BF16)
+        _store_as(out_ptr, idx, p, mask, P_DT)
