@@ -8,8 +8,10 @@ count, bytes counted the same way: in-place update, in-place axpy, copy, triad; 
 benchmarks.kernels.table.STREAM), and the speed ratio to anchors measured in the same run:
 CPU: torch.optim.AdamW(fused=True), AdamW(foreach=True), DeepSpeedCPUAdam; GPU: torch AdamW fused (+ the bf16
 copy it needs), DeepSpeed FusedAdam, and the clone/step/restore way of computing ACCO's estimate. The CPU
-quantize kernels (quantize_with_residual with fp32 and bf16 x and residual, dequantize_add into fp32; blocks of
-256; the C++ kernels on the CPU, the Triton ones on a GPU) are measured against their torch reference.
+quantize kernels (quantize_with_residual with fp32, bf16 and fp16 x and residual, dequantize_add into fp32; blocks
+of 256; the C++ kernels on the CPU, the Triton ones on a GPU) are measured against their torch reference. The fp16
+rows (commit, peek, accumulate, quantize_with_residual, fold_quantize with fp16 where the bf16 rows have bf16) are
+compared with their bf16 twins.
 
     python -m benchmarks.kernels                      # CPU, 1 thread, 1M/10M/100M/10_000_019
     python -m benchmarks.kernels --threads 2 --quick
@@ -23,6 +25,7 @@ Prints the table last and writes it (machine, versions, date) to benchmarks/resu
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import os
 import platform
@@ -146,28 +149,30 @@ def stream_bandwidth(device: str, reps: int, n: int) -> dict:
 
 
 # -- contenders: factory(n, device) -> a callable doing one step -------------------------------------------
-def _state(n, device):
+def _state(n, device, half=None):
+    """fp32 master and moments, a gradient and an output of ``half`` (default bf16)."""
     import torch
 
+    half = half or torch.bfloat16
     master = torch.randn(n, device=device)
     m = torch.randn(n, device=device) * 0.1
     v = torch.rand(n, device=device) * 0.01
-    grad = torch.randn(n, device=device).to(torch.bfloat16)
-    out = torch.empty(n, dtype=torch.bfloat16, device=device)
+    grad = torch.randn(n, device=device).to(half)
+    out = torch.empty(n, dtype=half, device=device)
     return master, m, v, grad, out
 
 
-def acco_commit(n, device):
+def acco_commit(n, device, half=None):
     from acco_ds.ops.adamw import adamw_step
 
-    master, m, v, grad, out = _state(n, device)
+    master, m, v, grad, out = _state(n, device, half)
     return lambda: adamw_step(master, m, v, grad, out, step=10, **HP)
 
 
-def acco_peek(n, device):
+def acco_peek(n, device, half=None):
     from acco_ds.ops.adamw import adamw_step
 
-    master, m, v, grad, out = _state(n, device)
+    master, m, v, grad, out = _state(n, device, half)
     return lambda: adamw_step(master, m, v, grad, out, step=11, commit=False, **HP)
 
 
@@ -178,13 +183,15 @@ def read_floor(n, device):
     return lambda: (master.sum(), m.sum(), v.sum(), grad.sum())
 
 
-def acco_accumulate(buf_dtype):
+def acco_accumulate(buf_dtype, grad_dtype=None):
+    """accumulate_grads of one ``grad_dtype`` (default bf16) gradient into a ``buf_dtype`` buffer."""
+
     def factory(n, device):
         import torch
 
         from acco_ds.ops.accumulate import accumulate_grads
 
-        grad = torch.randn(n, device=device).to(torch.bfloat16)
+        grad = torch.randn(n, device=device).to(grad_dtype or torch.bfloat16)
         buf = torch.randn(n, device=device).to(buf_dtype)
         return lambda: accumulate_grads(buf, [grad], [0], 0.5)
 
@@ -207,9 +214,9 @@ def quant_residual(dtype, backend: str):
     return factory
 
 
-def fold_quantize_row(buffer_dtype, fused: bool):
-    """The round end of a compressed round for one parameter of ``n`` elements (one chunk, W = 1): its last bf16
-    gradient folded into the ``buffer_dtype`` gradient buffer and quantized with the residual (``buffer_dtype``), in
+def fold_quantize_row(buffer_dtype, fused: bool, grad_dtype=None):
+    """The round end of a compressed round for one parameter of ``n`` elements (one chunk, W = 1): its last
+    ``grad_dtype`` (default bf16) gradient folded into the ``buffer_dtype`` gradient buffer and quantized with the residual (``buffer_dtype``), in
     one pass (``acco_ds.ops.fold_quantize``: the buffer read, not written), or as two passes (the accumulation into
     the buffer, then ``quantize_with_residual`` of it). Compiled backends: C++ on the CPU, Triton on the GPU."""
 
@@ -222,7 +229,7 @@ def fold_quantize_row(buffer_dtype, fused: bool):
 
         backend = "cpp" if device == "cpu" else "triton"
         buffer = torch.randn(n, device=device).to(buffer_dtype)
-        grad = (torch.randn(n, device=device) * 1e-3).to(torch.bfloat16)
+        grad = (torch.randn(n, device=device) * 1e-3).to(grad_dtype or torch.bfloat16)
         residual = (torch.randn(n, device=device) * 1e-4).to(buffer_dtype)
         q = torch.empty(n, dtype=torch.int8, device=device)
         scales = torch.empty(num_blocks(n, QUANT_BLOCK), dtype=torch.float32, device=device)
@@ -403,6 +410,7 @@ def quant_contenders(device: str, notes: list) -> dict:
     for backend, suffix in ((compiled, ""), ("ref", "_ref")):
         out[f"qres_fp32{suffix}"] = quant_residual(torch.float32, backend)
         out[f"qres_bf16{suffix}"] = quant_residual(torch.bfloat16, backend)
+        out[f"qres_fp16{suffix}"] = quant_residual(torch.float16, backend)
         out[f"deq_add{suffix}"] = quant_dequantize_add(backend)
         out[f"deq_sum{suffix}"] = quant_dequantize_sum(backend)
         out[f"qdiff{suffix}"] = quant_difference(backend)
@@ -413,6 +421,8 @@ def quant_contenders(device: str, notes: list) -> dict:
     for key, dtype in (("fold_qres_bf16", torch.bfloat16), ("fold_qres_fp32", torch.float32)):
         out[key] = fold_quantize_row(dtype, fused=True)
         out[f"{key}_unfused"] = fold_quantize_row(dtype, fused=False)
+    out["fold_qres_fp16"] = fold_quantize_row(torch.float16, fused=True, grad_dtype=torch.float16)
+    out["fold_qres_fp16_unfused"] = fold_quantize_row(torch.float16, fused=False, grad_dtype=torch.float16)
     if _build.available("adamw_cpu" if device == "cpu" else "adamw_cuda"):
         out["commit_diff"] = commit_difference(fused=True)
         out["commit_diff_composed"] = commit_difference(fused=False)
@@ -568,6 +578,11 @@ def run(args) -> dict:
                   "acc_bf16_bf16": acco_accumulate(torch.bfloat16), "torch_fused": torch_fused,
                   "torch_fused_cast": torch_fused_cast, "read_floor": read_floor}  # fmt: skip
     contenders["torch_foreach"] = torch_foreach
+    half = torch.float16
+    contenders.update({"commit_fp16": functools.partial(acco_commit, half=half),
+                       "peek_fp16": functools.partial(acco_peek, half=half),
+                       "acc_fp16_fp32": acco_accumulate(torch.float32, half),
+                       "acc_fp16_fp16": acco_accumulate(half, half)})  # fmt: skip
     if args.device == "cuda":
         contenders["clone_step_restore"] = clone_step_restore
     notes = []

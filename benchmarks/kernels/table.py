@@ -14,6 +14,10 @@ BYTES = {
     "peek": 16,
     "acc_bf16_fp32": 2 + 4 + 4,
     "acc_bf16_bf16": 2 + 2 + 2,
+    "commit_fp16": 28,
+    "peek_fp16": 16,
+    "acc_fp16_fp32": 2 + 4 + 4,
+    "acc_fp16_fp16": 2 + 2 + 2,
     "read_floor": 14,
     "anchor": 28,
 }
@@ -27,6 +31,7 @@ _SCALE = 4 / QUANT_BLOCK
 QUANT_BYTES = {
     "qres_fp32": 4 + 4 + 4 + 1 + _SCALE,
     "qres_bf16": 2 + 2 + 2 + 1 + _SCALE,
+    "qres_fp16": 2 + 2 + 2 + 1 + _SCALE,
     "deq_add": 1 + _SCALE + 4 + 4,
     # the owner's sum of SUM_RANKS chunks in one pass: read every rank's q and scales, write the bf16 gradient once
     "deq_sum": SUM_RANKS * (1 + _SCALE) + 2,
@@ -41,6 +46,7 @@ FOLD_BYTES = {
     # two passes it replaces (accumulate, then quantize_with_residual) are credited with the same bytes
     "fold_qres_bf16": 2 + 2 + 2 + 2 + 1 + _SCALE,
     "fold_qres_fp32": 4 + 2 + 4 + 4 + 1 + _SCALE,
+    "fold_qres_fp16": 2 + 2 + 2 + 2 + 1 + _SCALE,  # fp16 gradient, buffer and residual
 }
 QUANT_REF = {key: f"{key}_ref" for key in QUANT_BYTES}
 """The torch reference row of each compiled quantize row (its speed-up is measured against it)."""
@@ -51,6 +57,8 @@ QUANT_ANCHORS["add_deq"] = ["add_deq_unfused", "add_deq_ref"]
 QUANT_ANCHORS["commit_diff"] = ["commit_diff_composed"]
 QUANT_ANCHORS["fold_qres_bf16"] = ["fold_qres_bf16_unfused"]
 QUANT_ANCHORS["fold_qres_fp32"] = ["fold_qres_fp32_unfused"]
+QUANT_ANCHORS["fold_qres_fp16"] = ["fold_qres_fp16_unfused", "fold_qres_bf16"]
+QUANT_ANCHORS["qres_fp16"] = ["qres_fp16_ref", "qres_bf16"]
 QUANT_ANCHORS["sum_commit"] = ["sum_commit_composed"]
 QUANT_ANCHORS["sum_commit_w2"] = ["sum_commit_w2_composed"]
 QUANT_ANCHORS["sum_commit_w3"] = ["sum_commit_w3_composed"]
@@ -84,6 +92,10 @@ LABEL = {
     "peek": "acco peek (bf16 g in, bf16 p out)",
     "acc_bf16_fp32": "acco accumulate bf16 -> fp32 buf",
     "acc_bf16_bf16": "acco accumulate bf16 -> bf16 buf",
+    "commit_fp16": "acco commit (fp16 g in, fp16 p out)",
+    "peek_fp16": "acco peek (fp16 g in, fp16 p out)",
+    "acc_fp16_fp32": "acco accumulate fp16 -> fp32 buf",
+    "acc_fp16_fp16": "acco accumulate fp16 -> fp16 buf",
     "read_floor": "limit: the reads of a peek alone (torch sums)",
     "torch_fused": "torch AdamW fused (fp32)",
     "torch_fused_cast": "torch AdamW fused + bf16 copy",
@@ -93,6 +105,8 @@ LABEL = {
     "clone_step_restore": "peek by clone/step/restore",
     "qres_fp32": "acco quantize_with_residual fp32 x, fp32 residual",
     "qres_bf16": "acco quantize_with_residual bf16 x, bf16 residual",
+    "qres_fp16": "acco quantize_with_residual fp16 x, fp16 residual",
+    "qres_fp16_ref": "torch reference quantize_with_residual fp16",
     "deq_add": "acco dequantize_add into fp32",
     "qres_fp32_ref": "torch reference quantize_with_residual fp32",
     "qres_bf16_ref": "torch reference quantize_with_residual bf16",
@@ -110,6 +124,8 @@ LABEL = {
     "fold_qres_bf16_unfused": "acco two passes: accumulate into the bf16 buffer, quantize_with_residual",
     "fold_qres_fp32": "acco fold_quantize: last bf16 grad + fp32 buffer + fp32 residual -> int8, one pass",
     "fold_qres_fp32_unfused": "acco two passes: accumulate into the fp32 buffer, quantize_with_residual",
+    "fold_qres_fp16": "acco fold_quantize: last fp16 grad + fp16 buffer + fp16 residual -> int8, one pass",
+    "fold_qres_fp16_unfused": "acco two passes: accumulate into the fp16 buffer, quantize_with_residual",
     "commit_diff": "acco commit + quantized parameter difference, one pass (bf16 g, bf16 p in place)",
     "commit_diff_composed": "acco composed: copy of the base, commit, quantize_difference, add_dequantized",
     "sum_commit": f"acco norm + commit read from {SUM_RANKS} ranks' int8 chunks (bf16 g, bf16 p)",
@@ -120,9 +136,17 @@ LABEL = {
     "sum_commit_w3_composed": "acco composed, 3 ranks: dequantize_sum into bf16, norm, commit",
 }
 OWN = ("commit", "peek", "acc_bf16_fp32", "acc_bf16_bf16", "read_floor")
+FP16_OWN = {
+    "commit_fp16": "commit",
+    "peek_fp16": "peek",
+    "acc_fp16_fp32": "acc_bf16_fp32",
+    "acc_fp16_fp16": "acc_bf16_bf16",
+}
+"""The fp16 rows (results measured before them have none) and the bf16 row each is compared with."""
 QUANT_ROWS = (
     "qres_fp32",
     "qres_bf16",
+    "qres_fp16",
     "deq_add",
     "deq_sum",
     "deq_sum_unfused",
@@ -134,6 +158,8 @@ QUANT_ROWS = (
     "fold_qres_bf16_unfused",
     "fold_qres_fp32",
     "fold_qres_fp32_unfused",
+    "fold_qres_fp16",
+    "fold_qres_fp16_unfused",
     "commit_diff",
     "commit_diff_composed",
     "sum_commit_w2",
@@ -144,6 +170,7 @@ QUANT_ROWS = (
     "sum_commit_composed",
     "qres_fp32_ref",
     "qres_bf16_ref",
+    "qres_fp16_ref",
     "deq_add_ref",
     "deq_sum_ref",
     "qdiff_ref",
@@ -178,6 +205,10 @@ def rows(res: dict) -> list:
                 if key == "peek":
                     vs["commit"] = t["commit"] / sec
             out.append((n, LABEL[key], sec, BYTES[key] * n / sec / 1e9, vs))
+        for key, bf16 in FP16_OWN.items():
+            if key in t:
+                sec = t[key]
+                out.append((n, LABEL[key], sec, BYTES[key] * n / sec / 1e9, {bf16: t[bf16] / sec}))
         for key, sec in anchors.items():
             out.append((n, LABEL[key], sec, BYTES["anchor"] * n / sec / 1e9, {}))
         out += _quant_rows(n, t)
@@ -316,6 +347,15 @@ def render(res: dict) -> str:
         "the 28 B of an fp32 AdamW step (what the work needs, not what they move: the bf16 copy and clone/restore "
         "traffic is not counted).",
         *_quant_bytes_line(res),
+        *(
+            [
+                "- fp16 rows (fp16 gradients, outputs, buffers and residuals where the bf16 rows have bf16): the bytes "
+                "of their bf16 twins; each one's ratio is its bf16 twin's time over its own (the cost of the fp16 "
+                "rounding against bf16's)."
+            ]
+            if _measured(res, *FP16_OWN, "qres_fp16", "fold_qres_fp16")
+            else []
+        ),
         f"- Clock: {res['clock']}. Median of {res['reps']} timed calls after 2 warm-up calls; below 50M parameters "
         "(and on the GPU) the contenders are interleaved call by call (so load from other processes falls on all "
         "alike, and no contender keeps its data in the caches from one call to the next); at 50M and above, one "
