@@ -2,13 +2,16 @@
 
     python -m benchmarks.memory            # the sweep: GPT-2 and Llama at ~10M, ~100M, ~350M, bf16 and fp32, W = 2 and 4
     python -m benchmarks.memory --quick    # one small GPT-2, bf16, W = 2, zero1 and acco (what the test runs)
+    python -m benchmarks.memory --dtypes bf16,fp16 --world-sizes 2 --contenders zero1,acco   # fp16 beside bf16
     python -m benchmarks.memory --from-json benchmarks/results/memory/memory.json   # re-render table and plot
 
 Every run starts its ranks with the DeepSpeed launcher on 127.0.0.1 exactly as ``acco-train`` does
 (gloo on CPU, 1 thread per rank by default) and trains ``--steps`` optimizer steps of
 ``--grad-accum`` micro-batches of ``--micro-batch`` x ``--context`` random bytes on a model built from
 a ``transformers`` config (``acco_ds.models.hf``: byte vocabulary, nothing downloaded), in the same
-dtype for parameters and communication. Each rank (``benchmarks.ranks.memory``) records its baseline (RSS after
+dtype for parameters and communication. fp16 runs every contender with the same dynamic loss scaling (the ``fp16``
+section of ``acco_ds.cli.dsconfig``, its first scale 2 ** ``--initial-scale-power``); each rank records its skipped
+steps and final loss scale, which the table lists. Each rank (``benchmarks.ranks.memory``) records its baseline (RSS after
 the imports and the process group, before the model exists) and its peak (``VmHWM``; on GPU
 ``torch.cuda.max_memory_allocated``). Beside each measured figure: the analytic bytes per parameter
 of every buffer (``acco_ds.plan.memory_model``), and every contender's extra peak over ZeRO-1's, measured
@@ -48,8 +51,9 @@ ARCHS = ("gpt2", "llama")
 GIB = 2**30
 
 
-MEASURED_DTYPES = ("bf16", "fp32")
-"""The dtypes this benchmark's ranks build models and configs in (the model's fp16 figures are bf16's)."""
+MEASURED_DTYPES = ("bf16", "fp16", "fp32")
+"""The dtypes this benchmark's ranks build models and configs in (fp16: dynamic loss scaling, fp16 lifted on CPU
+ranks by ``acco_ds.deepspeed.cpu_fp16.allow_fp16_on_cpu``)."""
 
 
 def parse(argv=None) -> argparse.Namespace:
@@ -59,7 +63,15 @@ def parse(argv=None) -> argparse.Namespace:
     ap.add_argument(
         "--sizes", default=None, help=f"comma-separated of {','.join(SIZES)} (default 10m,100m,350m)"
     )
-    ap.add_argument("--dtypes", default=None, help="comma-separated: bf16,fp32 (default both; quick bf16)")
+    ap.add_argument(
+        "--dtypes", default=None, help="comma-separated: bf16,fp16,fp32 (default bf16,fp32; quick bf16)"
+    )
+    ap.add_argument(
+        "--initial-scale-power",
+        type=int,
+        default=16,
+        help="fp16: the first loss scale is 2 ** this (DeepSpeed's and acco-train's default 16)",
+    )
     ap.add_argument(
         "--world-sizes", default=None, help="comma-separated ranks per run (default 2,4; quick 2)"
     )
@@ -236,6 +248,7 @@ def _run_case(case: dict, a, work: Path, failed: list, baseline_guess: list) -> 
                     a.device,
                     a.timeout,
                     env,
+                    initial_scale_power=a.initial_scale_power,
                 )
                 break
             except LaunchError as e:
@@ -271,6 +284,7 @@ def run_all(a) -> dict:
             "threads": a.threads,
             "seed": a.seed,
             "device": a.device,
+            "initial_scale_power": a.initial_scale_power,
             "reserve_gib": a.reserve_gib,
             "cases": a.cases,
             "rank_env": a.rank_env,

@@ -4,8 +4,8 @@ Contract: ``run_one(work, case, contender, ...)`` writes ``<work>/<case>/<conten
 ``ds_config.json``, starts the ranks exactly as ``acco-train`` does (``acco_ds.cli.launch``: the
 DeepSpeed launcher on 127.0.0.1, gloo on CPU, ``threads`` per rank), each running
 ``benchmarks.ranks.memory`` (as a module), and returns the run's figures: per rank the baseline, the
-peak and the phase of the peak, and the row's figures taken on the rank with the highest
-peak. ``env`` is added to the ranks' environment. A failed launch raises ``LaunchError`` (with the end of the ranks' log).
+peak and the phase of the peak (fp16: its skipped steps and final loss scale), and the row's figures taken on the
+rank with the highest peak. ``env`` is added to the ranks' environment. A failed launch raises ``LaunchError`` (with the end of the ranks' log).
 """
 
 from __future__ import annotations
@@ -23,10 +23,20 @@ RANK_MODULE = "benchmarks.ranks.memory"
 
 
 def ds_config(
-    contender: str, world: int, dtype: str, n_params: int, micro_batch: int, grad_accum: int, steps: int
+    contender: str,
+    world: int,
+    dtype: str,
+    n_params: int,
+    micro_batch: int,
+    grad_accum: int,
+    steps: int,
+    initial_scale_power: int = 16,
 ):
     """The contender's DeepSpeed config: acco-train's (``acco_ds.cli.dsconfig``) for these knobs; ``acco-int8``:
-    acco's with every exchange int8 (``optimizer.params.compression``)."""
+    acco's with every exchange int8 (``optimizer.params.compression``). ``dtype`` "fp16": every contender the same
+    ``fp16`` section (dynamic loss scaling from 2 ** ``initial_scale_power``)."""
+    if dtype not in ("bf16", "fp16", "fp32"):
+        raise ValueError(f"unknown dtype {dtype!r}: bf16, fp16 or fp32")
     knobs = dsconfig.Knobs(
         micro_batch=micro_batch,
         grad_accum=grad_accum,
@@ -34,6 +44,8 @@ def ds_config(
         warmup_steps=1,
         total_steps=steps,
         bf16=dtype == "bf16",
+        fp16=dtype == "fp16",
+        initial_scale_power=initial_scale_power,
         num_params=n_params,
     )
     if contender in COMPRESSED:
@@ -59,12 +71,13 @@ def run_one(
     device: str,
     timeout: float,
     env: dict | None = None,
+    initial_scale_power: int = 16,
 ) -> dict:
     run_dir = Path(work) / case / contender
     run_dir.mkdir(parents=True, exist_ok=True)
     for old in run_dir.glob("rank*.json"):
         old.unlink()
-    cfg = ds_config(contender, world, dtype, n_params, micro_batch, grad_accum, steps)
+    cfg = ds_config(contender, world, dtype, n_params, micro_batch, grad_accum, steps, initial_scale_power)
     spec = {
         "run_dir": str(run_dir),
         "model": model,
@@ -113,4 +126,8 @@ def summarize(ranks: list, wall_s: float) -> dict:
         "threads": top["threads"],
         "max_reserved": top.get("max_reserved"),
         "wall_s": round(wall_s, 1),
+        "param_dtype": top.get("param_dtype"),
+        # fp16: every rank's engine.skipped_steps and loss scale at the end (None in bf16 / fp32)
+        "skipped_steps": [r.get("skipped_steps") for r in ranks],
+        "loss_scale": [r.get("loss_scale") for r in ranks],
     }

@@ -15,6 +15,10 @@ runs, notes. Definitions:
 - extra over ZeRO-1 B/param: (peak - ZeRO-1's peak) / parameters, both measured in this sweep on
   the same case (analytic: the difference of the analytic peaks);
 - held by the code: ``GroupBuffers.held_bytes()`` of the ACCO pipeline in the run, per parameter.
+
+fp16 cases (D = 2, as bf16) add two goals: acco's extra over ZeRO-1 fp16 at most one buffer in the model's dtype
+(D B/param), and, where the same sweep ran the bf16 twin (same model and W), acco fp16 holding exactly the bytes
+acco bf16 holds; and a section with every fp16 run's skipped steps and final loss scale per rank.
 """
 
 from __future__ import annotations
@@ -82,7 +86,43 @@ def analyse(results: dict) -> dict:
                     row["code_matches_formula"] = ok
             rows.append(row)
         goals += _case_goals(case, rows, D, W)
+    goals += _fp16_goals(results, rows)
     return {"rows": rows, "goals": goals}
+
+
+def _fp16_goals(results: dict, rows: list) -> list:
+    """fp16 as bf16: acco's extra over ZeRO-1 fp16 within one buffer (D B/param), and the bytes acco holds in fp16
+    equal to those it holds in bf16 on the same model and W (when the sweep ran both)."""
+    by = {(r["case"], r["contender"]): r for r in rows}
+    out = []
+    for case in results["cases"]:
+        if case["dtype"] != "fp16":
+            continue
+        D = mm.DTYPE_SIZE["fp16"]
+        acco = by.get((case["key"], "acco"))
+        if acco is None or acco.get("extra") is None:
+            continue
+        out.append(
+            (
+                f"{case['key']}: acco extra over ZeRO-1 fp16 <= one buffer in fp16 ({D} B/param)",
+                f"{acco['extra']:+.2f} B/param (analytic {acco['analytic_extra']:+.2f})",
+                "met" if acco["extra"] <= D else "**missed**",
+            )
+        )
+        twin = case["key"].replace("-fp16-", "-bf16-")
+        bf16 = by.get((twin, "acco"))
+        if bf16 is None or bf16.get("code_held") is None or acco.get("code_held") is None:
+            continue
+        same = acco["code_held"] == bf16["code_held"]
+        out.append(
+            (
+                f"{case['key']}: acco fp16 holds what acco bf16 holds ({twin})",
+                f"{acco['code_held']:.2f} vs {bf16['code_held']:.2f} B/param held (the code); extra over ZeRO-1 "
+                f"measured {acco['extra']:+.2f} (fp16) vs {_f(bf16.get('extra'), '+.2f')} (bf16) B/param",
+                "met" if same else "**missed**",
+            )
+        )
+    return out
 
 
 def _case_goals(case: dict, rows: list, D: int, W: int) -> list:
@@ -278,6 +318,36 @@ def _buffers(results: dict) -> list:
     return lines + [""]
 
 
+def _loss_scale(results: dict) -> list:
+    """The fp16 runs' skipped steps and final loss scale, per rank (empty without fp16 cases)."""
+    fp16 = [c for c in results["cases"] if c["dtype"] == "fp16"]
+    if not fp16:
+        return []
+    power = results["settings"].get("initial_scale_power")
+    lines = [
+        "## fp16 loss scaling",
+        "",
+        f"Every contender with the same dynamic loss scaling (`acco_ds.cli.dsconfig`'s fp16 section: first scale "
+        f"2^{_f(power, 'd')}, hysteresis 2); per rank, the engine's skipped steps and the loss scale at the end "
+        "(a skipped step does not update the weights: the buffers are the same, but the step's update "
+        "temporaries are not allocated).",
+        "",
+        "| model | W | contender | skipped steps per rank | final loss scale per rank |",
+        "|---|---|---|---|---|",
+    ]
+    for case in fp16:
+        for contender in ORDER:
+            run = case["runs"].get(contender)
+            if not _measured(run):
+                continue
+            skipped = ", ".join(_f(s, "d") for s in run.get("skipped_steps") or [])
+            scales = ", ".join(_f(s, "g") for s in run.get("loss_scale") or [])
+            lines.append(
+                f"| {case['arch']} {case['size']} | {case['world']} | {contender} | {skipped or '-'} | {scales or '-'} |"
+            )
+    return lines + [""]
+
+
 def _failed(results: dict) -> list:
     failed = results.get("failed") or []
     if not failed:
@@ -294,6 +364,7 @@ def render(results: dict) -> str:
         + _summary(results, an)
         + _full(an)
         + _buffers(results)
+        + _loss_scale(results)
         + _failed(results)
     )
     notes = results.get("notes")

@@ -3,7 +3,7 @@
     python -m deepspeed.launcher.launch --world_info=<W ranks> ... --module benchmarks.ranks.memory --spec RUN/spec.json
 
 Contract: reads the run's spec (model dict, DeepSpeed config, steps, micro-batch, accumulation,
-dtype, seed, device), then, in this order: imports torch, DeepSpeed, acco_ds and the model's code
+dtype: bf16, fp16 or fp32, seed, device), then, in this order: imports torch, DeepSpeed, acco_ds and the model's code
 (the model class is imported by counting its parameters on the meta device), initialises the
 process group and waits at a barrier: the **baseline** (this rank's RSS now, on GPU the allocated
 bytes). Then builds the model (seeded, in the run's dtype), ``deepspeed.initialize``, trains
@@ -18,7 +18,9 @@ it). Writes ``RUN/rank<r>.json``: baseline, peak, peak phase, the phase marks (c
 memory, and on CPU the RSS split into anonymous / file / shared pages), the parameter count, the
 bytes of the tensors still reachable at the end (a gc walk), and for ACCO ``held``
 (``GroupBuffers.held_bytes()`` summed over the groups, with the padded element counts) - what the
-analytic columns predict.
+analytic columns predict; with fp16 (dynamic loss scaling; on a CPU rank fp16 is first allowed by
+``acco_ds.deepspeed.cpu_fp16.allow_fp16_on_cpu``) also ``skipped_steps`` (the engine's) and ``loss_scale`` (the
+optimizer's ``cur_scale`` at the end), None otherwise.
 """
 
 from __future__ import annotations
@@ -148,7 +150,12 @@ def run(spec: dict) -> dict:
     import acco_ds  # noqa: F401  (registers the ACCO optimizer type)
     from acco_ds.models.hf import build_model, model_num_params
 
-    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[spec["dtype"]]
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[spec["dtype"]]
+    fp16 = spec["dtype"] == "fp16"
+    if fp16 and device_kind == "cpu":
+        from acco_ds.deepspeed.cpu_fp16 import allow_fp16_on_cpu
+
+        allow_fp16_on_cpu()
     n_params = model_num_params(spec["model"])  # imports the model's modules before the baseline
     torch.set_num_threads(spec["threads"])
     deepspeed.init_distributed(verbose=False)
@@ -200,6 +207,9 @@ def run(spec: dict) -> dict:
         "held": held_by_acco(engine),
         "loss": float(loss.detach().float()),
         "threads": torch.get_num_threads(),
+        "param_dtype": str(next(engine.module.parameters()).dtype).replace("torch.", ""),
+        "skipped_steps": int(engine.skipped_steps) if fp16 else None,
+        "loss_scale": float(engine.optimizer.cur_scale) if fp16 else None,
     }
     if device.type == "cuda":
         summary["max_reserved"] = int(torch.cuda.max_memory_reserved(device))
