@@ -2,8 +2,10 @@
 ``optimizer.eval()``/``train()`` and ``committed_weights()`` evaluate theta, the weights checkpoints and
 ``safe_get_full_fp32_param`` hold, never acco's estimate or dpu's previous commit, at every point of
 the pipeline (prologue, a peek in flight, a commit in flight, twice in a row); and training after an
-evaluation ends bit for bit where the run without it does. acco and dpu, fixed and adaptive
-accumulation, fp32 and bf16; 2 ranks started as the deepspeed launcher starts them (tests/ranks/launch.py, run_local)."""
+evaluation ends bit for bit where the run without it does. The module shows, during the evaluation, exactly the
+committed fp32 masters cast to its dtype. acco and dpu, fixed and adaptive accumulation, fp32 and bf16, and acco in
+fp16 with dynamic loss scaling (an overflow planted in step 2: a skipped step, a halved scale, then a grown one;
+after an evaluation the scale and skipped steps of every step are those of the run without it); 2 ranks started as the deepspeed launcher starts them (tests/ranks/launch.py, run_local)."""
 
 from __future__ import annotations
 
@@ -28,7 +30,17 @@ CASES = [
     ("dpu", "fixed", "fp32"),
     ("acco", "adaptive", "fp32"),
     ("dpu", "adaptive", "bf16"),
+    ("acco", "fixed", "fp16"),
 ]
+# fp16: a first scale of 2**8 growing after every good step, halved at an overflow (planted: [step, micro] on rank 0)
+FP16 = {
+    "enabled": True,
+    "initial_scale_power": 8,
+    "loss_scale_window": 1,
+    "hysteresis": 1,
+    "min_loss_scale": 1,
+}
+POISON = [[1, 1]]
 
 
 def config(mode: str, accumulation: str, dtype: str) -> dict:
@@ -42,6 +54,7 @@ def config(mode: str, accumulation: str, dtype: str) -> dict:
         "zero_optimization": {"stage": 1},
         "gradient_clipping": 1.0,
         "bf16": {"enabled": dtype == "bf16"},
+        **({"fp16": FP16} if dtype == "fp16" else {}),
         "steps_per_print": 10**9,
     }
 
@@ -63,6 +76,7 @@ def results(tmp_path_factory):
                     "config": config(*case),
                     "how": how,
                     "eval_at": [] if how == "none" else EVAL_AT,
+                    "poison": POISON if case[2] == "fp16" else [],
                 }
             )
     spec = tmp / "scenarios.json"
@@ -81,6 +95,9 @@ def test_evaluation_measures_the_committed_model(results, case, how):
             f"{case} {how} at {e['at']}: {e['got']} vs committed {e['committed']}"
         )
         assert e["restored"], f"{case} {how} at {e['at']}: the training weights were not put back"
+        assert torch.equal(e["shown"], e["committed_cast"]), (
+            f"{case} {how} at {e['at']}: the module did not show the committed weights in its dtype"
+        )
     # the check has teeth: somewhere the weights the model held were not the committed ones
     assert any(e["held"] != e["committed"] for e in evals), case
 
@@ -90,5 +107,15 @@ def test_evaluation_measures_the_committed_model(results, case, how):
 def test_training_is_unperturbed(results, case, how):
     looked, never = results[name_of(case, how)], results[name_of(case, "none")]
     assert torch.equal(looked["final"], never["final"])
-    for key in ("committed_steps", "applied_steps", "micro_batches_committed", "rounds"):
+    for key in ("committed_steps", "applied_steps", "micro_batches_committed", "rounds", "skipped_steps"):
         assert looked["stats"][key] == never["stats"][key], key
+    assert looked["scales"] == never["scales"]
+
+
+def test_fp16_case_runs_in_fp16_with_an_overflow(results):
+    """The fp16 case is what it claims: the model in fp16, the planted overflow skipped a step, the scale moved."""
+    res = results[name_of(("acco", "fixed", "fp16"), "none")]
+    assert res["model_dtype"] == "torch.float16"
+    assert res["stats"]["skipped_steps"] == len(POISON)
+    scales = [s for s, _ in res["scales"]]
+    assert len(set(scales)) >= 2 and res["scales"][-1][1] >= 1, res["scales"]

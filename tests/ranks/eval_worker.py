@@ -12,10 +12,15 @@ row), evaluates on a fixed batch the way ``how`` says:
   ``engine.optimizer.committed_weights()`` (generation, hand-written no_grad loops);
 - ``none``: no evaluation (the run the others must equal).
 
-At each evaluation rank 0 records: the loss the path gave, the loss of a fresh toy model loaded with
-the committed weights (``safe_get_full_fp32_param``, cast to the model's dtype), and the loss of a fresh
-toy model loaded with the weights the model held just before (what an evaluation that ignores ACCO
-would measure). At the end: the committed weights after ``finish()`` and the stats.
+At each evaluation rank 0 records: the loss the path gave, the weights the module showed during it, the
+committed weights (``safe_get_full_fp32_param``, the fp32 masters) cast to the model's dtype and the loss of a
+fresh toy model loaded with them, and the loss of a fresh toy model loaded with the weights the model held just
+before (what an evaluation that ignores ACCO would measure). At the end: the committed weights after ``finish()``,
+the stats, and with fp16 the loss scale and skipped steps after every engine step.
+
+fp16 (``"fp16": {"enabled": true}``): the rank first lifts the CPU accelerator's fp16 refusal
+(``allow_fp16_on_cpu``); a scenario's ``poison``, ``[step, micro]`` pairs, multiplies that micro-batch's loss by inf
+on rank 0 (a planted overflow: a skipped step and a halved scale, which an evaluation must not disturb).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import torch
 from deepspeed.utils import safe_get_full_fp32_param  # noqa: E402
 
 import acco_ds  # noqa: E402,F401
+from acco_ds.deepspeed.cpu_fp16 import allow_fp16_on_cpu
 from tests.ranks import rank_start, toy  # noqa: E402
 
 EVAL_BATCH = toy.micro_batch(99, 12345)
@@ -50,21 +56,26 @@ def evaluate(engine, how: str, dtype: torch.dtype) -> dict:
         if how == "engine_eval":
             engine.eval()
             got = float(engine(*EVAL_BATCH))
+            shown = toy.flat(params).clone()
             engine.train()
         elif how == "optimizer_eval":
             engine.module.eval()
             engine.optimizer.eval()
             got = float(engine(*EVAL_BATCH))
+            shown = toy.flat(params).clone()
             engine.optimizer.train()
             engine.module.train()
         elif how == "context":
             with engine.optimizer.committed_weights():
                 got = float(engine.module(*EVAL_BATCH))
+                shown = toy.flat(params).clone()
         else:
             raise ValueError(how)
     after = toy.flat(params)
     return {
         "got": got,
+        "shown": shown,
+        "committed_cast": committed.to(dtype).float(),  # what the module holds, flat (toy.flat is fp32)
         "committed": loss_of(committed.to(dtype), dtype),
         "held": loss_of(held, dtype),
         "restored": bool(torch.equal(after, held)),
@@ -74,18 +85,28 @@ def evaluate(engine, how: str, dtype: torch.dtype) -> dict:
 def run_scenario(sc: dict, rank: int) -> dict:
     cfg = sc["config"]
     gas = cfg["gradient_accumulation_steps"]
-    dtype = torch.bfloat16 if cfg.get("bf16", {}).get("enabled") else torch.float32
+    dtype = torch.float32
+    if cfg.get("bf16", {}).get("enabled"):
+        dtype = torch.bfloat16
+    if cfg.get("fp16", {}).get("enabled"):
+        dtype = torch.float16
+        allow_fp16_on_cpu()
+    poison = [tuple(p) for p in sc.get("poison", [])]
     model = toy.build()
     engine, _, _, _ = deepspeed.initialize(model=model, config=cfg, model_parameters=model.parameters())
     params = toy.trainable(engine.module)
-    evals = []
+    evals, scales = [], []
     eval_at = [tuple(p) for p in sc.get("eval_at", [])]
     for step in range(sc["steps"]):
         for j in range(gas):
             x, y = toy.micro_batch(rank, step * gas + j)
             loss = engine(x, y)
+            if rank == 0 and (step, j) in poison:
+                loss = loss * float("inf")
             engine.backward(loss)
             engine.step()
+            if dtype == torch.float16 and j == gas - 1:
+                scales.append((float(engine.optimizer.cur_scale), int(engine.skipped_steps)))
             for _ in range(eval_at.count((step, j))):
                 evals.append({"at": (step, j), **evaluate(engine, sc["how"], dtype)})
     opt = engine.optimizer
@@ -94,6 +115,8 @@ def run_scenario(sc: dict, rank: int) -> dict:
         "evals": evals,
         "final": toy.flat(safe_get_full_fp32_param(p) for p in params),
         "stats": opt.stats(),
+        "scales": scales,
+        "model_dtype": str(params[0].dtype),
     }
     opt.pipeline.close()
     return out
