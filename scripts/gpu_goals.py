@@ -1,13 +1,17 @@
 """The results of scripts/gpu_checks.sh against the GPU goals of docs/GPU.md, and its JUnit files merged into one.
 
     python scripts/gpu_goals.py merge-junit OUT.xml IN.xml ...   # one <testsuites> file (missing inputs skipped)
-    python scripts/gpu_goals.py goals RESULTS_DIR                # Markdown on stdout
+    python scripts/gpu_goals.py goals RUN_DIR                    # Markdown on stdout; exit 0 only if all met
 
-``goals`` reads what the checks wrote into RESULTS_DIR (pytest_gpu.xml, kernels_cuda.json from
-python -m benchmarks.kernels, gpu_overlap.json from python -m benchmarks.gpu_overlap) and states, per goal, the
-measured figure and whether it meets the goal; a result that is missing is reported as missing, never as met:
+``goals`` reads what scripts/gpu_checks.sh wrote into RUN_DIR (steps.tsv: each step's limit, result and seconds;
+collected_STEP.txt: the node ids each test step collected; junit_STEP.xml; kernels_cuda.json from
+python -m benchmarks.kernels; gpu_overlap.json from python -m benchmarks.gpu_overlap) and states, per goal, the
+measured figure and whether it meets the goal, then one verdict: ALL MET only when every row is met. A result that
+is missing is never met: a step of scripts/gpu_steps.py's table that is not in steps.tsv, was not selected, was
+skipped or timed out, a test collected but without a result, a benchmark whose step did not end ok, are NOT met.
 
-- every GPU test passes (none failed, errored or skipped);
+- every GPU test passes: every test step of the table ran to its end (ok or failed, not stopped), and each of the
+  tests it collected passed (none failed, errored, skipped or not run);
 - commit and peek move >= 85% of the device-to-device copy bandwidth (bytes read + written, the copy probe of
   the same run), at every size >= 10M parameters;
 - peek >= 3x faster than clone/step/restore, at every size >= 10M;
@@ -30,6 +34,7 @@ BYTES = {"commit": 28, "peek": 16}  # as benchmarks/kernels/table.py's BYTES
 QUANT_BYTES = {  # as benchmarks/kernels/table.py's QUANT_BYTES
     "qres_fp32": 13 + 4 / 256,
     "qres_bf16": 7 + 4 / 256,
+    "qres_fp16": 7 + 4 / 256,
     "deq_add": 9 + 4 / 256,
     "deq_sum": 4 * (1 + 4 / 256) + 2,
     "qdiff": 5 + 4 / 256,
@@ -81,32 +86,124 @@ def merge_junit(out: Path, inputs) -> int:
 
 
 def _row(goal: str, figure: str, met) -> str:
-    verdict = {True: "met", False: "NOT met", None: "no result"}[met]
+    verdict = {True: "met", False: "NOT met", None: "NOT met (no result)"}[met]
     return f"| {goal} | {figure} | {verdict} |"
 
 
-def tests_goal(results: Path) -> str:
-    path = results / "pytest_gpu.xml"
+def read_steps(results: Path):
+    """{step: (limit, result, seconds)} from steps.tsv, or None without one."""
+    path = results / "steps.tsv"
     if not path.is_file():
-        return _row("every GPU test passes", "pytest_gpu.xml missing", None)
-    root = ET.parse(path).getroot()
-    n = {k: int(root.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
-    suites = ", ".join(s.get("name", "?") for s in root.findall("testsuite"))
-    figure = (
-        f"{n['tests']} tests: {n['failures']} failed, {n['errors']} errors, {n['skipped']} skipped ({suites})"
-    )
-    return _row(
-        "every GPU test passes", figure, n["tests"] > 0 and n["failures"] + n["errors"] + n["skipped"] == 0
-    )
+        return None
+    out = {}
+    for line in path.read_text().splitlines():
+        if line.strip():
+            name, limit, result, _rc, seconds = line.split("\t")
+            out[name] = (int(limit), result, int(seconds))
+    return out
+
+
+def _suite_counts(results: Path, step: str) -> dict | None:
+    """{"tests", "passed", "failed", "skipped"} of junit_STEP.xml's testcases, or None without the file."""
+    path = results / f"junit_{step}.xml"
+    if not path.is_file() or path.stat().st_size == 0:
+        return None
+    try:
+        root = ET.parse(path).getroot()
+    except ET.ParseError:
+        return None
+    n = {"tests": 0, "passed": 0, "failed": 0, "skipped": 0}
+    for tc in root.iter("testcase"):
+        if not tc.get("classname"):  # pytest's entry for an interrupted session, not a test
+            continue
+        n["tests"] += 1
+        if tc.find("failure") is not None or tc.find("error") is not None:
+            n["failed"] += 1
+        elif tc.find("skipped") is not None:
+            n["skipped"] += 1
+        else:
+            n["passed"] += 1
+    return n
+
+
+def test_step_verdicts(results: Path, test_steps) -> list:
+    """[(step, figure, met)] for each test step: met only when the step ran to its end and every test it
+    collected passed."""
+    steps = read_steps(results) or {}
+    out = []
+    for name in test_steps:
+        if name not in steps:
+            out.append((name, "missing: not in steps.tsv", False))
+            continue
+        limit, result, seconds = steps[name]
+        collected_file = results / f"collected_{name}.txt"
+        collected = len(collected_file.read_text().split()) if collected_file.is_file() else None
+        n = _suite_counts(results, name)
+        if result in ("not_selected", "skipped"):
+            out.append((name, f"{result.replace('_', ' ')}: no test ran", False))
+            continue
+        ran = n["tests"] if n else 0
+        parts = [f"{result} ({seconds} s of {limit})"]
+        if collected is None:
+            parts.append("collected count not recorded")
+        else:
+            parts.append(f"{collected} collected")
+        if n is not None:
+            parts.append(f"{n['passed']} passed, {n['failed']} failed, {n['skipped']} skipped")
+        else:
+            parts.append("no JUnit report")
+        not_run = (collected - ran) if collected is not None else None
+        if not_run:
+            parts.append(f"{not_run} not run")
+        met = (result in ("ok", "failed") and collected is not None and collected > 0 and n is not None
+               and not_run == 0 and n["passed"] == collected)  # fmt: skip
+        out.append((name, ", ".join(parts), met))
+    return out
+
+
+def tests_goal(results: Path, test_steps=None) -> str:
+    """The goal "every GPU test passes" over ``test_steps`` (default: the test steps of scripts/gpu_steps.py)."""
+    if test_steps is None:
+        test_steps = [s.name for s in _steps_module().STEPS if s.tests]
+    if read_steps(results) is None:
+        return _row("every GPU test passes", "steps.tsv missing: which steps ran and what they collected is "
+                    "not known", False)  # fmt: skip
+    verdicts = test_step_verdicts(results, test_steps)
+    figure = "; ".join(f"{name}: {fig}" for name, fig, _ in verdicts)
+    return _row("every GPU test passes", figure, all(met for *_, met in verdicts))
+
+
+def _steps_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_steps", Path(__file__).with_name("gpu_steps.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("gpu_steps", module)  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return sys.modules["gpu_steps"]
+
+
+def step_ended_ok(results: Path, step: str) -> str | None:
+    """None when ``step`` ended ok in steps.tsv (or there is no steps.tsv: a legacy folder), else why not."""
+    steps = read_steps(results)
+    if steps is None:
+        return None
+    if step not in steps:
+        return f"{step}: missing"
+    if steps[step][1] != "ok":
+        return f"{step}: {steps[step][1].replace('_', ' ')}"
+    return None
 
 
 def kernel_goals(results: Path) -> list:
     path = results / "kernels_cuda.json"
-    if not path.is_file():
+    why = step_ended_ok(results, "bench_kernels")
+    if why or not path.is_file():
+        why = why or "kernels_cuda.json missing"
         return [
-            _row("commit/peek >= 85% of the copy bandwidth", "kernels_cuda.json missing", None),
-            _row("peek >= 3x clone/step/restore", "kernels_cuda.json missing", None),
-            _row("quantize/dequantize-add >= 80% of the copy bandwidth", "kernels_cuda.json missing", None),
+            _row("commit/peek >= 85% of the copy bandwidth", why, None),
+            _row("peek >= 3x clone/step/restore", why, None),
+            _row("quantize/dequantize-add >= 80% of the copy bandwidth", why, None),
         ]
     res = json.loads(path.read_text())
     copy = res["stream"]["probes"]["copy"]["gbs"]
@@ -141,10 +238,12 @@ def kernel_goals(results: Path) -> list:
 
 def overlap_goals(results: Path) -> list:
     path = results / "gpu_overlap.json"
-    if not path.is_file():
+    why = step_ended_ok(results, "overlap")
+    if why or not path.is_file():
+        why = why or "gpu_overlap.json missing"
         return [
-            _row("acco overlap efficiency >= 90% at every stand-in", "gpu_overlap.json missing", None),
-            _row("the host never waits inside a round (acco)", "gpu_overlap.json missing", None),
+            _row("acco overlap efficiency >= 90% at every stand-in", why, None),
+            _row("the host never waits inside a round (acco)", why, None),
         ]
     data = json.loads(path.read_text())
     settings = [s for s in data["settings"] if s["mode"] == "acco"]
@@ -184,9 +283,20 @@ def overlap_goals(results: Path) -> list:
     ]
 
 
+def goal_rows(results: Path) -> list:
+    return [tests_goal(results), *kernel_goals(results), *overlap_goals(results)]
+
+
+def all_met(rows) -> bool:
+    return bool(rows) and all(r.endswith("| met |") for r in rows)
+
+
 def goals(results: Path) -> str:
-    lines = ["| GPU goal | measured | verdict |", "|---|---|---|", tests_goal(results)]
-    lines += kernel_goals(results) + overlap_goals(results)
+    """The goals table, then the verdict line: ALL MET, or NOT MET naming the goals not met."""
+    rows = goal_rows(results)
+    lines = ["| GPU goal | measured | verdict |", "|---|---|---|", *rows, ""]
+    missed = [r.split(" | ")[0].lstrip("| ") for r in rows if not r.endswith("| met |")]
+    lines.append("**Verdict: ALL MET**" if all_met(rows) else f"**Verdict: NOT MET** ({'; '.join(missed)})")
     return "\n".join(lines) + "\n"
 
 
@@ -195,8 +305,9 @@ def main(argv) -> int:
         merge_junit(Path(argv[1]), argv[2:])
         return 0
     if len(argv) == 2 and argv[0] == "goals":
-        sys.stdout.write(goals(Path(argv[1])))
-        return 0
+        text = goals(Path(argv[1]))
+        sys.stdout.write(text)
+        return 0 if "**Verdict: ALL MET**" in text else 1
     sys.stderr.write(__doc__)
     return 2
 
