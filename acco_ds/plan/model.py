@@ -50,8 +50,8 @@ COMPRESSED_CONTENDERS = ("sync-int8", "acco-int8", "acco-adaptive-int8")
 """acco_ds with every exchange int8 (commit, peek, all-gather)."""
 GPU_COMPRESSION_NOTE = (
     "acco_ds's GPU compression has run on one GPU only (no NCCL all-to-all across ranks yet), where its quantize "
-    "kernels reached 79-102% of the copy bandwidth (H100; the one-pass dequantize-sum has not run there: "
-    "docs/GPU.md)"
+    "kernels moved 53-102% of the copy bandwidth at 10M and 100M elements (H200, run h200_2026-11-28_9524805 of "
+    "benchmarks/results/gpu_checks: docs/GPU.md)"
 )
 """Why acco-plan does not recommend compression with ``--accelerator gpu`` (its rows are still modelled)."""
 COMPRESSION_CONFIG = {"commit": "int8", "peek": "int8", "all_gather": "int8"}
