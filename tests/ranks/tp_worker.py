@@ -7,7 +7,14 @@ Data follow the data-parallel rank (the ranks of one tensor-parallel group see t
 so a run at TP T x DP D and one at TP 1 x DP D train on the same data. Rank 0 saves, per scenario and
 per engine step: every rank's committed slices (``safe_get_full_fp32_param``) and moments, the full
 parameters and moments rebuilt over the tensor-parallel group (concatenated along each split
-parameter's partition dimension), the reported gradient norm, and at the end the stats."""
+parameter's partition dimension), the reported gradient norm, the loss scale (``engine.optimizer.cur_scale``) and
+the engine's ``skipped_steps``, and at the end the stats.
+
+fp16 (``"fp16": {"enabled": true}``): the rank first lifts the CPU accelerator's fp16 refusal
+(``allow_fp16_on_cpu``); a scenario's ``poison``, ``[dp_rank, tp_rank, micro-batch index]`` triples, multiplies that
+micro-batch's loss by inf on that rank only (a planted overflow; ``tp_rank`` None: every rank of the replica), so a
+run at TP T and one at TP 1 can plant the same overflows. While DeepSpeed's ZeRO-1 has no Adam state yet (every
+step so far skipped) its moments are recorded as zeros."""
 
 from __future__ import annotations
 
@@ -20,6 +27,7 @@ from deepspeed.utils import groups, safe_get_full_fp32_param, safe_get_full_opti
 from transformers import LlamaForCausalLM  # noqa: E402
 
 import acco_ds  # noqa: E402,F401
+from acco_ds.deepspeed.cpu_fp16 import allow_fp16_on_cpu
 from tests.ranks import llama, rank_start  # noqa: E402
 
 VOCAB, SEQ, MICRO = 64, 12, 2
@@ -157,6 +165,8 @@ def full_over_tp(named: dict, meta: dict, tp_group) -> dict:
 def run_scenario(sc: dict) -> dict:
     cfg = sc["config"]
     gas = cfg["gradient_accumulation_steps"]
+    if cfg.get("fp16", {}).get("enabled"):
+        allow_fp16_on_cpu()
     if sc.get("model") == "mpu_mlp":
         mpu = mpu_groups(sc["tp"])
         model = MpuMLP(mpu.tp)
@@ -179,12 +189,26 @@ def run_scenario(sc: dict) -> dict:
     }
     steps, adaptive = [], sc.get("adaptive_steps")
     index = 0
+    tp_rank = dist.get_rank(tp_group) if tp_group is not None else 0
+    poison = {(d, t, i) for d, t, i in sc.get("poison", [])}
+
+    def loss_at(i: int) -> torch.Tensor:
+        loss = loss_of(engine, sc, dp_rank, i)
+        if (dp_rank, tp_rank, i) in poison or (dp_rank, None, i) in poison:
+            loss = loss * float("inf")
+        return loss
+
+    def moment(p, key: str) -> torch.Tensor:
+        # DeepSpeed's ZeRO-1 has no Adam state while every step so far was skipped (the same on every rank)
+        if not hasattr(engine.optimizer, "pipeline") and not engine.optimizer.optimizer.state:
+            return torch.zeros_like(safe_get_full_fp32_param(p))
+        return safe_get_full_optimizer_state(p, key).clone()
 
     def record():
         got = {
             "params": {n: safe_get_full_fp32_param(p).clone() for n, p in named},
-            "exp_avg": {n: safe_get_full_optimizer_state(p, "exp_avg").clone() for n, p in named},
-            "exp_avg_sq": {n: safe_get_full_optimizer_state(p, "exp_avg_sq").clone() for n, p in named},
+            "exp_avg": {n: moment(p, "exp_avg") for n, p in named},
+            "exp_avg_sq": {n: moment(p, "exp_avg_sq") for n, p in named},
         }
         norm = engine.get_global_grad_norm()
         steps.append(
@@ -192,6 +216,8 @@ def run_scenario(sc: dict) -> dict:
                 **{f"full_{k}": full_over_tp(v, meta, tp_group) for k, v in got.items()},
                 **got,
                 "norm": None if norm is None else float(norm),
+                "scale": float(engine.optimizer.cur_scale),
+                "skipped": int(engine.skipped_steps),
             }
         )
 
@@ -216,18 +242,26 @@ def run_scenario(sc: dict) -> dict:
                 tp_rank = dist.get_rank(tp_group) if tp_group is not None else 0
                 time.sleep(sc.get("slow_s", 0.03) * (1 + tp_rank))
             micro.append((opt.pipeline.round_index, opt.pipeline.counter.count))
-            engine.backward(loss_of(engine, sc, dp_rank, index))
+            engine.backward(loss_at(index))
             engine.step()
             index += 1
         record()
     else:
         for _ in range(sc["steps"]):
             for _ in range(gas):
-                engine.backward(loss_of(engine, sc, dp_rank, index))
+                engine.backward(loss_at(index))
                 engine.step()
                 index += 1
             record()
-    out = {"steps": steps, "meta": meta, "rank": dist.get_rank(), "dp_rank": dp_rank, "micro": index}
+    out = {
+        "steps": steps,
+        "meta": meta,
+        "rank": dist.get_rank(),
+        "dp_rank": dp_rank,
+        "tp_rank": tp_rank,
+        "micro": index,
+        "param_dtype": str(named[0][1].dtype),
+    }
     if adaptive:
         out["rounds_of_micro"] = micro  # (round index, count before) of every micro-batch
     opt = engine.optimizer
@@ -235,6 +269,7 @@ def run_scenario(sc: dict) -> dict:
         opt.finish()
         out["stats"] = opt.stats()
         out["final_norm"] = float(opt.pipeline.last_grad_norm)
+        out["final_scale"] = float(opt.cur_scale)
         out["final"] = full_over_tp(
             {n: safe_get_full_fp32_param(p).clone() for n, p in named}, meta, tp_group
         )
