@@ -394,6 +394,65 @@ MUTANTS = [
         ("tests/ops/test_fold_quantize.py",),
     ),
     Mutant(
+        "M40",
+        "fp16: an overflow seen on one rank only (a rank whose own gradients are finite ignores the others' "
+        "overflow and steps)",
+        "acco_ds/core/round_job.py",
+        "    dist.all_reduce(sumsq, op=dist.ReduceOp.SUM, group=group)\n",
+        "    mine = torch.isfinite(sumsq)\n    dist.all_reduce(sumsq, op=dist.ReduceOp.SUM, group=group)\n"
+        "    sumsq = torch.where(mine & ~torch.isfinite(sumsq), torch.zeros_like(sumsq), sumsq)\n",
+        ("tests/core/test_fp16_trajectories.py::test_matches_reference",),
+    ),
+    Mutant(
+        "M41",
+        "fp16: a round unscaled by another round's scale (the scaler's current scale instead of the one the round "
+        "computed under)",
+        "acco_ds/core/pipeline.py",
+        '        args = {"loss_scale": self.scaler.job_scale(), "residual_scales": self.residual_scales}',
+        '        args = {"loss_scale": self.scaler.state[[0, 4]].clone(), "residual_scales": self.residual_scales}',
+        ("tests/core/test_fp16_trajectories.py::test_matches_reference",),
+    ),
+    Mutant(
+        "M42",
+        "fp16: the loss scale updated per round (peeks too) instead of once per optimizer step",
+        "acco_ds/core/pipeline.py",
+        "        if self.scaler is None or result.job is not Job.COMMIT or result.loss_scale is None:",
+        "        if self.scaler is None or result.loss_scale is None:",
+        ("tests/core/test_fp16_trajectories.py::test_matches_reference",),
+    ),
+    Mutant(
+        "M43",
+        "fp16: a skipped step still advances the LR schedule (its overflow not reported to the engine)",
+        "acco_ds/deepspeed/optimizer.py",
+        "        self.overflow = self._take_unreported_skip()",
+        "        self.overflow = self._take_unreported_skip() and False",
+        ("tests/core/test_fp16_trajectories.py::test_matches_reference",),
+    ),
+    Mutant(
+        "M44",
+        "fp16: a skipped step still advances Adam's step count (bias corrections)",
+        "acco_ds/core/pipeline.py",
+        "                self.stats.skipped_steps += 1\n",
+        "                self.stats.skipped_steps += 1\n                self.state_step += 1\n",
+        ("tests/core/test_fp16_trajectories.py::test_matches_reference",),
+    ),
+    Mutant(
+        "M46",
+        "fp16: the loss scaler's state not restored on resume",
+        "acco_ds/core/snapshot.py",
+        '        pipeline.scaler.load_state_dict(snap["loss_scale"])',
+        "        pass",
+        ("tests/checkpoint/test_fp16_checkpoints.py::test_resume_is_bit_exact",),
+    ),
+    Mutant(
+        "M47",
+        "fp16: a compressed round's error-feedback residual left in the scale of the round it came from",
+        "acco_ds/core/loss_scale.py",
+        "    residual.mul_(scale / residual_scale)\n",
+        "",
+        ("tests/core/test_fp16_trajectories.py::test_compressed_matches_reference",),
+    ),
+    Mutant(
         "M45",
         "every parameter group stepped with the first group's AdamW settings (per-group lr, betas and weight "
         "decay ignored: the HF Trainer's no-decay group decayed)",

@@ -656,7 +656,7 @@ class ACCOPipeline:
         self.model_holds = "theta" if result.job is Job.COMMIT else "estimate"
         if result.job is Job.COMMIT:
             self._report_norm(result)
-            self._apply_loss_scale(result)
+        self._apply_loss_scale(result)
         self._unread.append(result)
         self._read_summaries(keep=1 if self.defer_host_reads else 0)
         return result

@@ -7,6 +7,7 @@ import logging
 import threading
 
 import deepspeed
+import torch
 
 from acco_ds.config import ACCOConfig
 from acco_ds.deepspeed.optimizer import ACCOZeroOptimizer
@@ -23,6 +24,13 @@ def configure_acco(engine, client_optimizer, model_parameters) -> None:
     check_deepspeed_version(deepspeed.__version__)
     cfg = ACCOConfig.from_params(engine.optimizer_params())
     check_engine_config(engine, client_optimizer, cfg)
+    # materialized: read here for the dtype, then by the optimizer
+    model_parameters = [
+        {**g, "params": g["params"] if isinstance(g["params"], torch.Tensor) else list(g["params"])}
+        if isinstance(g, dict) and "params" in g
+        else g
+        for g in model_parameters
+    ]
     optimizer = ACCOZeroOptimizer(
         model_parameters,
         cfg,
@@ -30,7 +38,7 @@ def configure_acco(engine, client_optimizer, model_parameters) -> None:
         gradient_clipping=engine.gradient_clipping(),
         dp_process_group=engine.seq_data_parallel_group,
         tp_group=model_parallel_group(engine) if int(getattr(engine, "mp_world_size", 1) or 1) > 1 else None,
-        loss_scale=loss_scale_spec(engine),
+        loss_scale=loss_scale_spec(engine, trainable_dtype(model_parameters)),
     )
     optimizer.attach_engine(engine)
     engine.basic_optimizer = optimizer.optimizer
@@ -46,6 +54,18 @@ def configure_acco(engine, client_optimizer, model_parameters) -> None:
             sum(b.layout.numel for b in optimizer.pipeline.groups),
             len(optimizer.pipeline.groups),
         )
+
+
+def trainable_dtype(model_parameters: list):
+    """The dtype of the first trainable parameter of ``deepspeed.initialize``'s ``model_parameters`` (parameters or
+    param-group dicts), or None."""
+    for item in model_parameters:
+        params = item.get("params", []) if isinstance(item, dict) else [item]
+        params = [params] if isinstance(params, torch.Tensor) else params
+        for p in params:
+            if p.requires_grad:
+                return p.dtype
+    return None
 
 
 _said: set = set()

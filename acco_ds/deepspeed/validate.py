@@ -39,12 +39,15 @@ def check_fp16_config(engine) -> None:
         )
 
 
-def loss_scale_spec(engine):
+def loss_scale_spec(engine, param_dtype: torch.dtype | None = None):
     """The loss scaler's settings from the engine's ``fp16`` section (``core.loss_scale.LossScaleSpec``), or None
-    when fp16 is off. ``loss_scale`` 0: dynamic scaling from ``2 ** initial_scale_power``; > 0: that static scale."""
+    without fp16. ``loss_scale`` 0: dynamic scaling from ``2 ** initial_scale_power``; > 0: that static scale. As
+    DeepSpeed's ZeRO-1, a model whose parameters are fp16 (``param_dtype``: the trainable parameters' dtype; a model
+    cast with ``.half()``) is loss-scaled by the ``fp16`` section's settings (its defaults without one) even when
+    ``fp16.enabled`` is false."""
     from acco_ds.core.loss_scale import LossScaleSpec
 
-    if not engine.fp16_enabled():
+    if not engine.fp16_enabled() and param_dtype != torch.float16:
         return None
     if not engine.dynamic_loss_scale():
         return LossScaleSpec(dynamic=False, init_scale=float(engine.loss_scale()))

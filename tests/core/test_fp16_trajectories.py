@@ -45,8 +45,14 @@ SPEC = LossScaleSpec(True, 2.0**8, window=2, hysteresis=2, min_scale=1.0)
 # (rank, micro-batch index): after the scale grew (steps 2 and 3), step 4 in its first half (acco: the g~ round),
 # step 5 in its second half (the g round) on the last rank (two in a row: the hysteresis runs out, the scale halves),
 # step 8 in its second half
-def poison(world: int) -> list:
-    return [[0, 4 * GAS + 0], [world - 1, 5 * GAS + 3], [0, 8 * GAS + 2]]
+def poison(world: int, whole: bool = False) -> list:
+    """``whole``: every poison on the whole loss (the linear model has one parameter)."""
+    return [[0, 4 * GAS + 0], [world - 1, 5 * GAS + 3], [0, 8 * GAS + 2] + ([] if whole else [ONE_SHARD])]
+
+
+# an overflow in one parameter only: the last trainable one, which lies in the last rank's shard (at W > 1 only that
+# rank's reduced shard is non-finite, yet every rank must skip)
+ONE_SHARD = "fc2.bias"
 
 
 # Master weights: the model computes in fp16, the reference in fp32 at the fp16-rounded parameters.
@@ -104,7 +110,7 @@ def scenarios(world: int) -> list:
         opt["params"]["compression"] = comp
         config = ds_config(opt, "noclip")
         out.append(
-            {"name": name, "steps": STEPS, "config": config, "poison": poison(world), "model": "linear"}
+            {"name": name, "steps": STEPS, "config": config, "poison": poison(world, True), "model": "linear"}
         )
     adaptive = acco("acco")
     adaptive["params"]["accumulation"] = "adaptive"
@@ -151,11 +157,22 @@ def reference(mode: str, world: int, clip: str, compression: RefCompression | No
         theta0, base = torch.zeros(toy.LINEAR_DIM), toy.linear_grad_fn
     else:
         theta0, base = toy.flat(toy.trainable(toy.build().to(torch.float16))), toy.make_grad_fn(torch.float32)
-    planted = {tuple(p) for p in poison(world)}
+    planted = {tuple(p[:2]): (p[2] if len(p) == 3 else None) for p in poison(world, whole=linear)}
+    names = [n for n, p in toy.build().named_parameters() if p.requires_grad]
+    sizes = [p.numel() for p in toy.trainable(toy.build())]
 
     def grad_fn(views, rank, index):
         grads = base(views, rank, index)
-        return [torch.full_like(g, math.inf) for g in grads] if (rank, index) in planted else grads
+        if (rank, index) not in planted:
+            return grads
+        name = planted[(rank, index)]
+        if name is None:
+            return [torch.full_like(g, math.inf) for g in grads]
+        (g,) = grads
+        start = sum(sizes[: names.index(name)])
+        g = g.clone()
+        g[start : start + sizes[names.index(name)]] = math.inf
+        return [g]
 
     return reference_run(
         mode,

@@ -38,8 +38,10 @@ def run_scenario(sc: dict, rank: int) -> dict:
     gas = cfg["gradient_accumulation_steps"]
     if cfg.get("fp16", {}).get("enabled"):
         allow_fp16_on_cpu()
-    # "poison": [rank, micro-batch index] pairs whose loss is multiplied by inf (a planted fp16 overflow)
-    poison = {tuple(p) for p in sc.get("poison", [])}
+    # "poison": [rank, micro-batch index] pairs whose loss is multiplied by inf (a planted fp16 overflow), or
+    # [rank, micro-batch index, parameter name]: only that parameter's gradient is (an overflow in one shard)
+    poison = {tuple(p) for p in sc.get("poison", []) if len(p) == 2}
+    poison_param = {(p[0], p[1]): p[2] for p in sc.get("poison", []) if len(p) == 3}
     linear = sc.get("model") == "linear"  # toy.Linear: a micro-batch's gradient is toy.linear_input
     model = toy.Linear() if linear else toy.build()
     engine, _, _, _ = deepspeed.initialize(model=model, config=cfg, model_parameters=model.parameters())
@@ -57,7 +59,13 @@ def run_scenario(sc: dict, rank: int) -> dict:
                 loss = engine(x.to(engine.device), y.to(engine.device))
             if (rank, step * gas + j) in poison:
                 loss = loss * float("inf")
+            hook = None
+            if (rank, step * gas + j) in poison_param:
+                target = dict(engine.module.named_parameters())[poison_param[(rank, step * gas + j)]]
+                hook = target.register_hook(lambda g: g * float("inf"))
             engine.backward(loss)
+            if hook is not None:
+                hook.remove()
             engine.step()
         traj.append(toy.flat(safe_get_full_fp32_param(p) for p in params).cpu())
         for key, per_step in moments.items():
