@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.core import test_fp16_trajectories as fp16
 from tests.core.test_trajectories import (
     CLIPS,
     COMPRESSED,
@@ -41,10 +42,33 @@ GPU_COMPRESSED_MOMENT_TOL = {"fp32": 3e-2, "bf16": 5e-2}
 GPU_COMPRESSED_NORM_TOL = {"fp32": 1e-2, "bf16": 2e-2}
 
 
+# fp16 with dynamic loss scaling and planted overflows (tests/core/test_fp16_trajectories.py): every mode, and
+# compressed rounds under a moving scale; in the same launch
+FP16_RUNS = [f"{m}_noclip" for m in fp16.MODES] + ["acco_int8"]
+
+
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     world = min(torch.cuda.device_count(), 2)
-    return world, run_scenarios(world, scenarios(world), tmp_path_factory.mktemp("gpu"), backend="nccl")
+    plans = scenarios(world) + [sc for sc in fp16.scenarios(world) if sc["name"] in FP16_RUNS]
+    return world, run_scenarios(world, plans, tmp_path_factory.mktemp("gpu"), backend="nccl")
+
+
+@pytest.mark.parametrize("name", FP16_RUNS)
+def test_gpu_fp16_matches_reference(results, name):
+    """fp16 on the GPU: the loss scale on the device, the side stream's jobs unscaling each round by its own
+    scale; the loss scale and skipped steps per step are the reference's exactly, the rest within the GPU's
+    rounding (the reference computes at the fp16 parameters in fp32)."""
+    world, res = results
+    if name in fp16.COMPRESSED:
+        mode, comp = fp16.COMPRESSED[name]
+        ref = fp16.reference(mode, world, "noclip", fp16.ref_compression(comp))
+        tol = (GPU_COMPRESSED_TOL["fp32"], GPU_COMPRESSED_MOMENT_TOL["fp32"], GPU_COMPRESSED_NORM_TOL["fp32"])
+    else:
+        mode = name.split("_")[0]
+        ref = fp16.reference(mode, world, "noclip")
+        tol = (GPU_TOL["bf16"], GPU_MOMENT_TOL["bf16"], GPU_NORM_TOL["bf16"])
+    fp16.assert_matches(res[name], ref, mode, f"{name} on the GPU, W={world}", tol=tol)
 
 
 @pytest.mark.parametrize("clip", CLIPS)
