@@ -115,6 +115,19 @@ RUN_FIGURES = (
 )
 
 
+def uncommitted() -> list | None:
+    """The tracked files of this checkout with uncommitted edits when the runs start (None without git): the
+    figures are those of HEAD plus these."""
+    try:
+        proc = subprocess.run(
+            ["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True, text=True, timeout=30,
+        )  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return [line[3:] for line in proc.stdout.splitlines()] if proc.returncode == 0 else None
+
+
 def run_seed(a, seed: int, work: Path) -> dict:
     """One seed's runs: {mode: the figures of RUN_FIGURES} from acco-train's summary, or {"error": ...}."""
     out = work / f"seed{seed}"
@@ -173,6 +186,11 @@ def render(res: dict) -> str:
         f"- Date: {res['date']}; machine: {m.get('cpu', '-')}, {m.get('cores', '-')} cores; torch {m.get('torch', '-')}, "
         f"deepspeed {m.get('deepspeed', '-')}, acco_ds {m.get('acco_ds', '-')}",
         f"- Command: `{res['command']}`; raw results: `{res.get('prefix', 'fidelity')}.json` beside this file",
+        *(
+            [f"- Source: the commit above plus uncommitted edits in {', '.join(res['uncommitted'])}"]
+            if res.get("uncommitted")
+            else []
+        ),
         f"- Each seed: `{res['seed_commands'][0]}` (seed {res['setup']['seeds'][0]}; the others differ in `--seed` only): "
         f"a {res.get('model_params', 0) / 1e6:.2f}M-parameter GPT, {s['world_size']} ranks, {s['steps']} optimizer steps "
         f"of {s['grad_accum']} x {s['micro_batch']} sequences of {s['context']} bytes per rank, the same data and "
@@ -235,6 +253,7 @@ def main(argv=None) -> int:
     else:
         work = Path(a.work or tempfile.mkdtemp(prefix="acco_fidelity_"))
         work.mkdir(parents=True, exist_ok=True)
+        dirty = uncommitted()
         seeds = {str(seed): run_seed(a, seed, work) for seed in a.seeds}
         params = next((r["model_params"] for r in seeds.values() if "model_params" in r), 0)
         res = {
@@ -255,6 +274,7 @@ def main(argv=None) -> int:
                 for seed in a.seeds
             ],
             "model_params": params,
+            "uncommitted": dirty,
             "seeds": seeds,
         }
         res["analysis"] = analyse(res)
