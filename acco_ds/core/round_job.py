@@ -117,12 +117,25 @@ class RoundResult:
         return [int(c) for c in self.summary[_SUMMARY_FIXED:].tolist()]
 
 
+def collectives(group) -> bool:
+    """How an uncompressed round moves its gradients and parameters over ``group``: as collectives (True: NCCL,
+    ``reduce_scatter_single`` into this rank's slice of the buffer, ``all_gather_single`` in place), else point to
+    point (gloo, whose collectives move twice the bytes). The tests swap it to run the collective form on gloo ranks
+    (gloo runs both collectives with these aliasings); both forms give the same sums."""
+    return dist.get_backend(group) != "gloo"
+
+
+# torch >= 2.10 names them *_single; the older names still run and warn
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 def reduce_scatter_inplace(full: torch.Tensor, group, traffic: Traffic | None = None) -> None:
     """Sum ``full`` (this rank's flat gradient buffer) over the ranks into this rank's own slice of it,
     in place; the other slices are left with meaningless values.
 
-    NCCL: ``reduce_scatter_tensor`` with the output aliasing this rank's slice of the input (NCCL's
-    in-place form). gloo: direct point-to-point exchange of the slices (each rank sends (W-1)/W of the
+    Collectives (:func:`collectives`; NCCL): ``reduce_scatter_single`` with the output aliasing this rank's slice of
+    the input (NCCL's in-place form). gloo: direct point-to-point exchange of the slices (each rank sends (W-1)/W of the
     buffer, the minimum), one peer at a time through one shard-sized receive buffer, each added into
     this rank's slice (in its dtype; fp32 arithmetic per addition); gloo's own reduce_scatter_tensor
     moves twice those bytes (measured: 10 MB fp32 between 2 ranks on a 400 Mbit/s link, 409 ms vs
@@ -132,10 +145,10 @@ def reduce_scatter_inplace(full: torch.Tensor, group, traffic: Traffic | None = 
     if world == 1:
         return
     traffic = traffic if traffic is not None else Traffic()
-    if dist.get_backend(group) != "gloo":
+    if collectives(group):
         moved = (world - 1) * chunks[me].numel() * full.element_size()
         traffic.collective(moved, moved)
-        dist.reduce_scatter_tensor(chunks[me], full, op=dist.ReduceOp.SUM, group=group)
+        _reduce_scatter(chunks[me], full, op=dist.ReduceOp.SUM, group=group)
         return
     received = torch.empty_like(chunks[me])
     for k in range(1, world):
@@ -158,10 +171,10 @@ def all_gather_inplace(full: torch.Tensor, group, traffic: Traffic | None = None
     if world == 1:
         return
     traffic = traffic if traffic is not None else Traffic()
-    if dist.get_backend(group) != "gloo":
+    if collectives(group):
         moved = (world - 1) * chunks[me].numel() * full.element_size()
         traffic.collective(moved, moved)
-        dist.all_gather_into_tensor(full, chunks[me], group=group)
+        _all_gather(full, chunks[me], group=group)
         return
     reqs = []
     for k in range(1, world):

@@ -135,6 +135,11 @@ COLLECTIVE_TWINS = {
     "acco_fp32_int8_collective": "acco_fp32_int8",
     "acco_fp32_int4_peek_and_all_gather_collective": "acco_fp32_int4_peek_and_all_gather",
 }
+# The uncompressed rounds' collective form (NCCL's: reduce_scatter_single into this rank's slice of the buffer,
+# all_gather_single in place; round_job.collectives) run on gloo, every mode, fp32 and bf16, clipping acting
+UNCOMPRESSED_COLLECTIVE_TWINS = {
+    f"{name_of(m, d, 'clip')}_collective": name_of(m, d, "clip") for m in MODES for d in DTYPES
+}
 # The owner's sum of the quantized chunks stored once (round_job.UNSTORED_SUM_MAX_WORLD, as from W = 4 on) rather
 # than read by the norm's and the step's passes: the same bits but the norm's fp64 order (clipping is off)
 STORED_SUM_TWINS = {
@@ -202,6 +207,16 @@ def scenarios(world: int) -> list:
         opt["params"]["compression"] = comp
         config = ds_config(opt, d, "noclip")
         out.append({"name": name, "steps": STEPS, "config": config, "collective_exchange": True})
+    for name, twin in UNCOMPRESSED_COLLECTIVE_TWINS.items():
+        m, d = twin.split("_")[:2]
+        out.append(
+            {
+                "name": name,
+                "steps": STEPS,
+                "config": ds_config(acco_opt(m), d, "clip"),
+                "collective_exchange": True,
+            }
+        )
     for name, twin in STORED_SUM_TWINS.items():
         m, d, comp = COMPRESSED[twin]
         opt = acco_opt(m)
@@ -655,6 +670,29 @@ def test_collective_exchange_gives_the_point_to_point_bits(run, name):
         assert _same(got["moments"][key], want["moments"][key]), f"{name} W={world}: {key} differs"
     for a, b in zip(got["stats_per_rank"], want["stats_per_rank"]):
         assert (a["bytes_sent"], a["bytes_received"]) == (b["bytes_sent"], b["bytes_received"]), (a, b)
+
+
+@pytest.mark.parametrize("name", UNCOMPRESSED_COLLECTIVE_TWINS)
+def test_uncompressed_collectives_give_the_point_to_point_bits(run, name):
+    """The branch NCCL takes (the in-place reduce-scatter into this rank's slice, the all-gather into the flat
+    buffer), run on gloo ranks: the reference, as the point-to-point run; at W <= 2 the point-to-point run bit for
+    bit (parameters, moments, norms, every rank's final model). At W = 3 gloo's reduce-scatter adds the three ranks'
+    values in another order than the point-to-point sum (own, rank - 1, rank - 2): the bits differ by that rounding,
+    every rank still ends with the same model. The same bytes counted either way."""
+    world, results = run
+    got, want = results[name], results[UNCOMPRESSED_COLLECTIVE_TWINS[name]]
+    mode, dtype = UNCOMPRESSED_COLLECTIVE_TWINS[name].split("_")[:2]
+    assert_matches_reference(got, mode, dtype, world, "clip", TOL[dtype], MOMENT_TOL[dtype], NORM_TOL[dtype])
+    finals = got["final_model_per_rank"]
+    assert all(torch.equal(f, finals[0]) for f in finals), f"{name} W={world}: the ranks' models differ"
+    for a, b in zip(got["stats_per_rank"], want["stats_per_rank"]):
+        assert (a["bytes_sent"], a["bytes_received"]) == (b["bytes_sent"], b["bytes_received"]), (a, b)
+    if world > 2:
+        return
+    for key in ("traj", "norms", "final_model_per_rank"):
+        assert _same(got[key], want[key]), f"{name} W={world}: {key} differs from the point-to-point run"
+    for key in ("exp_avg", "exp_avg_sq"):
+        assert _same(got["moments"][key], want["moments"][key]), f"{name} W={world}: {key} differs"
 
 
 @pytest.mark.parametrize("name", STORED_SUM_TWINS)

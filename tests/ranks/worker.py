@@ -21,6 +21,7 @@ from acco_ds.deepspeed.cpu_fp16 import allow_fp16_on_cpu
 from tests.ranks import rank_start, toy  # noqa: E402
 
 P2P = compressed_comm.point_to_point
+COLLECTIVES = round_job.collectives
 UNSTORED_SUM_MAX_WORLD = round_job.UNSTORED_SUM_MAX_WORLD
 
 
@@ -116,6 +117,8 @@ def main() -> None:
     for sc in rank_start.load_scenarios(args.scenarios):
         # "collective_exchange": the compressed exchanges take their collective (NCCL) form on gloo as well
         compressed_comm.point_to_point = (lambda group: False) if sc.get("collective_exchange") else P2P
+        # and so do the uncompressed rounds' reduce-scatter and all-gather
+        round_job.collectives = (lambda group: True) if sc.get("collective_exchange") else COLLECTIVES
         # "stored_sum": the owner stores the sum of the quantized chunks, as from W = 4 on
         round_job.UNSTORED_SUM_MAX_WORLD = 0 if sc.get("stored_sum") else UNSTORED_SUM_MAX_WORLD
         results[sc["name"]] = run_scenario(sc, rank)
