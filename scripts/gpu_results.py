@@ -231,7 +231,9 @@ def import_run(src: Path, dest_root: Path = RESULTS) -> Path:
             for m in t.getmembers():
                 if not m.isfile() or "/" in m.name or m.name.startswith("."):
                     raise ValueError(f"{tar}: unexpected member {m.name!r}")
-            t.extractall(tmp, filter="data")
+            # the members are checked above; the "data" filter where this Python has it (3.11.4+, 3.12)
+            kw = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
+            t.extractall(tmp, **kw)
     if not (tmp / "run.json").is_file():
         shutil.rmtree(tmp)
         raise FileNotFoundError(

@@ -49,7 +49,7 @@ BAD_PARAMS = [
     ({"mode": "ACCO"}, "mode", "'ACCO'", ALLOWED["mode"]),
     ({"mode": 1}, "mode", "1", ALLOWED["mode"]),
     ({"accumulation": "dynamic"}, "accumulation", "'dynamic'", ALLOWED["accumulation"]),
-    ({"comm_dtype": "fp16"}, "comm_dtype", "'fp16'", ALLOWED["comm_dtype"]),
+    ({"comm_dtype": "fp8"}, "comm_dtype", "'fp8'", ALLOWED["comm_dtype"]),
     ({"comm_dtype": "float32"}, "comm_dtype", "'float32'", ALLOWED["comm_dtype"]),
     ({"comm_timeout_s": 0}, "comm_timeout_s", "0", ALLOWED["comm_timeout_s"]),
     ({"comm_timeout_s": 0.01}, "comm_timeout_s", "0.01", ALLOWED["comm_timeout_s"]),
@@ -283,12 +283,19 @@ ENGINE_ROWS = {
     ),
     "zero_stage_2": (ds_config(zero_optimization={"stage": 2}), None, {}, None, ["stage=2", '"stage": 1']),
     "zero_stage_3": (ds_config(zero_optimization={"stage": 3}), None, {}, None, ["stage=3", '"stage": 1']),
-    "fp16_loss_scaling": (
-        ds_config(fp16={"enabled": True}),
+    "fp16_master_weights_and_grads": (
+        ds_config(fp16={"enabled": True, "fp16_master_weights_and_grads": True}),
         None,
         {},
         _fp16_supported,
-        ["fp16.enabled=true", "loss scaling", "bf16"],
+        ["fp16.fp16_master_weights_and_grads=true", "fp32 master", "false"],
+    ),
+    "fp16_hysteresis_zero": (
+        ds_config(fp16={"enabled": True, "hysteresis": 0}),
+        None,
+        {},
+        _fp16_supported,
+        ["fp16.hysteresis=0", ">= 1"],
     ),
     "offload_optimizer": (
         ds_config(zero_optimization={"stage": 1, "offload_optimizer": {"device": "cpu"}}),
@@ -369,9 +376,8 @@ ENGINE_ROWS = {
         lambda: toy.build().double(),
         {},
         None,
-        ["torch.float64", "float32 or bfloat16"],
+        ["torch.float64", "float32, bfloat16 or float16"],
     ),
-    "float16_model_fp16_off": (ds_config(), lambda: toy.build().half(), {}, None, ["torch.float16"]),
     "option_lr_through_initialize": (
         ds_config({"lr": -1}),
         None,
@@ -409,6 +415,19 @@ def test_engine_config_rejected_before_training(name, monkeypatch):
     msg = str(info.value)
     for part in expected:
         assert part in msg, f"{name}: {part!r} not in: {msg}"
+
+
+def test_half_model_without_fp16_section_is_loss_scaled_as_zero1():
+    """As DeepSpeed's ZeRO-1, a model cast to fp16 with no fp16 section trains with dynamic loss scaling from the
+    fp16 section's defaults (2 ** 16), and fp16 communication."""
+    engine, *_ = initialize(ds_config(), toy.build().half())
+    try:
+        assert engine.optimizer.pipeline.groups[0].comm_dtype == torch.float16
+        assert engine.optimizer.cur_scale == 2.0**16 and engine.optimizer.dynamic_loss_scale
+        _train_step(engine)
+        assert engine.optimizer.stats()["committed_steps"] == 1
+    finally:
+        _close(engine)
 
 
 def test_deepspeed_version_through_initialize(monkeypatch):
