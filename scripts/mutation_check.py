@@ -453,6 +453,32 @@ MUTANTS = [
         ("tests/core/test_fp16_trajectories.py::test_compressed_matches_reference",),
     ),
     Mutant(
+        "M48",
+        "the round's job run by the training thread at its round end (the executor's launch runs it inline instead "
+        "of handing it to the worker thread: on CUDA, the training thread enqueues the whole job)",
+        "acco_ds/core/comm.py",
+        "        self._queue.put((ticket, job))\n",
+        "        ticket.result = self._run(ticket, job)\n        ticket.finished.set()\n",
+        ("tests/core/test_round_end_host_work.py",),
+    ),
+    Mutant(
+        "M49",
+        "fp16: the minimum-scale check reads the scaler's device state on the host at every commit (a host wait for "
+        "the compute stream inside a round) instead of the count the job's summary carries",
+        "acco_ds/core/pipeline.py",
+        "self.scaler.check(None if result.at_min is None else result.at_min.tolist()[0])",
+        "self.scaler.check(None)",
+        ("tests/core/test_round_end_host_work.py",),
+    ),
+    Mutant(
+        "M50",
+        "fp16: the scaler's next state computed on the compute stream at every swap-in (the job's state not adopted)",
+        "acco_ds/core/pipeline.py",
+        "            if self.scaler.adopt(result.scaler_state, result.next_scaler_state):",
+        "            if False:",
+        ("tests/core/test_round_end_host_work.py",),
+    ),
+    Mutant(
         "M45",
         "every parameter group stepped with the first group's AdamW settings (per-group lr, betas and weight "
         "decay ignored: the HF Trainer's no-decay group decayed)",

@@ -7,7 +7,8 @@ installed, and adds, per call, what one rank SENDS on a ring (the algorithm NCCL
 tensors; ``W`` the group's size, ``B`` the tensor's bytes):
 
 - ``all_reduce``: ``2 (W-1)/W B`` (a reduce-scatter then an all-gather);
-- ``reduce_scatter_tensor`` (``B`` the input), ``all_gather_into_tensor`` (``B`` the output) and
+- ``reduce_scatter_tensor`` / ``reduce_scatter_single`` (``B`` the input), ``all_gather_into_tensor`` /
+  ``all_gather_single`` (``B`` the output) and
   ``all_to_all_single`` (``B`` the input: the compressed exchanges on NCCL): ``(W-1)/W B``; ``all_gather`` (a list of W outputs of ``B``): ``(W-1) B``;
 - ``send`` / ``isend``: ``B``; ``broadcast``: ``B`` from the source, 0 elsewhere (a tree or a ring moves
   at most that per rank).
@@ -15,6 +16,8 @@ tensors; ``W`` the group's size, ``B`` the tensor's bytes):
 Receives are not counted (on a ring every rank receives what it sends). ``install(bound)`` also wraps the
 collectives a library holds bound under other names (DeepSpeed's backend keeps ``all_gather_into_tensor``
 and ``reduce_scatter_tensor`` so: ``acco_ds.deepspeed.bound_collectives``), counted as the function they are.
+A call made inside a counted call (torch >= 2.10's ``reduce_scatter_tensor`` calls ``reduce_scatter_single``) is
+not counted again. Functions this torch lacks are not wrapped.
 Threads: the calls may come from the communication thread; the counts are kept under a lock. ``install`` /
 ``uninstall`` are not thread-safe (call them while no collective runs).
 """
@@ -31,6 +34,8 @@ _WRAPPED = (
     "all_reduce",
     "reduce_scatter_tensor",
     "all_gather_into_tensor",
+    "reduce_scatter_single",
+    "all_gather_single",
     "all_gather",
     "all_to_all_single",
     "send",
@@ -54,11 +59,11 @@ def sent_bytes(name: str, args: tuple, kwargs: dict) -> float:
         t = kwargs.get("tensor", first)
         w = _group_size(kwargs)
         return 2 * (w - 1) / w * _bytes(t)
-    if name == "reduce_scatter_tensor":
+    if name in ("reduce_scatter_tensor", "reduce_scatter_single"):
         t = kwargs.get("input", args[1] if len(args) > 1 else None)
         w = _group_size(kwargs)
         return (w - 1) / w * _bytes(t)
-    if name == "all_gather_into_tensor":
+    if name in ("all_gather_into_tensor", "all_gather_single"):
         t = kwargs.get("output_tensor", first)
         w = _group_size(kwargs)
         return (w - 1) / w * _bytes(t)
@@ -106,11 +111,12 @@ class WireCounter:
         self.calls = 0
         self._lock = threading.Lock()
         self._originals: dict = {}
+        self._inside = threading.local()  # depth of counted calls on this thread
 
     def install(self, bound: Sequence[Tuple[object, str, str]] = ()) -> WireCounter:
         """Wrap the ``torch.distributed`` functions, and each ``(holder, attribute, name)`` of ``bound`` (a
         collective held under another name, counted as ``torch.distributed.<name>``)."""
-        targets = [(dist, name, name) for name in _WRAPPED] + list(bound)
+        targets = [(dist, name, name) for name in _WRAPPED if hasattr(dist, name)] + list(bound)
         for holder, attr, name in targets:
             if name not in _WRAPPED:
                 raise ValueError(f"WireCounter: {name!r} is not counted; counted: {', '.join(_WRAPPED)}")
@@ -127,14 +133,24 @@ class WireCounter:
     def _wrap(self, name: str, fn):
         @functools.wraps(fn)
         def counted(*args, **kwargs):
-            n = sent_bytes(name, args, kwargs)
-            across = (
-                self.ranks_per_node and len({r // self.ranks_per_node for r in peers(name, args, kwargs)}) > 1
-            )
-            with self._lock:
-                self.sent += n
-                self.sent_internode += n if across else 0.0
-                self.calls += 1
-            return fn(*args, **kwargs)
+            depth = getattr(self._inside, "depth", 0)
+            if depth:
+                return fn(*args, **kwargs)
+            self._inside.depth = depth + 1
+            try:
+                self._count(name, args, kwargs)
+                return fn(*args, **kwargs)
+            finally:
+                self._inside.depth = depth
 
         return counted
+
+    def _count(self, name: str, args: tuple, kwargs: dict) -> None:
+        n = sent_bytes(name, args, kwargs)
+        across = (
+            self.ranks_per_node and len({r // self.ranks_per_node for r in peers(name, args, kwargs)}) > 1
+        )
+        with self._lock:
+            self.sent += n
+            self.sent_internode += n if across else 0.0
+            self.calls += 1

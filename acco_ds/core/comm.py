@@ -1,20 +1,23 @@
 """The communication executor: runs one round's communication job beside the compute.
 
-One interface, two implementations:
+One interface, two implementations, one thread each:
 
 - ``ThreadExecutor`` (CPU, gloo): the job runs on a daemon worker thread and issues its
   collectives on a dedicated process group, so they never interleave with DeepSpeed's own
   collectives on the default group (gloo's reduce-scatter blocks its caller for tens of ms).
   ``done`` polls the future; ``wait`` blocks the compute thread until the job has finished
   (or raises after ``timeout_s`` naming the job).
-- ``StreamExecutor`` (CUDA, NCCL): the job is *enqueued* from the host on a side CUDA stream of the
-  highest priority,
-  after the side stream waited on an event recorded on the compute stream at launch (the job
-  reads the gradient buffer the compute stream wrote and overwrites the parameter buffer the
-  compute stream read). A ``done`` event is recorded on the side stream after the job.
-  ``wait`` makes the compute stream wait on that event: the host never blocks. ``done`` queries
-  the event. Jobs must not read device values on the host (no ``.item()``): scales and skip
-  flags stay on the device.
+- ``StreamExecutor`` (CUDA, NCCL): the same worker thread ENQUEUES the job's kernels on a side CUDA
+  stream of the highest priority, after the side stream waited on an event the training thread
+  recorded on the compute stream at launch (the job reads the gradient buffer the compute stream
+  wrote and overwrites the parameter buffer the compute stream read). A ``done`` event is recorded
+  on the side stream after the job. The training thread's share of a launch is that one event and a
+  queue put, so it goes back to enqueueing the next micro-batch at once instead of spending the
+  round job's launches (reduce-scatter, norm, AdamW, all-gather per group) between two of its
+  kernels. ``wait`` makes the compute stream wait on the ``done`` event; the host waits only while
+  the worker thread has not finished enqueueing the job (it had a round of compute for it).
+  ``done`` queries the event. Jobs must not read device values on the host (no ``.item()``):
+  scales and skip flags stay on the device.
 
 Jobs are plain callables; their return value is handed back by ``wait``.
 
@@ -37,6 +40,23 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+
+
+def reduce_scatter_single(
+    output: torch.Tensor, input: torch.Tensor, op=dist.ReduceOp.SUM, group=None
+) -> None:
+    """``torch.distributed.reduce_scatter_single`` (torch >= 2.10; before, ``reduce_scatter_tensor``, which the newer
+    torch still runs with a FutureWarning), looked up at call time, where a byte counter may have wrapped it."""
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    fn(output, input, op=op, group=group)
+
+
+def all_gather_single(output: torch.Tensor, input: torch.Tensor, group=None) -> None:
+    """``torch.distributed.all_gather_single`` (torch >= 2.10; before, ``all_gather_into_tensor``), looked up at call
+    time."""
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    fn(output, input, group=group)
+
 
 SIDE_STREAM_PRIORITY = -100
 """Priority of the CUDA side stream (lower is higher; torch clamps it to the device's highest)."""
@@ -64,7 +84,8 @@ class Ticket:
         self.result: Any = None
         self.error: BaseException | None = None
         self.finished = threading.Event()
-        self.cuda_done = None  # torch.cuda.Event on the StreamExecutor
+        self.ready = None  # torch.cuda.Event recorded on the compute stream at launch (StreamExecutor)
+        self.cuda_done = None  # torch.cuda.Event recorded on the side stream after the job (StreamExecutor)
 
 
 _OPEN_EXECUTORS: weakref.WeakSet[ThreadExecutor] = weakref.WeakSet()
@@ -104,7 +125,7 @@ def _note_comm_failure() -> None:
 
 
 class ThreadExecutor:
-    """Runs jobs in order on one daemon thread (CPU tensors, gloo).
+    """Runs jobs in order on one daemon thread (CPU tensors, gloo; the base of ``StreamExecutor``).
 
     Failure contract: ``wait`` returns within ``timeout_s`` (plus the heartbeat read below) or raises.
     A job that raised (gloo reports a dead peer at once: "Connection closed by peer") or did not
@@ -128,7 +149,7 @@ class ThreadExecutor:
                 return
             ticket, job = item
             try:
-                ticket.result = job()
+                ticket.result = self._run(ticket, job)
             except BaseException as err:  # handed to the compute thread by wait()
                 ticket.error = err
             finally:
@@ -136,15 +157,24 @@ class ThreadExecutor:
             # the job's arguments (buffers, a fused round end's rows) must not outlive it until the next job
             item = ticket = job = None
 
+    def _run(self, ticket: Ticket, job: Callable[[], Any]) -> Any:
+        """Run ``job`` on the worker thread (the CPU form: its work is done when it returns)."""
+        return job()
+
+    def _before_launch(self, ticket: Ticket) -> None:
+        """On the launching (training) thread, before the job is queued: nothing on the CPU."""
+
     def launch(self, name: str, job: Callable[[], Any]) -> Ticket:
         ticket = Ticket(name)
+        self._before_launch(ticket)
         self._queue.put((ticket, job))
         return ticket
 
     def done(self, ticket: Ticket) -> bool:
         return ticket.finished.is_set()
 
-    def wait(self, ticket: Ticket) -> Any:
+    def _wait_host(self, ticket: Ticket) -> None:
+        """Until the worker thread is through with ``ticket`` (CPU: the job ran; CUDA: it is enqueued), or raise."""
         if not ticket.finished.wait(self.timeout_s):
             _note_comm_failure()
             report = peer_report(self.monitor)
@@ -156,6 +186,9 @@ class ThreadExecutor:
         if ticket.error is not None:
             _note_comm_failure()
             raise self.failure(f"the communication job '{ticket.name}'", ticket.error) from ticket.error
+
+    def wait(self, ticket: Ticket) -> Any:
+        self._wait_host(ticket)
         return ticket.result
 
     def failure(self, what: str, err: BaseException) -> BaseException:
@@ -175,45 +208,41 @@ class ThreadExecutor:
             self.monitor.stop()
 
 
-class StreamExecutor:
-    """Enqueues jobs on a side CUDA stream, ordered against the compute stream by events."""
+class StreamExecutor(ThreadExecutor):
+    """The worker thread enqueues each job on a side CUDA stream, ordered against the compute stream by events
+    (module docstring). NCCL collectives do not fail on the host: a lost peer ends in NCCL's watchdog after the
+    group's timeout, comm_timeout_s; a job that raised while being enqueued surfaces in ``wait``."""
 
     def __init__(self, group, timeout_s: float, device: torch.device, monitor=None):
-        self.group = group
-        self.timeout_s = timeout_s
         self.device = device
-        self.monitor = monitor
         # torch maps a priority beyond the device's range to its highest: the round's NCCL kernels then
         # start as soon as their inputs are ready instead of queueing behind the compute stream's kernels
         self.stream = torch.cuda.Stream(device=device, priority=SIDE_STREAM_PRIORITY)
+        super().__init__(group, timeout_s, monitor)
 
-    def launch(self, name: str, job: Callable[[], Any]) -> Ticket:
-        ticket = Ticket(name)
-        ready = torch.cuda.Event()
-        ready.record(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.stream):
-            self.stream.wait_event(ready)
-            ticket.result = job()
-            ticket.cuda_done = torch.cuda.Event()
-            ticket.cuda_done.record(self.stream)
-        ticket.finished.set()
-        return ticket
+    def _before_launch(self, ticket: Ticket) -> None:
+        ticket.ready = torch.cuda.Event()
+        ticket.ready.record(torch.cuda.current_stream(self.device))
+
+    def _run(self, ticket: Ticket, job: Callable[[], Any]) -> Any:
+        # the current device and stream are the thread's own: set both here, for every job
+        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+            self.stream.wait_event(ticket.ready)
+            result = job()
+            done = torch.cuda.Event()
+            done.record(self.stream)
+            ticket.cuda_done = done
+        return result
 
     def done(self, ticket: Ticket) -> bool:
-        return ticket.cuda_done.query()
+        if not ticket.finished.is_set():
+            return False
+        return ticket.cuda_done is None or ticket.cuda_done.query()
 
     def wait(self, ticket: Ticket) -> Any:
+        self._wait_host(ticket)
         torch.cuda.current_stream(self.device).wait_event(ticket.cuda_done)
         return ticket.result
-
-    def failure(self, what: str, err: BaseException) -> BaseException:
-        """See ThreadExecutor.failure. (NCCL collectives do not fail on the host: a lost peer ends in
-        NCCL's watchdog after the group's timeout, comm_timeout_s.)"""
-        return collective_failure(self.monitor, what, err)
-
-    def close(self) -> None:
-        if self.monitor is not None:
-            self.monitor.stop()
 
 
 def peer_report(monitor):
@@ -300,9 +329,9 @@ def check_reducible(group, dtype: torch.dtype, device: torch.device, option: str
         # element j is (j + 1) / world on every rank: rank j's reduced element is j + 1
         full = ((torch.arange(world, dtype=torch.float64) + 1) / world).to(device=device, dtype=dtype)
         out = torch.zeros(1, dtype=dtype, device=device)
-        dist.reduce_scatter_tensor(out, full, op=dist.ReduceOp.SUM, group=group)
+        reduce_scatter_single(out, full, op=dist.ReduceOp.SUM, group=group)
         gathered = torch.zeros(world, dtype=dtype, device=device)
-        dist.all_gather_into_tensor(gathered, out, group=group)
+        all_gather_single(gathered, out, group=group)
         want = torch.arange(world, dtype=torch.float64) + 1
         ok = bool(((gathered.double().cpu() - want).abs() <= 0.02 * want).all())
         why = "" if ok else f"the probe summed to {gathered.tolist()} instead of {want.tolist()}"

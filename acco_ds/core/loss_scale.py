@@ -15,10 +15,13 @@ A commit whose rounds ran under a scale that has changed since (the ``epoch`` of
 applied as its own gradient says but leaves the scaler alone: it says nothing about the scale in force. In ``sync``
 every commit is counted (its outcome is known before the next round starts), so the scaler is ZeRO-1's exactly.
 
-Everything is a small fp64 tensor on the training device, updated with tensor operations on the compute stream
-(``DeviceLossScaler.apply``, after the compute stream waited for the commit's job): no host read, so every rank takes
-the same decisions from the same all-reduced norm without a host synchronisation. The host reads the state only when
-asked (``scale``, ``state_dict``) and to raise the minimum-scale error once it reads a job's summary.
+Everything is a small fp64 tensor on the training device: no host read, so every rank takes the same decisions from
+the same all-reduced norm without a host synchronisation. A commit's job computes the state after its outcome on the
+communication side, from the state at its launch (every mode launches a commit with nothing in flight, so that is
+the state its swap-in finds); the swap-in takes it (``DeviceLossScaler.adopt``, no operation on the compute stream).
+A commit swapped in after another state change (one restored from a checkpoint) is applied on the compute stream
+(``DeviceLossScaler.apply``, the same rule). The host reads the state only when asked (``scale``, ``state_dict``);
+the minimum-scale error is raised from the count a job's host summary carries.
 
 Stream contract: ``round_scale`` (a 0-dim fp32 tensor) is what the compute side multiplies its losses by; it is
 written only between rounds (``begin_round``, on the compute stream). A job receives ``job_scale()``, a copy it
@@ -116,7 +119,9 @@ class DeviceLossScaler:
         self.device = device
         self.state = torch.tensor(spec.initial_state(), dtype=torch.float64, device=device)
         self.round_scale = torch.tensor(float(spec.init_scale), dtype=torch.float32, device=device)
-        self._round = self.state[[SCALE, EPOCH]].clone()  # fp64 [2]: scale and epoch of the round in progress
+        self._round = self.state[
+            SCALE : EPOCH + 1 : EPOCH - SCALE
+        ].clone()  # fp64 [2]: scale and epoch of the round in progress
         self._raised = 0
 
     # -- compute side ---------------------------------------------------------------------------------
@@ -127,7 +132,7 @@ class DeviceLossScaler:
 
     def begin_round(self, refresh: bool) -> None:
         if refresh:
-            self._round = self.state[[SCALE, EPOCH]].clone()
+            self._round = self.state[SCALE : EPOCH + 1 : EPOCH - SCALE].clone()
             self.round_scale = self._round[0].to(torch.float32)
 
     def job_scale(self) -> torch.Tensor:
@@ -140,12 +145,24 @@ class DeviceLossScaler:
         counted = (job_scale[1] == self.state[EPOCH]).reshape(1) & ~empty.reshape(1)
         self.state = updated_state(self.spec, self.state, overflow.reshape(1).bool(), counted)
 
+    def adopt(self, launched_with: torch.Tensor, next_state: torch.Tensor) -> bool:
+        """A commit was swapped in whose job computed the state after its outcome from ``launched_with`` (the state
+        at its launch, ``round_job.run_round_job(scaler=)``): take it, with no operation on the compute stream,
+        when the state is still that one (no other commit was applied in between; the schedules launch a commit
+        with nothing in flight). Returns whether it did; otherwise the caller applies the outcome itself."""
+        if self.state is not launched_with:
+            return False
+        self.state = next_state
+        return True
+
     # -- host side --------------------------------------------------------------------------------------
-    def check(self) -> None:
-        """Raise ``LossScaleError`` once an overflow found the scale at its minimum (host read of the state)."""
+    def check(self, at_min: float | None = None) -> None:
+        """Raise ``LossScaleError`` once an overflow found the scale at its minimum. ``at_min``: the state's count of
+        such overflows as a job's host summary carries it (read with the summary, no wait for the compute stream);
+        None: read the state itself (a host read that waits for the compute stream)."""
         if not (self.spec.dynamic and self.spec.raise_at_min):
             return
-        hits = int(self.state[AT_MIN].item())
+        hits = int(self.state[AT_MIN].item() if at_min is None else at_min)
         if hits > self._raised:
             self._raised = hits
             raise LossScaleError(

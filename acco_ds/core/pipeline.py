@@ -62,7 +62,7 @@ from acco_ds.core.comm import check_reducible, make_control_group, make_executor
 from acco_ds.core.compressed_comm import Compression
 from acco_ds.core.fused_round_end import BlockOwners, FusedRoundEnd, ResidualRelease
 from acco_ds.core.liveness import BlockBoard
-from acco_ds.core.loss_scale import DeviceLossScaler, LossScaleSpec, ready_scale
+from acco_ds.core.loss_scale import DeviceLossScaler, LossScaleSpec
 from acco_ds.core.round_job import RoundResult, all_gather_inplace, run_round_job
 from acco_ds.core.schedule import Job, RoundCounter
 from acco_ds.ops.adamw_settings import AdamWSettings
@@ -81,6 +81,10 @@ class PipelineStats:
     micro_batches_peeked: int = 0  # global: micro-batches that entered peeks
     micro_batches_discarded: int = 0  # global: gradients of rounds that end no commit (end of run)
     comm_wait_s: float = 0.0
+    # seconds the training thread spent inside round ends (``end_round``), its waits for jobs (comm_wait_s) not
+    # counted: what it did between two of its own kernel launches. The round job is not part of it: the
+    # executor's worker thread runs (CPU) or enqueues (CUDA) it (core.comm)
+    round_end_host_s: float = 0.0
     skipped_steps: int = 0  # commits skipped for a non-finite gradient (state and parameters unchanged)
     skipped_peeks: int = 0  # peeks skipped for a non-finite g~ (the estimate is then theta itself)
     empty_commits: int = 0  # commits with no micro-batch on any rank (ended by a drain): no-ops
@@ -515,6 +519,13 @@ class ACCOPipeline:
         job: the job divides by the micro-batch count, DeepSpeed's ZeRO-1 by W * GAS whatever the count
         (``engine.backward`` divided every loss by GAS); so a short step's gradient is sum / (W * GAS),
         as ZeRO-1's."""
+        t0, waited0 = time.perf_counter(), self.stats.comm_wait_s
+        try:
+            self._end_round(plan)
+        finally:
+            self.stats.round_end_host_s += time.perf_counter() - t0 - (self.stats.comm_wait_s - waited0)
+
+    def _end_round(self, plan: schedule.RoundEnd | None) -> None:
         if plan is None:
             plan = schedule.plan(self.mode, self.phase_round)
         if plan.wait_previous:
@@ -602,8 +613,9 @@ class ACCOPipeline:
         if self.scaler is None:
             return {}
         args = {"loss_scale": self.scaler.job_scale(), "residual_scales": self.residual_scales}
-        if self.mode == "sync" and plan.job is Job.COMMIT:
-            args["unscale_by"] = ready_scale(self.scaler.spec, self.scaler.state)
+        if plan.job is Job.COMMIT:
+            args["scaler"] = (self.scaler.spec, self.scaler.state)
+            args["unscale_ready"] = self.mode == "sync"
         args["predivide"] = self._predivides(plan.job)
         if plan.job is Job.COMMIT and self.mode == "acco":
             w = float(self.world_size)
@@ -630,6 +642,10 @@ class ACCOPipeline:
         its job). An empty commit says nothing about the scale."""
         if self.scaler is None or result.job is not Job.COMMIT or result.loss_scale is None:
             return
+        if result.next_scaler_state is not None:
+            if self.scaler.adopt(result.scaler_state, result.next_scaler_state):
+                return
+            result.at_min = None  # the state applied here is not the job's: check() reads it
         if result.skipped_flag is not None and result.empty_flag is not None:
             overflow, empty = result.skipped_flag, result.empty_flag
         else:  # restored from a checkpoint: the summary is on the host and complete
@@ -710,7 +726,7 @@ class ACCOPipeline:
                 self.state_step += 1
                 self.stats.micro_batches_committed += count
             if self.scaler is not None:
-                self.scaler.check()
+                self.scaler.check(None if result.at_min is None else result.at_min.tolist()[0])
         else:
             if skipped and not empty:  # non-finite g~: estimate = theta, commit skips
                 self.stats.skipped_peeks += 1

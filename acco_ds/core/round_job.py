@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from acco_ds.core.buffers import GroupBuffers
+from acco_ds.core.comm import all_gather_single, reduce_scatter_single
 from acco_ds.core.compressed_comm import (
     Compression,
     Traffic,
@@ -35,7 +36,7 @@ from acco_ds.core.compressed_comm import (
     exchange_quantized_difference,
     exchange_quantized_gradients,
 )
-from acco_ds.core.loss_scale import express_residual
+from acco_ds.core.loss_scale import AT_MIN, EPOCH, LossScaleSpec, express_residual, ready_scale, updated_state
 from acco_ds.core.phase_clock import PhaseClock
 from acco_ds.core.schedule import Job
 from acco_ds.ops.adamw import adamw_step
@@ -86,6 +87,12 @@ class RoundResult:
     # fp64 [2] on the device: the loss scale this round's gradients were computed under, and its epoch
     # (core.loss_scale); None without loss scaling
     loss_scale: torch.Tensor | None = None
+    # a COMMIT with loss scaling: the scaler's state at the launch (the tensor the job read) and the state after this
+    # commit's outcome, computed by the job (``DeviceLossScaler.adopt`` takes it at the swap-in); with it, on the host
+    # and read with the summary, the new state's count of overflows at the minimum scale (fp64 [1])
+    scaler_state: torch.Tensor | None = None
+    next_scaler_state: torch.Tensor | None = None
+    at_min: torch.Tensor | None = None
 
     def wait_summary(self) -> None:
         if self.summary_ready is not None:
@@ -125,11 +132,6 @@ def collectives(group) -> bool:
     return dist.get_backend(group) != "gloo"
 
 
-# torch >= 2.10 names them *_single; the older names still run and warn
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
 def reduce_scatter_inplace(full: torch.Tensor, group, traffic: Traffic | None = None) -> None:
     """Sum ``full`` (this rank's flat gradient buffer) over the ranks into this rank's own slice of it,
     in place; the other slices are left with meaningless values.
@@ -148,7 +150,7 @@ def reduce_scatter_inplace(full: torch.Tensor, group, traffic: Traffic | None = 
     if collectives(group):
         moved = (world - 1) * chunks[me].numel() * full.element_size()
         traffic.collective(moved, moved)
-        _reduce_scatter(chunks[me], full, op=dist.ReduceOp.SUM, group=group)
+        reduce_scatter_single(chunks[me], full, op=dist.ReduceOp.SUM, group=group)
         return
     received = torch.empty_like(chunks[me])
     for k in range(1, world):
@@ -174,7 +176,7 @@ def all_gather_inplace(full: torch.Tensor, group, traffic: Traffic | None = None
     if collectives(group):
         moved = (world - 1) * chunks[me].numel() * full.element_size()
         traffic.collective(moved, moved)
-        _all_gather(full, chunks[me], group=group)
+        all_gather_single(full, chunks[me], group=group)
         return
     reqs = []
     for k in range(1, world):
@@ -208,6 +210,8 @@ def run_round_job(
     releases: Sequence[Any] | None = None,
     loss_scale: torch.Tensor | None = None,
     unscale_by: torch.Tensor | None = None,
+    scaler: tuple[LossScaleSpec, torch.Tensor] | None = None,
+    unscale_ready: bool = False,
     residual_scales: Sequence[torch.Tensor | None] | None = None,
     predivide: bool = False,
     tilde_factor: float = 1.0,
@@ -248,9 +252,15 @@ def run_round_job(
     divided by the world size before its reduce-scatter, in its dtype, as ZeRO-1 does (``DeepSpeedZeroOptimizer.
     average_tensor``), so that the sum over the ranks overflows where ZeRO-1's does; the average then multiplies by
     the world size back. A COMMIT multiplies the kept g~ by ``tilde_factor`` first (the peek's predivision over
-    this commit's: 1/W or W where one of the two rounds is compressed and the other is not)."""
+    this commit's: 1/W or W where one of the two rounds is compressed and the other is not). ``scaler`` (a COMMIT):
+    the scaler's settings and its state (fp64 [6], on the device; the scaler replaces its state, never writes it in
+    place, so the job may read it on its side): the job computes the state after its own outcome
+    (``RoundResult.next_scaler_state``, the rule of ``DeviceLossScaler.apply``) and, with ``unscale_ready`` (sync),
+    ``unscale_by`` as ``loss_scale.ready_scale`` of that state; the training thread then enqueues none of it."""
     dev = groups[0].master.device
     clock = PhaseClock(dev)
+    if unscale_ready:
+        unscale_by = ready_scale(scaler[0], scaler[1])
     traffic = Traffic()
     packed_params = compression is not None and compression.parameters
     if packed_params and (bases is None or len(bases) != len(groups)):
@@ -412,7 +422,16 @@ def run_round_job(
     if job is Job.COMMIT:
         applied[0].add_((~(skipped | empty)).double())
 
-    summary = torch.cat([skipped.double(), empty.double(), count, round_count, rank_counts])
+    scaled = {}
+    if scaler is not None and job is Job.COMMIT:
+        spec, state = scaler
+        counted = (loss_scale[1] == state[EPOCH]).reshape(1) & ~empty.reshape(1)
+        nxt = updated_state(spec, state, (skipped & ~empty).reshape(1), counted)
+        scaled = dict(scaler_state=state, next_scaler_state=nxt)
+        extra = [nxt[AT_MIN : AT_MIN + 1]]
+    else:
+        extra = []
+    summary = torch.cat([skipped.double(), empty.double(), count, round_count, rank_counts, *extra])
     ready = None
     if dev.type == "cuda":
         host = torch.empty(summary.shape, dtype=torch.float64, pin_memory=True)
@@ -421,7 +440,13 @@ def run_round_job(
         ready.record(torch.cuda.current_stream(dev))
     else:
         host = summary.clone()
+    if extra:
+        host, scaled["at_min"] = host[:-1], host[-1:]
     flags = dict(
-        empty_flag=empty.reshape(1), clock=clock, skipped_flag=skipped.reshape(1), loss_scale=loss_scale
+        empty_flag=empty.reshape(1),
+        clock=clock,
+        skipped_flag=skipped.reshape(1),
+        loss_scale=loss_scale,
+        **scaled,
     )
     return RoundResult(job, commit_index, grad_norm, host, ready, traffic, **flags)

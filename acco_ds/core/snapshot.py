@@ -377,8 +377,8 @@ def resume_from_committed(
         pipeline.stats.micro_batches_discarded += sum(int(s["counter_count"]) for s in saved)
         pipeline.stats.last_round_counts = []
         world, rank = pipeline.world_size, pipeline.rank
-        for key in ("micro_batches_local", "comm_wait_s"):
-            mine = [s["stats"][key] for r, s in enumerate(saved) if r % world == rank]
+        for key in ("micro_batches_local", "comm_wait_s", "round_end_host_s"):
+            mine = [s["stats"].get(key, 0) for r, s in enumerate(saved) if r % world == rank]
             setattr(pipeline.stats, key, sum(mine) if mine else type(getattr(pipeline.stats, key))(0))
         discarded = pipeline.stats.micro_batches_discarded - before
         if pipeline.state_step != step:

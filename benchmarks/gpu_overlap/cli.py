@@ -129,6 +129,8 @@ class Setting:
     host_round_ms: float = float("nan")
     host_ahead: float = float("nan")  # share of steps started while the device had the previous one queued
     host_syncs_per_step: float = float("nan")
+    # the training thread inside a round end per round, its waits for jobs excluded (stats.round_end_host_s)
+    round_end_host_us: float = float("nan")
     host_gaps_us: List[float] = field(
         default_factory=list
     )  # compute-stream idle the host caused, > 10 us each
@@ -175,13 +177,15 @@ def render(settings: List[Setting], meta: dict) -> str:
     """The Markdown report (a table per mode order as given)."""
     head = (
         "| mode | stand-in (x compute) | stand-in ms/round | T_compute ms/round | T_side ms/round | T_round ms | "
-        "overlap efficiency | host ms/round | host ahead | host syncs/step | host stalls (largest gap us) |"
+        "overlap efficiency | host ms/round | round end host us | host ahead | host syncs/step | "
+        "host stalls (largest gap us) |"
     )
-    lines = [head, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [head, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for s in settings:
         lines.append(
             f"| {s.mode} | {s.factor:g} | {s.standin_ms:.1f} | {s.t_compute_ms:.1f} | {s.t_side_ms:.1f} | "
-            f"{s.t_round_ms:.1f} | {100 * s.efficiency:.0f}% | {s.host_round_ms:.1f} | {100 * s.host_ahead:.0f}% | "
+            f"{s.t_round_ms:.1f} | {100 * s.efficiency:.0f}% | {s.host_round_ms:.1f} | {s.round_end_host_us:.0f} | "
+            f"{100 * s.host_ahead:.0f}% | "
             f"{s.host_syncs_per_step:.1f} | {_stall_cell(s)} |"
         )
     notes = [f"- {s.mode} x{s.factor:g}: {n}" for s in settings for n in s.notes]
@@ -204,7 +208,9 @@ def render(settings: List[Setting], meta: dict) -> str:
         "- T_compute: forward + backward alone (plain PyTorch) x micro-batches per round. T_round: CUDA events on "
         f"the compute stream at step boundaries / rounds per step, median of {meta['steps']} timed steps after "
         f"{meta['warmup']} warm-up steps per setting. Overlap efficiency = max(T_compute, T_side) / T_round.",
-        "- Host: wall clock between step starts (no sync) per round; 'host ahead' = share of timed steps the host "
+        "- Host: wall clock between step starts (no sync) per round; 'round end host us': the training thread inside "
+        "a round end per round, its waits for jobs excluded (the optimizer's stats.round_end_host_s; nan in runs "
+        "before it was recorded); 'host ahead' = share of timed steps the host "
         "started while the previous step's end event was still pending on the device; 'host syncs/step' = calls "
         "of torch.cuda.synchronize, Event/Stream.synchronize and .item() on CUDA tensors inside the timed steps "
         f"(compute-only run of the same model: {meta['compute_syncs_per_step']:.1f} per step; a diagnostic: acco "
@@ -289,8 +295,9 @@ def calibrate_sleep() -> float:
 
 
 class SideStandIn:
-    """Wraps acco_ds.core.pipeline.run_round_job (the pipeline calls it by that name, on the side stream):
-    sleep ``cycles`` on the current stream, run the job, and record events around both to time it."""
+    """Wraps acco_ds.core.pipeline.run_round_job (the pipeline calls it by that name; the executor's thread runs it
+    with the side stream current): sleep ``cycles`` on the current stream, run the job, and record events around
+    both to time it. Read ``events`` after ``pipeline.sync_in_flight()``: the thread appends to it."""
 
     def __init__(self):
         import acco_ds.core.pipeline as pipeline
@@ -404,10 +411,14 @@ def run_mode(mode: str, args, size: ModelSize, data, t_mb_ms: float, per_ms: flo
             standin.cycles = int(s.standin_ms * per_ms)
             for i in range(args.warmup + (1 if k == 0 else 0)):  # the first round of a run has no job yet
                 train_step(engine, data, args.gas, i)
+            # the executor's thread enqueues each job: let it enqueue the last one before the device is drained
+            engine.optimizer.pipeline.sync_in_flight()
             torch.cuda.synchronize()
             standin.events.clear()
             ends, host_starts, ahead = [], [], 0
             prev_end = None
+            stats = engine.optimizer.pipeline.stats
+            host0, rounds0 = stats.round_end_host_s, stats.rounds
             with HostSyncCounter() as syncs:
                 for i in range(args.steps):
                     host_starts.append(time.perf_counter())
@@ -421,6 +432,7 @@ def run_mode(mode: str, args, size: ModelSize, data, t_mb_ms: float, per_ms: flo
                     prev_end.record()
                     ends.append(prev_end)
                 host_starts.append(time.perf_counter())
+            engine.optimizer.pipeline.sync_in_flight()
             torch.cuda.synchronize()
             marks = [first, *ends]
             step_ms = [a.elapsed_time(b) for a, b in zip(marks, marks[1:])]
@@ -430,6 +442,8 @@ def run_mode(mode: str, args, size: ModelSize, data, t_mb_ms: float, per_ms: flo
             )
             s.host_ahead = ahead / max(1, args.steps - 1)
             s.host_syncs_per_step = syncs.count / args.steps
+            if stats.rounds > rounds0:
+                s.round_end_host_us = 1e6 * (stats.round_end_host_s - host0) / (stats.rounds - rounds0)
             s.rounds = len(standin.events)
             if s.rounds:
                 s.t_side_ms = statistics.median(a.elapsed_time(b) for a, b in standin.events)

@@ -57,7 +57,7 @@ def test_efficiency():
 def _settings_and_meta() -> tuple:
     s = [
         bench.Setting("sync", 1.0, 100.0, 100.0, t_side_ms=101.0, t_round_ms=203.0, host_round_ms=5.0,
-                      host_ahead=1.0, host_syncs_per_step=0.0, rounds=8),
+                      host_ahead=1.0, host_syncs_per_step=0.0, rounds=8, round_end_host_us=42.4),
         bench.Setting("acco", 0.25, 25.0, 100.0, t_side_ms=26.0, t_round_ms=104.0, host_round_ms=4.0,
                       host_ahead=0.75, host_syncs_per_step=2.0, host_gaps_us=[12.0, 150.0], profiled_steps=1,
                       rounds=16, notes=["x"]),
@@ -79,8 +79,9 @@ def test_render_labels_the_stand_in():
         in bench.render(s, meta)
     )
     assert "STAND-IN" in md and "271M parameters" in md
-    assert "| sync | 1 | 100.0 | 100.0 | 101.0 | 203.0 | 50% | 5.0 | 100% | 0.0 | - |" in md
-    assert "| acco | 0.25 | 25.0 | 100.0 | 26.0 | 104.0 | 96% | 4.0 | 75% | 2.0 | 1 in 1 steps (150) |" in md
+    assert "| sync | 1 | 100.0 | 100.0 | 101.0 | 203.0 | 50% | 5.0 | 42 | 100% | 0.0 | - |" in md
+    # a JSON from before the round end's host time was recorded: nan
+    assert "| acco | 0.25 | 25.0 | 100.0 | 26.0 | 104.0 | 96% | 4.0 | nan | 75% | 2.0 | 1 in 1 steps (150) |" in md
     assert "- acco x0.25: x" in md
 
 

@@ -4,6 +4,8 @@ table."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -27,6 +29,8 @@ def test_ring_volumes(group, monkeypatch):
     assert sent_bytes("reduce_scatter_tensor", (t[:250], t), {}) == 3000
     assert sent_bytes("reduce_scatter_tensor", (), {"output": t[:250], "input": t}) == 3000
     assert sent_bytes("all_gather_into_tensor", (t, t[:250]), {}) == 3000
+    assert sent_bytes("reduce_scatter_single", (t[:250], t), {}) == 3000
+    assert sent_bytes("all_gather_single", (), {"output_tensor": t, "input_tensor": t[:250]}) == 3000
     assert sent_bytes("all_gather", ([t[:10]] * 4, t[:10]), {}) == 3 * 40
     assert sent_bytes("isend", (t.to(torch.int8),), {"dst": 1}) == 1000
     assert sent_bytes("send", (), {"tensor": t.bfloat16(), "dst": 1}) == 2000
@@ -144,3 +148,25 @@ def test_wire_table_only_with_counts():
         "| 50mbit | acco-int8 | 4.000 | 0.333 |" in lines and "| 50mbit | zero1 | 12.000 | 1.000 |" in lines
     )
     assert tables.wire_table({"tables": {"none": {"zero1": {"step_time_s": 1.0}}}}) == []
+
+
+def test_newer_names_are_counted_once(group):
+    """torch >= 2.10's deprecated ``reduce_scatter_tensor`` / ``all_gather_into_tensor`` call ``*_single``: a call
+    of either name is counted once, and acco_ds's own rounds (which call ``*_single``) are counted."""
+    from acco_ds.core.comm import all_gather_single, reduce_scatter_single
+
+    if not hasattr(dist, "reduce_scatter_single"):
+        pytest.skip("this torch has no reduce_scatter_single")
+    t = torch.ones(8)
+    counter = WireCounter().install()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            dist.reduce_scatter_tensor(t[:8], t)
+            dist.all_gather_into_tensor(t, t[:8])
+        assert counter.calls == 2
+        reduce_scatter_single(t[:8], t)
+        all_gather_single(t, t[:8])
+        assert counter.calls == 4
+    finally:
+        counter.uninstall()
