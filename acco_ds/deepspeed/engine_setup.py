@@ -11,7 +11,12 @@ import torch
 
 from acco_ds.config import ACCOConfig
 from acco_ds.deepspeed.optimizer import ACCOZeroOptimizer
-from acco_ds.deepspeed.validate import check_engine_config, loss_scale_spec, model_parallel_group
+from acco_ds.deepspeed.validate import (
+    check_engine_config,
+    loss_scale_spec,
+    model_parallel_group,
+    offload_optimizer_device,
+)
 from acco_ds.deepspeed.version import check_deepspeed_version
 
 logger = logging.getLogger("acco_ds")
@@ -45,6 +50,11 @@ def configure_acco(engine, client_optimizer, model_parameters) -> None:
     engine.optimizer = optimizer
     engine.enable_backward_allreduce = False
     unsync_throughput_timer(engine)
+    if offload_optimizer_device(engine) == "cpu" and engine.global_rank == 0:
+        logger.info(
+            "acco_ds: zero_optimization.offload_optimizer.device=cpu: this rank trains on the CPU, so ACCO's "
+            "optimizer state (fp32 master shard, exp_avg, exp_avg_sq) is in host memory already; nothing is moved"
+        )
     if engine.global_rank == 0:
         logger.info(
             "acco_ds: ACCO optimizer (mode=%s, accumulation=%s, comm_dtype=%s, %d parameters in %d groups)",

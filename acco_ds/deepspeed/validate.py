@@ -17,6 +17,51 @@ def _offload_device(cfg) -> str:
     return str(getattr(getattr(cfg, "device", None), "value", getattr(cfg, "device", "none")))
 
 
+def check_offload_config(engine) -> None:
+    """``zero_optimization.offload_optimizer`` with ``device`` "cpu" (``pin_memory`` either way) is accepted: on CPU
+    ranks the optimizer state is in host memory already (``offload_optimizer_device``); on CUDA ranks the host-side
+    step is not built yet, so it is refused there. Refused, by key: ``device`` "nvme", ``ratio`` < 1 (a partial
+    offload), ``super_offload``, and any ``offload_param`` (ZeRO-3's)."""
+    param = engine.zero_offload_param()
+    if _offload_device(param) not in ("none", "OffloadDeviceEnum.none"):
+        raise ACCOConfigError(
+            f"zero_optimization.offload_param.device={_offload_device(param)}: parameter offload is ZeRO-3's; ACCO "
+            'keeps full parameters on every rank (ZeRO-1). Allowed: no "offload_param" section, or device "none".'
+        )
+    sub = engine.zero_offload_optimizer()
+    device = _offload_device(sub).replace("OffloadDeviceEnum.", "")
+    if device == "none":
+        return
+    if device != "cpu":
+        raise ACCOConfigError(
+            f"zero_optimization.offload_optimizer.device={device}: ACCO steps its optimizer state in host memory, not "
+            'on NVMe. Allowed: "cpu", or "none" (no offload).'
+        )
+    ratio = float(getattr(sub, "ratio", 1.0))
+    if ratio < 1.0:
+        raise ACCOConfigError(
+            f"zero_optimization.offload_optimizer.ratio={ratio:g}: ACCO offloads the whole optimizer state of a rank "
+            "or none of it. Allowed: ratio 1 (the default)."
+        )
+    if getattr(sub, "super_offload", False):
+        raise ACCOConfigError(
+            "zero_optimization.offload_optimizer.super_offload=true: SuperOffload (ZeRO-3, GH200) steps before the "
+            "gradient norm is known and rolls back; ACCO hides its host step behind the next round's compute instead. "
+            "Allowed: super_offload false (the default)."
+        )
+    if torch.device(engine.device).type != "cpu":
+        raise ACCOConfigError(
+            f"zero_optimization.offload_optimizer.device=cpu on a {torch.device(engine.device).type} rank: ACCO's "
+            "host-side optimizer step for GPU ranks is not built yet (on CPU ranks the state is in host memory "
+            'already and the key is accepted). Allowed here: no "offload_optimizer" section, or device "none".'
+        )
+
+
+def offload_optimizer_device(engine) -> str:
+    """'cpu' when the config offloads the optimizer (``check_offload_config`` accepted it), else 'none'."""
+    return "cpu" if _offload_device(engine.zero_offload_optimizer()).endswith("cpu") else "none"
+
+
 def check_fp16_config(engine) -> None:
     """Refuse, naming the key, the fp16 settings ACCO does not follow; the rest (loss_scale, initial_scale_power,
     loss_scale_window, hysteresis, consecutive_hysteresis, min_loss_scale, auto_cast) mean what they mean for
@@ -95,16 +140,7 @@ def check_engine_config(engine, client_optimizer, cfg: ACCOConfig) -> None:
         )
     if engine.fp16_enabled():
         check_fp16_config(engine)
-    for key, sub in (
-        ("offload_optimizer", engine.zero_offload_optimizer()),
-        ("offload_param", engine.zero_offload_param()),
-    ):
-        device = _offload_device(sub)
-        if device not in ("none", "OffloadDeviceEnum.none"):
-            raise ACCOConfigError(
-                f"zero_optimization.{key}.device={device}: ACCO keeps its sharded state on the training "
-                f'device and overlaps its own communication. Allowed: no "{key}" section, or device "none".'
-            )
+    check_offload_config(engine)
     if getattr(engine, "pipeline_parallelism", False):
         raise ACCOConfigError(
             "pipeline parallelism (a PipelineModule / PipelineEngine) is not supported by ACCO: it drives the "

@@ -3,7 +3,8 @@ properties 5 and 6), ranks started as the deepspeed launcher starts them, on CPU
 
 One launch saves mid-run in every mode (sync, dpu, acco; fp32 and bf16; at an accumulation boundary,
 and inside a step with a peek in flight and gradients half accumulated; adaptive accumulation with a
-slow rank), a second launch (a new process group) resumes from the files, a third with another world
+slow rank; with zero_optimization.offload_optimizer turned on or off across the save), a second launch (a new
+process group) resumes from the files, a third with another world
 size loads the committed state (tests/checkpoint/test_reshard.py tests that in depth) and the weights
 alone.
 """
@@ -96,6 +97,25 @@ def scenarios() -> list:
                 "save_micro": SAVE_STEP * GAS + extra,
                 "config": acco_config(mode, dtype, comp),
                 "other_world": name == "acco_fp32_int8",
+            }
+        )
+    # zero_optimization.offload_optimizer turned on or off across the save (on CPU ranks the state is in host memory
+    # either way: the checkpoint's layout is the same, and so is the continuation)
+    offload = {"stage": 1, "offload_optimizer": {"device": "cpu", "pin_memory": True}}
+    for name, mode, dtype, extra, save_offloaded in (
+        ("acco_fp32_offload_to_plain", "acco", "fp32", GAS // 2 + 1, True),
+        ("sync_bf16_plain_to_offload", "sync", "bf16", 0, False),
+    ):
+        plain = acco_config(mode, dtype)
+        offloaded = {**plain, "zero_optimization": offload}
+        out.append(
+            {
+                "name": name,
+                "dtype": dtype,
+                "steps": STEPS,
+                "save_micro": SAVE_STEP * GAS + extra,
+                "config": offloaded if save_offloaded else plain,
+                "resume_config": plain if save_offloaded else offloaded,
             }
         )
     for mode in ("acco", "dpu"):

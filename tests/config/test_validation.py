@@ -10,8 +10,10 @@ applied and stay bit for bit when none was) or raises ACCOConfigError and leaves
 
 from __future__ import annotations
 
+import logging
 import math
 import re
+import types
 
 import deepspeed
 import pytest
@@ -297,12 +299,23 @@ ENGINE_ROWS = {
         _fp16_supported,
         ["fp16.hysteresis=0", ">= 1"],
     ),
-    "offload_optimizer": (
-        ds_config(zero_optimization={"stage": 1, "offload_optimizer": {"device": "cpu"}}),
+    "offload_optimizer_nvme": (
+        ds_config(
+            zero_optimization={"stage": 1, "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp"}}
+        ),
         None,
         {},
         None,
-        ["zero_optimization.offload_optimizer.device=cpu", 'device "none"'],
+        ["zero_optimization.offload_optimizer.device=nvme", 'Allowed: "cpu", or "none"'],
+    ),
+    "offload_optimizer_super_offload": (
+        ds_config(
+            zero_optimization={"stage": 1, "offload_optimizer": {"device": "cpu", "super_offload": True}}
+        ),
+        None,
+        {},
+        None,
+        ["zero_optimization.offload_optimizer.super_offload=true", "super_offload false"],
     ),
     "offload_param": (
         ds_config(zero_optimization={"stage": 1, "offload_param": {"device": "cpu"}}),
@@ -430,6 +443,44 @@ def test_half_model_without_fp16_section_is_loss_scaled_as_zero1():
         _close(engine)
 
 
+def test_optimizer_offload_on_a_cpu_rank_is_accepted_and_said(caplog):
+    """offload_optimizer device "cpu" (pinned or not) on a CPU rank: accepted, the log says the state is in host
+    memory already, and it trains as without the key (tests/deepspeed/test_offload.py compares the trajectories)."""
+    for pin in (True, False):
+        off = {"stage": 1, "offload_optimizer": {"device": "cpu", "pin_memory": pin}}
+        with caplog.at_level(logging.INFO, logger="acco_ds"):
+            engine, *_ = initialize(ds_config(zero_optimization=off))
+        try:
+            assert (
+                "optimizer state (fp32 master shard, exp_avg, exp_avg_sq) is in host memory already"
+                in caplog.text
+            )
+            _train_step(engine)
+            assert engine.optimizer.stats()["committed_steps"] == 1
+        finally:
+            _close(engine)
+        caplog.clear()
+
+
+def test_optimizer_offload_on_a_gpu_rank_is_refused_until_built():
+    """On a CUDA rank the host-side step is not built yet: refused, naming the key (checked without a GPU: the
+    engine's device is what the check reads); a ratio below 1 is refused by name."""
+    from acco_ds.deepspeed.validate import check_offload_config
+
+    class _Off:
+        device, ratio, super_offload = "cpu", 1.0, False
+
+    engine = types.SimpleNamespace(
+        device=torch.device("cuda", 0), zero_offload_optimizer=lambda: _Off(), zero_offload_param=lambda: None
+    )
+    with pytest.raises(
+        ACCOConfigError, match=r"offload_optimizer.device=cpu on a cuda rank: .*not built yet"
+    ):
+        check_offload_config(engine)
+    engine.device = torch.device("cpu")
+    check_offload_config(engine)
+
+
 def test_deepspeed_version_through_initialize(monkeypatch):
     monkeypatch.delenv(ALLOW_UNTESTED_ENV, raising=False)
     monkeypatch.setattr(deepspeed, "__version__", "0.18.0")
@@ -448,14 +499,15 @@ def test_deepspeed_version_through_initialize(monkeypatch):
 def test_comm_dtype_the_backend_cannot_reduce(monkeypatch):
     """The probe at set-up: a backend whose reduce-scatter rejects bf16 (gloo on this torch sums bf16,
     see test_gloo_reduces_bf16, so the rejection is simulated) fails with the option named."""
-    real = dist.reduce_scatter_tensor
+    name = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
+    real = getattr(dist, name)
 
     def no_bf16(out, inp, *a, **k):
         if inp.dtype == torch.bfloat16:
             raise RuntimeError("Unsupported dtype BFloat16 for reduce_scatter")
         return real(out, inp, *a, **k)
 
-    monkeypatch.setattr(dist, "reduce_scatter_tensor", no_bf16)
+    monkeypatch.setattr(dist, name, no_bf16)
     with pytest.raises(ACCOConfigError) as info:
         initialize(ds_config({"comm_dtype": "bf16"}))
     msg = str(info.value)

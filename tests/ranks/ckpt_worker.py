@@ -108,7 +108,9 @@ def fixed_first(sc: dict, rank: int, ckpt: str) -> dict:
 
 
 def fixed_resume(sc: dict, rank: int, ckpt: str) -> dict:
-    cfg, gas = sc["config"], sc["config"]["gradient_accumulation_steps"]
+    # "resume_config": the resume's own config (another offload_optimizer setting), else the save's
+    cfg = sc.get("resume_config", sc["config"])
+    gas = cfg["gradient_accumulation_steps"]
     c = make_engine(cfg, seed=1)  # another initialisation: everything must come from the checkpoint
     path, client = c.load_checkpoint(ckpt, tag=TAG)
     assert path is not None, f"no checkpoint loaded from {ckpt}"

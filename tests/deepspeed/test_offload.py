@@ -1,0 +1,132 @@
+"""``zero_optimization.offload_optimizer`` {"device": "cpu"} with ACCO on CPU ranks (gloo), W = 1, 2, 3.
+
+On a CPU rank the optimizer state is in host memory already: the key is accepted (the log says so,
+tests/config/test_validation.py) and changes nothing, so every mode with it gives the bits of the same mode without
+it (parameters, both moments, the norm), compressed rounds included; and ``sync`` with it ends where DeepSpeed's
+ZeRO-1 with it ends (DeepSpeed then steps with DeepSpeedCPUAdam), within the two AdamW implementations' rounding,
+fp32 and bf16 at every W, fp16 with planted overflows at W = 2 (loss scale and skipped steps equal). Adaptive
+accumulation is left out of the bitwise comparison: where its rounds end depends on timing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.core import test_fp16_trajectories as fp16
+from tests.core.test_trajectories import LR, WD, acco_opt, ds_config, max_rel
+from tests.ranks.launch import run_scenarios
+
+pytestmark = pytest.mark.launcher
+
+STEPS = 6
+OFFLOAD = {"stage": 1, "offload_optimizer": {"device": "cpu", "pin_memory": True}}
+ZERO1 = {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD}}
+# name -> (optimizer, dtype, clip); each run twice, with and without the offload section
+PAIRS = {
+    "sync_fp32_clip": (acco_opt("sync"), "fp32", "clip"),
+    "dpu_bf16_noclip": (acco_opt("dpu"), "bf16", "noclip"),
+    "acco_fp32_clip": (acco_opt("acco"), "fp32", "clip"),
+    "acco_bf16_int8": (
+        {
+            **acco_opt("acco"),
+            "params": {**acco_opt("acco")["params"], "compression": {"commit": "int8", "peek": "int8"}},
+        },
+        "bf16",
+        "noclip",
+    ),
+}
+# sync + offload against DeepSpeed ZeRO-1 + offload (DeepSpeedCPUAdam)
+AGAINST_ZERO1 = {"fp32_clip": ("fp32", "clip"), "bf16_noclip": ("bf16", "noclip")}
+TOL = {"fp32": 2e-6, "bf16": 2e-3}  # as tests/core/test_trajectories.py's sync vs ZeRO-1
+
+
+def moment_rel(dtype: str, key: str, world: int) -> float:
+    """fp32: summation order. bf16: DeepSpeed sums the W ranks' bf16 gradients in bf16 (W - 1 roundings, a bf16 ulp
+    of 2**-8 relative each), acco_ds in fp32: exp_avg differs by up to that, exp_avg_sq (of g * g) by twice it."""
+    if dtype == "fp32":
+        return 1e-4
+    return max(1, world - 1) * 2**-8 * (2 if key == "exp_avg_sq" else 1)
+
+
+def offloaded(cfg: dict) -> dict:
+    return {**cfg, "zero_optimization": OFFLOAD}
+
+
+def scenarios(world: int) -> list:
+    out = []
+    for name, (opt, dtype, clip) in PAIRS.items():
+        cfg = ds_config(opt, dtype, clip)
+        out += [
+            {"name": name, "steps": STEPS, "config": cfg},
+            {"name": f"{name}_off", "steps": STEPS, "config": offloaded(cfg)},
+        ]
+    for name, (dtype, clip) in AGAINST_ZERO1.items():
+        out += [
+            {"name": f"zero1_{name}_off", "steps": STEPS, "config": offloaded(ds_config(ZERO1, dtype, clip))},
+            {
+                "name": f"sync_{name}_off",
+                "steps": STEPS,
+                "config": offloaded(ds_config(acco_opt("sync"), dtype, clip)),
+            },
+        ]
+    if world == 2:  # fp16 with the planted overflows of tests/core/test_fp16_trajectories.py
+        for who, opt in (("zero1", fp16.ZERO1), ("sync", fp16.acco("sync"))):
+            cfg = offloaded(fp16.ds_config(opt, "noclip"))
+            out.append(
+                {"name": f"{who}_fp16_off", "steps": fp16.STEPS, "config": cfg, "poison": fp16.poison(world)}
+            )
+    return out
+
+
+@pytest.fixture(scope="module", params=[1, 2, 3], ids=lambda w: f"W{w}")
+def run(request, tmp_path_factory):
+    world = request.param
+    return world, run_scenarios(world, scenarios(world), tmp_path_factory.mktemp(f"offload_w{world}"))
+
+
+@pytest.mark.parametrize("name", list(PAIRS))
+def test_offload_gives_the_same_bits(run, name):
+    _, results = run
+    plain, off = results[name], results[f"{name}_off"]
+    for key in ("traj", "norms", "lrs"):
+        assert len(plain[key]) == STEPS
+    for t, (a, b) in enumerate(zip(plain["traj"], off["traj"])):
+        assert torch.equal(a, b), f"{name} step {t + 1}: parameters differ with offload"
+    assert plain["norms"] == off["norms"]
+    for key in ("exp_avg", "exp_avg_sq"):
+        for t, (a, b) in enumerate(zip(plain["moments"][key], off["moments"][key])):
+            assert torch.equal(a, b), f"{name} {key} step {t + 1}"
+    assert (plain["traj"][-1] - plain["traj"][0]).abs().max() > 1e-4  # the runs moved
+
+
+@pytest.mark.parametrize("name", list(AGAINST_ZERO1))
+def test_sync_with_offload_is_zero1_with_offload(run, name):
+    world, results = run
+    dtype = AGAINST_ZERO1[name][0]
+    ours, theirs = results[f"sync_{name}_off"], results[f"zero1_{name}_off"]
+    assert ours["lrs"] == theirs["lrs"]
+    for t, (a, b) in enumerate(zip(ours["traj"], theirs["traj"])):
+        diff = (a - b).abs().max().item()
+        assert diff <= TOL[dtype], f"sync vs ZeRO-1 + offload {name} step {t + 1}: max |diff| {diff:.3e}"
+    for t, (a, b) in enumerate(zip(ours["norms"], theirs["norms"])):
+        assert a == pytest.approx(b, rel=1e-3 if dtype == "bf16" else 1e-5), f"grad norm step {t + 1}"
+    for key in ("exp_avg", "exp_avg_sq"):
+        for t, (a, b) in enumerate(zip(ours["moments"][key], theirs["moments"][key])):
+            rel = moment_rel(dtype, key, world)
+            assert max_rel(a, b) <= rel, f"{key} step {t + 1}: max rel diff {max_rel(a, b):.3e} > {rel:.3e}"
+
+
+def test_fp16_sync_with_offload_is_zero1_with_offload(run):
+    world, results = run
+    if world != 2:
+        pytest.skip("the fp16 pair runs in the W=2 launch")
+    ours, theirs = results["sync_fp16_off"], results["zero1_fp16_off"]
+    assert ours["skipped"] == theirs["skipped"] and theirs["skipped"][-1] >= 2, (
+        ours["skipped"],
+        theirs["skipped"],
+    )
+    assert ours["scales"] == theirs["scales"]
+    assert ours["lrs"] == theirs["lrs"]
+    for t, (a, b) in enumerate(zip(ours["traj"], theirs["traj"])):
+        diff = (a - b).abs().max().item()
+        assert diff <= fp16.TOL, f"fp16 step {t + 1}: max |diff| {diff:.3e}"
