@@ -170,10 +170,27 @@ def test_clean_gloo_exit_destroys_the_process_groups():
     assert rc == 0 and not still_initialized, out[-2000:]
 
 
+GLOO_FINALIZE_ABORT = -6
+"""SIGABRT from a gloo worker thread that drops a finished collective's tensors while the interpreter finalises
+("terminate called without an active exception"): what destroying the groups prevents at a clean exit, and what a
+failed run, whose groups are left alone, may still end in after its exit hooks ran (once in a full suite's load; 0 of
+100 runs alone or beside two busy cores)."""
+
+
+def _exit_code_ok(rc: int, expected: int, out: str) -> bool:
+    return rc == expected or (rc == GLOO_FINALIZE_ABORT and "terminate called" in out)
+
+
 def test_failed_round_or_uncaught_exception_leaves_the_groups_alone():
     """After a failed round or an uncaught exception a collective may be stuck on a lost peer: destroying
-    the group would join it and hold the exit up to the group's timeout."""
+    the group would join it and hold the exit up to the group's timeout. So the groups are still initialised when
+    the exit hooks have run, and the exit is not held up; the exit code is the script's own, or gloo's abort at
+    finalisation (``GLOO_FINALIZE_ABORT``), which leaving the groups alone cannot rule out."""
+    t0 = time.monotonic()
     rc, still_initialized, out = _group_after_exit("failed_round")
-    assert rc == 0 and still_initialized, out[-2000:]
+    assert still_initialized and _exit_code_ok(rc, 0, out), f"rc={rc}\n{out[-2000:]}"
     rc, still_initialized, out = _group_after_exit("uncaught")
-    assert rc == 1 and still_initialized and "the script failed" in out, out[-2000:]
+    assert still_initialized and "the script failed" in out and _exit_code_ok(rc, 1, out), (
+        f"rc={rc}\n{out[-2000:]}"
+    )
+    assert time.monotonic() - t0 < 60, "an exit waited for the process group"
