@@ -1,4 +1,4 @@
-"""README's "How it is built" is a complete map of the package, and the dependency rules it states hold.
+"""docs/DEVELOPING.md's "How it is built" is a complete map of the package, and the dependency rules it states hold.
 
 The map is the first fenced block under that heading. An unindented line naming a folder (``acco_ds/core/``)
 opens a package; the indented ``name.py`` lines below it are that package's modules; an unindented
@@ -39,7 +39,7 @@ EXTERNAL_ONLY_IN = {
 
 
 def _map_block() -> str:
-    text = (ROOT / "README.md").read_text()
+    text = (ROOT / "docs" / "DEVELOPING.md").read_text()
     head = text.index("## How it is built")
     start = text.index("```", head)
     end = text.index("```", start + 3)
@@ -73,12 +73,12 @@ def actual_modules() -> set:
 
 def test_every_module_is_on_the_map():
     missing = sorted(actual_modules() - listed_modules())
-    assert not missing, f"modules missing from README's 'How it is built': {missing}"
+    assert not missing, f"modules missing from docs/DEVELOPING.md's 'How it is built': {missing}"
 
 
 def test_every_listed_module_exists():
     stale = sorted(listed_modules() - actual_modules())
-    assert not stale, f"README's 'How it is built' lists modules that do not exist: {stale}"
+    assert not stale, f"docs/DEVELOPING.md's 'How it is built' lists modules that do not exist: {stale}"
 
 
 def _owner(path: Path) -> str:
@@ -100,7 +100,9 @@ def test_dependency_rules():
     broken = []
     for path in PACKAGE.rglob("*.py"):
         owner = _owner(path)
-        assert owner in ALLOWED, f"{path}: no rule for {owner!r} in ALLOWED: add one (and to README's map)"
+        assert owner in ALLOWED, (
+            f"{path}: no rule for {owner!r} in ALLOWED: add one (and to docs/DEVELOPING.md's map)"
+        )
         for name in _imports(path):
             top, *rest = name.split(".")
             if top == "acco_ds":

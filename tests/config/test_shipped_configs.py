@@ -16,7 +16,7 @@ CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.json"
 def test_configs_exist():
     names = {p.name for p in CONFIGS}
     assert {"acco_zero1_bf16.json", "zero1_adamw_bf16.json", "zero2_overlap_adamw_bf16.json"} <= names
-    assert "acco_int8_slow_link_fp32.json" in names  # compressed rounds (CPU ranks), README "Slow links"
+    assert "acco_int8_slow_link_fp32.json" in names  # compressed rounds (CPU ranks), docs/SLOW_LINKS.md
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
