@@ -81,7 +81,10 @@ def test_render_labels_the_stand_in():
     assert "STAND-IN" in md and "271M parameters" in md
     assert "| sync | 1 | 100.0 | 100.0 | 101.0 | 203.0 | 50% | 5.0 | 42 | 100% | 0.0 | - |" in md
     # a JSON from before the round end's host time was recorded: nan
-    assert "| acco | 0.25 | 25.0 | 100.0 | 26.0 | 104.0 | 96% | 4.0 | nan | 75% | 2.0 | 1 in 1 steps (150) |" in md
+    assert (
+        "| acco | 0.25 | 25.0 | 100.0 | 26.0 | 104.0 | 96% | 4.0 | nan | 75% | 2.0 | 1 in 1 steps (150) |"
+        in md
+    )
     assert "- acco x0.25: x" in md
 
 
