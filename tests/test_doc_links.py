@@ -1,5 +1,5 @@
-"""Every relative link of README and docs/ points at a file or folder of this repository (moved or renamed pages
-leave no dead link)."""
+"""Every relative link of README, docs/ and the results' pages (benchmarks/results/) points at a file or folder of this
+repository (moved or renamed pages leave no dead link)."""
 
 from __future__ import annotations
 
@@ -9,12 +9,20 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+PAGES = [
+    ROOT / "README.md",
+    *sorted((ROOT / "docs").glob("*.md")),
+    *sorted((ROOT / "benchmarks" / "results").rglob("*.md")),
+]
 LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
 
 
 def dead_links(page: Path) -> list:
-    return [t for t in LINK.findall(page.read_text()) if "://" not in t and not (page.parent / t).exists()]
+    return [
+        t
+        for t in LINK.findall(page.read_text(errors="replace"))
+        if "://" not in t and not (page.parent / t).exists()
+    ]
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
