@@ -1,4 +1,5 @@
-"""README's results table cannot drift from the results: every row links a results file of this repository, and its
+"""The results tables of README ("## Results") and docs/SLOW_LINKS.md ("## Measured") cannot drift from the results:
+every row links a results file of this repository, and its
 figure cell is written in that file as it is in README ("1.64x", "+0.16% [-0.38%, +0.98%]"); a range "A-B s" is two
 cells of a table there ("| A |", "| B |"). A figure a later run changed, or one typed from memory, fails here; so does
 a row without a file."""
@@ -14,10 +15,11 @@ ROOT = Path(__file__).resolve().parents[1]
 RANGE = re.compile(r"(\d+(?:\.\d+)?)-(\d+(?:\.\d+)?)(?: \w+)?")
 
 
-def results_rows(text: str) -> list:
-    """(figure cell, linked path) of every row of the table under README's "## Results"."""
-    section = text[text.index("## Results") :]
-    section = section[: section.index("\n## ", 1)]
+def results_rows(text: str, heading: str = "## Results") -> list:
+    """(figure cell, linked path) of every row of the table under ``heading``."""
+    section = text[text.index(heading) :]
+    end = section.find("\n## ", 1)
+    section = section if end < 0 else section[:end]
     rows = []
     for line in section.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
@@ -37,17 +39,24 @@ def not_in(figure: str, text: str) -> list:
     return [] if figure in text else [figure]
 
 
-ROWS = results_rows((ROOT / "README.md").read_text())
+TABLES = {"README.md": "## Results", "docs/SLOW_LINKS.md": "## Measured"}
+ROWS = [
+    (page, figure, path)
+    for page, heading in TABLES.items()
+    for figure, path in results_rows((ROOT / page).read_text(), heading)
+]
 
 
-def test_the_table_has_rows():
-    assert len(ROWS) >= 8
+@pytest.mark.parametrize("page", list(TABLES))
+def test_the_tables_have_rows(page):
+    assert sum(1 for p, _, _ in ROWS if p == page) >= 4
 
 
-@pytest.mark.parametrize(("figure", "path"), ROWS, ids=[f for f, _ in ROWS])
-def test_each_figure_is_in_its_results_file(figure, path):
-    assert path is not None, f"the row of {figure!r} links no results file"
-    target = ROOT / path
+@pytest.mark.parametrize(("page", "figure", "path"), ROWS, ids=[f"{p}:{f}" for p, f, _ in ROWS])
+def test_each_figure_is_in_its_results_file(page, figure, path):
+    assert path is not None, f"{page}: the row of {figure!r} links no results file"
+    target = (ROOT / page).parent / path
+    path = str(target.resolve().relative_to(ROOT))
     assert target.is_file() and "benchmarks/results/" in path, (
         f"{path}: not a results file of this repository"
     )
