@@ -1,4 +1,5 @@
-"""The results tables of README ("## Results") and docs/SLOW_LINKS.md ("## Measured") cannot drift from the results:
+"""The results tables of README ("## Results"), docs/SLOW_LINKS.md ("## Measured") and docs/BENCHMARKS.md ("## In
+short") cannot drift from the results:
 every row links a results file of this repository, and its
 figure cell is written in that file as it is in README ("1.64x", "+0.16% [-0.38%, +0.98%]"); a range "A-B s" is two
 cells of a table there ("| A |", "| B |"). A figure a later run changed, or one typed from memory, fails here; so does
@@ -39,7 +40,7 @@ def not_in(figure: str, text: str) -> list:
     return [] if figure in text else [figure]
 
 
-TABLES = {"README.md": "## Results", "docs/SLOW_LINKS.md": "## Measured"}
+TABLES = {"README.md": "## Results", "docs/SLOW_LINKS.md": "## Measured", "docs/BENCHMARKS.md": "## In short"}
 ROWS = [
     (page, figure, path)
     for page, heading in TABLES.items()
