@@ -479,6 +479,22 @@ MUTANTS = [
         ("tests/core/test_round_end_host_work.py",),
     ),
     Mutant(
+        "M51",
+        "offload: the host step reads its staging buffers without waiting for the copies of its inputs",
+        "acco_ds/core/host_step.py",
+        "        copies.wait_host()\n        if clock is not None:",
+        "        if clock is not None:",
+        ("tests/core/test_host_step.py::test_a_step_waits_for_its_inputs_copies",),
+    ),
+    Mutant(
+        "M52",
+        "offload: the new parameters not copied back from the host (the all-gather sends the device's old shard)",
+        "acco_ds/core/host_step.py",
+        "        copies.copy(out, out_host)\n",
+        "",
+        ("tests/core/test_host_step.py",),
+    ),
+    Mutant(
         "M45",
         "every parameter group stepped with the first group's AdamW settings (per-group lr, betas and weight "
         "decay ignored: the HF Trainer's no-decay group decayed)",

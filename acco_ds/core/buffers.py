@@ -120,7 +120,11 @@ class GroupBuffers:
         comm_dtype: torch.dtype,
         keep_tilde: bool,
         overlapped: bool,
+        state_device: torch.device | str | None = None,
     ):
+        """``state_device``: where the fp32 master shard and both moments live; None (the default) beside the
+        parameters. ``"cpu"`` with GPU parameters is optimizer offload (``core.host_step``): the round's job then
+        steps them on the host; every other buffer, the kept g~ included, stays on the parameters' device."""
         self.params = params
         self.layout = layout
         self.rank = rank
@@ -133,6 +137,8 @@ class GroupBuffers:
                     f"{p.device} and {pdtype} on {dev}. Cast the model (e.g. model.to(torch.bfloat16)) first."
                 )
         n, s = layout.padded_numel, layout.shard_numel
+        self.device = dev
+        self.state_device = dev if state_device is None else torch.device(state_device)
         self.param_dtype = pdtype
         self.comm_dtype = comm_dtype
         self.shared = pdtype == comm_dtype
@@ -154,9 +160,10 @@ class GroupBuffers:
             for p, off, numel in zip(params, layout.offsets, layout.numels):
                 model_flat[off : off + numel].copy_(p.detach().reshape(-1))
                 p.data = model_flat[off : off + numel].view(p.shape)  # the original storage is freed here
-        self.master = self.shard_of(self.param_bufs[self.model]).float().clone()
-        self.exp_avg = torch.zeros(s, dtype=torch.float32, device=dev)
-        self.exp_avg_sq = torch.zeros(s, dtype=torch.float32, device=dev)
+        sd = self.state_device
+        self.master = self.shard_of(self.param_bufs[self.model]).to(device=sd, dtype=torch.float32, copy=True)
+        self.exp_avg = torch.zeros(s, dtype=torch.float32, device=sd)
+        self.exp_avg_sq = torch.zeros(s, dtype=torch.float32, device=sd)
         self.tilde = torch.zeros(s, dtype=comm_dtype, device=dev) if keep_tilde else None
         self._fold_handles: list = []
         self._fuser = None  # core.fused_round_end: where the gradients of a fused round end go
@@ -362,12 +369,18 @@ class GroupBuffers:
         return self.master.numel() + self.exp_avg.numel() + self.exp_avg_sq.numel()
 
     def held_bytes(self) -> dict:
-        """Bytes this group holds, per buffer kind (what bench_memory's analytic columns predict)."""
+        """Bytes this group holds, per buffer kind (what bench_memory's analytic columns predict): ``full`` and
+        ``shards`` on the parameters' device, ``host_shards`` the optimizer state in host memory (offload; 0
+        without it)."""
         full = {id(t): t for t in self.param_bufs + self.grad_bufs}.values()
         shards = [self.master, self.exp_avg, self.exp_avg_sq] + (
             [self.tilde] if self.tilde is not None else []
         )
+        offloaded = self.state_device != self.device
+        here = [t for t in shards if not (offloaded and t.device == self.state_device)]
+        away = [t for t in shards if offloaded and t.device == self.state_device]
         return {
             "full": sum(t.numel() * t.element_size() for t in full),
-            "shards": sum(t.numel() * t.element_size() for t in shards),
+            "shards": sum(t.numel() * t.element_size() for t in here),
+            "host_shards": sum(t.numel() * t.element_size() for t in away),
         }

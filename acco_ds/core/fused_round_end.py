@@ -155,7 +155,7 @@ class FusedRoundEnd:
                 residual_scales, round_scale = self.loss_scale
                 express_residual(self.residuals[group], residual_scales[group], round_scale)
             b, own = self.groups[group], self.owners[group]
-            dev = b.master.device
+            dev = b.device
             rows = (
                 torch.empty(b.layout.padded_numel, dtype=torch.int8, device=dev),
                 torch.empty(own.total, dtype=torch.float32, device=dev),
@@ -195,7 +195,7 @@ class FusedRoundEnd:
         for i, (b, own) in enumerate(zip(self.groups, self.owners)):
             target = self._target(i)
             q, scales = target.q, target.scales
-            left = own.leftover(torch.tensor(self.folded[i], dtype=torch.bool), b.master.device)
+            left = own.leftover(torch.tensor(self.folded[i], dtype=torch.bool), b.device)
             quantize_listed_blocks(
                 b.acc_flat,
                 own.chunk,

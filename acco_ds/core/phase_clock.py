@@ -24,6 +24,11 @@ the counts, the g~ and the global norm with its all-reduce (where a rank waits f
 the AdamW step (with the quantized parameter difference when the all-gather is compressed); the parameter
 all-gather (or the exchange of the differences)."""
 
+OFFLOAD_PHASES = ("to_host", "to_device")
+"""With optimizer offload (``core.host_step``), the step phase splits: ``to_host`` the copies of the step's inputs
+to the host and the host's wait for them, ``step`` the AdamW step on the host, ``to_device`` the copies of the new
+parameters back (on CUDA the side stream's time for them, up to the all-gather's start)."""
+
 
 class PhaseClock:
     """The marks of one job on ``device`` (see the module docstring)."""

@@ -61,6 +61,7 @@ from acco_ds.core.buffers import GroupBuffers, GroupLayout
 from acco_ds.core.comm import check_reducible, make_control_group, make_executor, new_subgroup
 from acco_ds.core.compressed_comm import Compression
 from acco_ds.core.fused_round_end import BlockOwners, FusedRoundEnd, ResidualRelease
+from acco_ds.core.host_step import HostStep, OffloadSpec
 from acco_ds.core.liveness import BlockBoard
 from acco_ds.core.loss_scale import DeviceLossScaler, LossScaleSpec
 from acco_ds.core.round_job import RoundResult, all_gather_inplace, run_round_job
@@ -102,6 +103,9 @@ class PipelineStats:
     job_norm_s: float = 0.0
     job_step_s: float = 0.0
     job_all_gather_s: float = 0.0
+    # optimizer offload (core.host_step): the copies of the step's inputs to the host, and of its output back
+    job_to_host_s: float = 0.0
+    job_to_device_s: float = 0.0
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -163,6 +167,7 @@ class ACCOPipeline:
         tp_group=None,
         tp_sharded: Sequence[Sequence[bool]] | None = None,
         loss_scale: LossScaleSpec | None = None,
+        offload: OffloadSpec | None = None,
     ):
         """``dp_group``: the data-parallel group ACCO shards over and communicates in (default: WORLD).
         ``tp_group``: the tensor-parallel group of this rank, when the model is tensor-parallel; then
@@ -171,7 +176,10 @@ class ACCOPipeline:
         (False): the global gradient norm counts a split parameter on every tensor-parallel rank and a
         replicated one once (tensor-parallel rank 0), as DeepSpeed's ZeRO-1 does.
         ``loss_scale``: fp16 training's loss scaler (``core.loss_scale``; docs/ALGORITHM.md, "fp16: loss scaling"):
-        the caller multiplies each loss by :meth:`scale_loss`; None without loss scaling."""
+        the caller multiplies each loss by :meth:`scale_loss`; None without loss scaling.
+        ``offload``: optimizer offload (``core.host_step``; docs/OFFLOAD.md): every group's fp32 master shard and
+        moments live in host memory and the round's job steps them there (``offload.staged``: with staged copies,
+        always on GPU ranks); None keeps them beside the parameters."""
         self.cfg = cfg
         self.mode = cfg.mode
         self.adaptive = cfg.accumulation == "adaptive"
@@ -204,9 +212,16 @@ class ACCOPipeline:
                 comm_dtype,
                 keep_tilde=self.mode == "acco",
                 overlapped=self.mode != "sync",
+                state_device="cpu" if offload is not None else None,
             )
             for ps in groups_params
         ]
+        self.offload = offload
+        self.host_step = (
+            HostStep(len(self.groups), self.device, offload)
+            if offload is not None and offload.staged
+            else None
+        )
         for b in self.groups:
             b.install_fold_hooks()
         # error feedback (compressed rounds): per group, what quantization withheld from the rounds sent so
@@ -584,6 +599,7 @@ class ACCOPipeline:
             bases=[b.model_flat for b in self.groups],
             prequantized=prequantized,
             releases=releases,
+            offload=self.host_step,
             **self._loss_scale_args(plan),
         )
         name = f"round {self.round_index} ({plan.job.value} of step {commit_index})"
@@ -873,3 +889,5 @@ class ACCOPipeline:
 
     def close(self) -> None:
         self.executor.close()
+        if self.host_step is not None:
+            self.host_step.close()

@@ -22,6 +22,7 @@ Gradient scaling: the compute side accumulates micro-batch gradients that DeepSp
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, List, Sequence
 
 import torch
@@ -36,6 +37,7 @@ from acco_ds.core.compressed_comm import (
     exchange_quantized_difference,
     exchange_quantized_gradients,
 )
+from acco_ds.core.host_step import HostStep
 from acco_ds.core.loss_scale import AT_MIN, EPOCH, LossScaleSpec, express_residual, ready_scale, updated_state
 from acco_ds.core.phase_clock import PhaseClock
 from acco_ds.core.schedule import Job
@@ -215,6 +217,7 @@ def run_round_job(
     residual_scales: Sequence[torch.Tensor | None] | None = None,
     predivide: bool = False,
     tilde_factor: float = 1.0,
+    offload: HostStep | None = None,
 ) -> RoundResult:
     """One round's communication. ``roles[i]`` is group i's ``(grad buffer, param target)`` index pair
     from ``GroupBuffers.start_job``.
@@ -256,8 +259,11 @@ def run_round_job(
     the scaler's settings and its state (fp64 [6], on the device; the scaler replaces its state, never writes it in
     place, so the job may read it on its side): the job computes the state after its own outcome
     (``RoundResult.next_scaler_state``, the rule of ``DeviceLossScaler.apply``) and, with ``unscale_ready`` (sync),
-    ``unscale_by`` as ``loss_scale.ready_scale`` of that state; the training thread then enqueues none of it."""
-    dev = groups[0].master.device
+    ``unscale_by`` as ``loss_scale.ready_scale`` of that state; the training thread then enqueues none of it.
+
+    ``offload`` (``core.host_step``): the groups' master shards and moments are in host memory; each group's step
+    runs there (its inputs copied to the host, the new parameters back) between the norm and the all-gather."""
+    dev = groups[0].device
     clock = PhaseClock(dev)
     if unscale_ready:
         unscale_by = ready_scale(scaler[0], scaler[1])
@@ -388,29 +394,38 @@ def run_round_job(
             hyper_tensor=table[i, 0].contiguous(),
             scale_tensor=scale,
             noop_flag=noop,
-            commit=job is Job.COMMIT,
         )
         out = b.shard_of(target)
         # the replicas' parameters (may be the target itself: each element is read before it is written)
         base = b.shard_of(bases[i]) if packed_params else None
         bits = compression.parameter_bits if packed_params else 8
         got = shards[i] if unsummed and not keeps_tilde else None  # a peek's sum is in the g~ by now
+        commit = job is Job.COMMIT
         if got is not None:
-            diff = adamw_step_quantized_sum(
-                b.master, b.exp_avg, b.exp_avg_sq, got.q, got.scales, compression.block_size, got.order,
-                grad.dtype, out, tilde=b.tilde if adds_tilde else None, base=base, bits=bits, **step,
+            fn = partial(
+                adamw_step_quantized_sum, block_size=compression.block_size, order=got.order, dtype=grad.dtype,
+                bits=bits, commit=commit,
             )  # fmt: skip
+            tensors = dict(
+                q=got.q, scales=got.scales, tilde=b.tilde if adds_tilde else None, base=base, **step
+            )
         else:
             source = b.tilde if unsummed else grad
             if packed_params:
                 # the step, this rank's quantized difference to what the replicas hold and its application,
                 # one pass where the CPU kernel runs
-                diff = adamw_step_difference(
-                    b.master, b.exp_avg, b.exp_avg_sq, source, out, base, compression.block_size, bits=bits, **step
-                )  # fmt: skip
+                fn = partial(
+                    adamw_step_difference, block_size=compression.block_size, bits=bits, commit=commit
+                )
+                tensors = dict(grad=source, base=base, **step)
             else:
-                adamw_step(b.master, b.exp_avg, b.exp_avg_sq, source, out, **step)
-        clock.mark("step")
+                fn = partial(adamw_step, commit=commit)
+                tensors = dict(grad=source, **step)
+        if offload is None:
+            diff = fn(b.master, b.exp_avg, b.exp_avg_sq, out=out, **tensors)
+        else:  # the state is in host memory: the inputs go there, the new parameters come back (core.host_step)
+            diff = offload.run(i, fn, (b.master, b.exp_avg, b.exp_avg_sq), tensors, out, clock=clock)
+        clock.mark("step" if offload is None else "to_device")
         if packed_params:
             q, scales = diff
             exchange_quantized_difference(

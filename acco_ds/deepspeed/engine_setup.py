@@ -15,7 +15,7 @@ from acco_ds.deepspeed.validate import (
     check_engine_config,
     loss_scale_spec,
     model_parallel_group,
-    offload_optimizer_device,
+    offload_spec,
 )
 from acco_ds.deepspeed.version import check_deepspeed_version
 
@@ -44,17 +44,28 @@ def configure_acco(engine, client_optimizer, model_parameters) -> None:
         dp_process_group=engine.seq_data_parallel_group,
         tp_group=model_parallel_group(engine) if int(getattr(engine, "mp_world_size", 1) or 1) > 1 else None,
         loss_scale=loss_scale_spec(engine, trainable_dtype(model_parameters)),
+        offload=offload_spec(engine),
     )
     optimizer.attach_engine(engine)
     engine.basic_optimizer = optimizer.optimizer
     engine.optimizer = optimizer
     engine.enable_backward_allreduce = False
     unsync_throughput_timer(engine)
-    if offload_optimizer_device(engine) == "cpu" and engine.global_rank == 0:
-        logger.info(
-            "acco_ds: zero_optimization.offload_optimizer.device=cpu: this rank trains on the CPU, so ACCO's "
-            "optimizer state (fp32 master shard, exp_avg, exp_avg_sq) is in host memory already; nothing is moved"
-        )
+    offload = optimizer.pipeline.offload
+    if offload is not None and engine.global_rank == 0:
+        if offload.staged:
+            logger.info(
+                "acco_ds: zero_optimization.offload_optimizer.device=cpu: ACCO's optimizer state (fp32 master shard, "
+                "exp_avg, exp_avg_sq) lives in host memory and each round's job steps it there with %d threads "
+                "(torch.get_num_threads()), its copies %s",
+                torch.get_num_threads(),
+                "pinned" if offload.pin_memory else "in pageable memory (pin_memory false)",
+            )
+        else:
+            logger.info(
+                "acco_ds: zero_optimization.offload_optimizer.device=cpu: this rank trains on the CPU, so ACCO's "
+                "optimizer state (fp32 master shard, exp_avg, exp_avg_sq) is in host memory already; nothing is moved"
+            )
     if engine.global_rank == 0:
         logger.info(
             "acco_ds: ACCO optimizer (mode=%s, accumulation=%s, comm_dtype=%s, %d parameters in %d groups)",

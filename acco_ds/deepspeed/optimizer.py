@@ -152,8 +152,10 @@ class ACCOZeroOptimizer(ZeROOptimizer):
         dp_process_group=None,
         tp_group=None,
         loss_scale=None,
+        offload=None,
     ):
-        """``loss_scale``: fp16's loss scaler settings (``core.loss_scale.LossScaleSpec``), None without fp16."""
+        """``loss_scale``: fp16's loss scaler settings (``core.loss_scale.LossScaleSpec``), None without fp16.
+        ``offload``: optimizer offload (``core.host_step.OffloadSpec``), None without it."""
         super().__init__()
         self.cfg = cfg
         self.dp_process_group = dp_process_group
@@ -170,6 +172,7 @@ class ACCOZeroOptimizer(ZeROOptimizer):
             tp_group=tp_group,
             tp_sharded=[[bool(is_model_parallel_parameter(p)) for p in g] for g in self.bit16_groups],
             loss_scale=loss_scale,
+            offload=offload,
         )
         torch_groups = []
         for g, b in zip(groups, self.pipeline.groups):

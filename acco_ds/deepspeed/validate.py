@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 from acco_ds.config import ACCOConfig, ACCOConfigError
+from acco_ds.core.host_step import OffloadSpec
 from acco_ds.core.schedule import micro_batches_per_round
 
 
@@ -18,10 +19,10 @@ def _offload_device(cfg) -> str:
 
 
 def check_offload_config(engine) -> None:
-    """``zero_optimization.offload_optimizer`` with ``device`` "cpu" (``pin_memory`` either way) is accepted: on CPU
-    ranks the optimizer state is in host memory already (``offload_optimizer_device``); on CUDA ranks the host-side
-    step is not built yet, so it is refused there. Refused, by key: ``device`` "nvme", ``ratio`` < 1 (a partial
-    offload), ``super_offload``, and any ``offload_param`` (ZeRO-3's)."""
+    """``zero_optimization.offload_optimizer`` with ``device`` "cpu" (``pin_memory`` either way) is accepted
+    (``offload_spec``): on CUDA ranks the optimizer state lives in host memory and the round's job steps it there
+    (``core.host_step``); on CPU ranks it is in host memory already. Refused, by key: ``device`` "nvme", ``ratio``
+    < 1 (a partial offload), ``super_offload``, and any ``offload_param`` (ZeRO-3's)."""
     param = engine.zero_offload_param()
     if _offload_device(param) not in ("none", "OffloadDeviceEnum.none"):
         raise ACCOConfigError(
@@ -49,17 +50,20 @@ def check_offload_config(engine) -> None:
             "gradient norm is known and rolls back; ACCO hides its host step behind the next round's compute instead. "
             "Allowed: super_offload false (the default)."
         )
-    if torch.device(engine.device).type != "cpu":
-        raise ACCOConfigError(
-            f"zero_optimization.offload_optimizer.device=cpu on a {torch.device(engine.device).type} rank: ACCO's "
-            "host-side optimizer step for GPU ranks is not built yet (on CPU ranks the state is in host memory "
-            'already and the key is accepted). Allowed here: no "offload_optimizer" section, or device "none".'
-        )
 
 
 def offload_optimizer_device(engine) -> str:
     """'cpu' when the config offloads the optimizer (``check_offload_config`` accepted it), else 'none'."""
     return "cpu" if _offload_device(engine.zero_offload_optimizer()).endswith("cpu") else "none"
+
+
+def offload_spec(engine) -> OffloadSpec | None:
+    """The pipeline's ``offload`` of an accepted ``offload_optimizer`` section (``pin_memory`` read from it), or
+    None without one."""
+    if offload_optimizer_device(engine) != "cpu":
+        return None
+    pin = bool(getattr(engine.zero_offload_optimizer(), "pin_memory", False))
+    return OffloadSpec.for_device(torch.device(engine.device), pin)
 
 
 def check_fp16_config(engine) -> None:

@@ -17,9 +17,10 @@ import sys
 import pytest
 import torch
 
+from acco_ds.core.host_step import STAGING_ENV
 from tests.ranks import toy
 from tests.ranks.ckpt_worker import linear_vector
-from tests.ranks.launch import REPO, run_local
+from tests.ranks.launch import REPO, rank_env, run_local
 
 pytestmark = pytest.mark.launcher  # starts ranks through a launcher (left out by make test-fast)
 
@@ -99,8 +100,8 @@ def scenarios() -> list:
                 "other_world": name == "acco_fp32_int8",
             }
         )
-    # zero_optimization.offload_optimizer turned on or off across the save (on CPU ranks the state is in host memory
-    # either way: the checkpoint's layout is the same, and so is the continuation)
+    # zero_optimization.offload_optimizer turned on or off across the save (the ranks run the staged host step a GPU
+    # rank runs, ACCO_DS_HOST_STEP_STAGING=1: the checkpoint's layout is the same, and so is the continuation)
     offload = {"stage": 1, "offload_optimizer": {"device": "cpu", "pin_memory": True}}
     for name, mode, dtype, extra, save_offloaded in (
         ("acco_fp32_offload_to_plain", "acco", "fp32", GAS // 2 + 1, True),
@@ -156,7 +157,8 @@ def runs(tmp_path_factory):
     worker = REPO / "tests" / "ranks" / "ckpt_worker.py"
     res = {}
     for phase, world in (("first", WORLD), ("resume", WORLD), ("other_world", 1)):
-        run_local(worker, world, ["--scenarios", spec, "--out", out, "--phase", phase])
+        env = rank_env(**{STAGING_ENV: "1"})
+        run_local(worker, world, ["--scenarios", spec, "--out", out, "--phase", phase], env=env)
         res[phase] = torch.load(out / f"{phase}.pt", weights_only=False)
     return out, res
 

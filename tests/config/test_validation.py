@@ -462,23 +462,31 @@ def test_optimizer_offload_on_a_cpu_rank_is_accepted_and_said(caplog):
         caplog.clear()
 
 
-def test_optimizer_offload_on_a_gpu_rank_is_refused_until_built():
-    """On a CUDA rank the host-side step is not built yet: refused, naming the key (checked without a GPU: the
-    engine's device is what the check reads); a ratio below 1 is refused by name."""
-    from acco_ds.deepspeed.validate import check_offload_config
+def test_optimizer_offload_on_a_gpu_rank_is_accepted_staged(monkeypatch):
+    """On a CUDA rank the section is accepted and the pipeline gets a staged host step with the section's
+    pin_memory (checked without a GPU: the engine's device is what the check and the spec read); on a CPU rank it
+    steps in place unless ACCO_DS_HOST_STEP_STAGING=1."""
+    from acco_ds.core.host_step import STAGING_ENV
+    from acco_ds.deepspeed.validate import check_offload_config, offload_spec
+
+    monkeypatch.delenv(STAGING_ENV, raising=False)
 
     class _Off:
-        device, ratio, super_offload = "cpu", 1.0, False
+        device, ratio, super_offload, pin_memory = "cpu", 1.0, False, True
 
     engine = types.SimpleNamespace(
         device=torch.device("cuda", 0), zero_offload_optimizer=lambda: _Off(), zero_offload_param=lambda: None
     )
-    with pytest.raises(
-        ACCOConfigError, match=r"offload_optimizer.device=cpu on a cuda rank: .*not built yet"
-    ):
-        check_offload_config(engine)
+    check_offload_config(engine)
+    spec = offload_spec(engine)
+    assert spec.staged and spec.pin_memory
     engine.device = torch.device("cpu")
     check_offload_config(engine)
+    assert not offload_spec(engine).staged
+    monkeypatch.setenv(STAGING_ENV, "1")
+    assert offload_spec(engine).staged
+    engine.zero_offload_optimizer = lambda: None
+    assert offload_spec(engine) is None
 
 
 def test_deepspeed_version_through_initialize(monkeypatch):

@@ -1,8 +1,10 @@
 """``zero_optimization.offload_optimizer`` {"device": "cpu"} with ACCO on CPU ranks (gloo), W = 1, 2, 3.
 
-On a CPU rank the optimizer state is in host memory already: the key is accepted (the log says so,
-tests/config/test_validation.py) and changes nothing, so every mode with it gives the bits of the same mode without
-it (parameters, both moments, the norm), compressed rounds included; and ``sync`` with it ends where DeepSpeed's
+The ranks run with ``ACCO_DS_HOST_STEP_STAGING=1``: the offloaded runs take the path a GPU rank takes
+(``core.host_step``: the step's inputs copied into host staging buffers by a copy thread, the state stepped there, the
+new parameters copied back before the all-gather) instead of stepping the CPU rank's state in place. The CPU and
+CUDA kernels share one math, so every mode with offload gives the bits of the same mode without it (parameters, both
+moments, the norm), compressed rounds included; and ``sync`` with it ends where DeepSpeed's
 ZeRO-1 with it ends (DeepSpeed then steps with DeepSpeedCPUAdam), within the two AdamW implementations' rounding,
 fp32 and bf16 at every W, fp16 with planted overflows at W = 2 (loss scale and skipped steps equal). Adaptive
 accumulation is left out of the bitwise comparison: where its rounds end depends on timing."""
@@ -12,6 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from acco_ds.core.host_step import STAGING_ENV
 from tests.core import test_fp16_trajectories as fp16
 from tests.core.test_trajectories import LR, WD, acco_opt, assert_sync_matches_zero1, ds_config
 from tests.ranks.launch import run_scenarios
@@ -33,6 +36,11 @@ PAIRS = {
         },
         "bf16",
         "noclip",
+    ),
+    "dpu_fp32_gather_int8": (
+        {**acco_opt("dpu"), "params": {**acco_opt("dpu")["params"], "compression": {"all_gather": "int8"}}},
+        "fp32",
+        "clip",
     ),
 }
 # sync + offload against DeepSpeed ZeRO-1 + offload (DeepSpeedCPUAdam)
@@ -80,7 +88,8 @@ def scenarios(world: int) -> list:
 @pytest.fixture(scope="module", params=[1, 2, 3], ids=lambda w: f"W{w}")
 def run(request, tmp_path_factory):
     world = request.param
-    return world, run_scenarios(world, scenarios(world), tmp_path_factory.mktemp(f"offload_w{world}"))
+    tmp = tmp_path_factory.mktemp(f"offload_w{world}")
+    return world, run_scenarios(world, scenarios(world), tmp, **{STAGING_ENV: "1"})
 
 
 @pytest.mark.parametrize("name", list(PAIRS))
@@ -96,6 +105,9 @@ def test_offload_gives_the_same_bits(run, name):
         for t, (a, b) in enumerate(zip(plain["moments"][key], off["moments"][key])):
             assert torch.equal(a, b), f"{name} {key} step {t + 1}"
     assert (plain["traj"][-1] - plain["traj"][0]).abs().max() > 1e-4  # the runs moved
+    # the offloaded run took the staged path: its jobs copied to and from the host
+    assert off["stats"]["job_to_host_s"] > 0.0 and off["stats"]["job_to_device_s"] > 0.0
+    assert plain["stats"]["job_to_host_s"] == 0.0
 
 
 @pytest.mark.parametrize("name", list(AGAINST_ZERO1))

@@ -195,13 +195,14 @@ def _stop(procs: list) -> None:
             time.sleep(0.05)
 
 
-def run_scenarios(world: int, scenarios: list, tmp: Path, backend: str = "gloo") -> dict:
-    """Run the toy-model scenarios on ``world`` ranks; returns rank 0's results (see tests/ranks/worker.py)."""
+def run_scenarios(world: int, scenarios: list, tmp: Path, backend: str = "gloo", **extra_env) -> dict:
+    """Run the toy-model scenarios on ``world`` ranks; returns rank 0's results (see tests/ranks/worker.py).
+    ``extra_env``: environment variables of the ranks (``rank_env``'s ``extra``)."""
     import torch
 
     spec = tmp / "scenarios.json"
     spec.write_text(json.dumps(scenarios))
     args = ["--scenarios", spec, "--out", tmp, "--backend", backend]
-    env = rank_env(accelerator="cuda" if backend == "nccl" else "cpu")
+    env = rank_env(accelerator="cuda" if backend == "nccl" else "cpu", **extra_env)
     run_local(REPO / "tests" / "ranks" / "worker.py", world, args, env=env)
     return torch.load(tmp / "results.pt", weights_only=False)
