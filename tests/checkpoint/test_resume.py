@@ -117,6 +117,7 @@ def scenarios() -> list:
                 "save_micro": SAVE_STEP * GAS + extra,
                 "config": offloaded if save_offloaded else plain,
                 "resume_config": plain if save_offloaded else offloaded,
+                "other_world": save_offloaded,  # loaded with offload on 1 rank
             }
         )
     for mode in ("acco", "dpu"):
@@ -280,7 +281,7 @@ def test_zero_to_fp32_inside_a_step_gives_the_committed_weights(runs, name):
     assert torch.equal(toy.flat(sd[n] for n in names), res["first"][0][name]["at_save"])
 
 
-@pytest.mark.parametrize("name", ["acco_fp32", "acco_fp32_int8"])
+@pytest.mark.parametrize("name", ["acco_fp32", "acco_fp32_int8", "acco_fp32_offload_to_plain"])
 def test_other_world_size_resumes_from_the_committed_state(runs, name):
     """A 2-rank ACCO checkpoint loads on 1 rank with the committed weights of the save (the re-sharding
     itself: tests/checkpoint/test_reshard.py); with compressed rounds the residuals are dropped."""
