@@ -17,6 +17,13 @@ compared with their bf16 twins.
     python -m benchmarks.kernels --threads 2 --quick
     python -m benchmarks.kernels --device cuda --out-dir "$OUT"
     python -m benchmarks.kernels --from-json benchmarks/results/kernels/kernels_cpu.json   # re-render only
+    python -m benchmarks.kernels --threads 2 --sizes 1e7,1e8 --host-only   # the host rows alone
+
+The host rows (CPU): ACCO's commit and peek and DeepSpeedCPUAdam's step, on the same cores, are timed apart from
+the other contenders and interleaved at every size, one call each per round in a rotating order, over more rounds
+(--host-reps): the table's host section gives, per size, the median of the per-round ratios (DeepSpeedCPUAdam's
+time over ACCO's in the same round) with their spread, so that load from other processes on a shared machine falls
+on both sides of each ratio alike.
 
 Prints the table last and writes it (machine, versions, date) to benchmarks/results/kernels/kernels_<device>.md
 (kernels_cpu_<N>threads.md for --threads N > 1), and the raw results (every timed call) beside it as .json.
@@ -36,12 +43,15 @@ from pathlib import Path
 
 from benchmarks.harness.cli import parser
 from benchmarks.harness.records import results_dir
-from benchmarks.kernels.table import LABEL, QUANT_BLOCK, STREAM, SUM_RANKS, render
+from benchmarks.kernels.table import HOST, LABEL, QUANT_BLOCK, STREAM, SUM_RANKS, render
 
 DEFAULT_SIZES = [1_000_000, 10_000_000, 100_000_000, 10_000_019]
 QUICK_SIZES = [1_000_000, 10_000_019]
 STREAM_ELEMS = 64 * 2**20
 HP = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
+HOST_REPS = 61
+"""Rounds of the host rows (each contender once per round): their per-round ratios are what the host section
+reports, so more of them than the other rows' calls (a round at 100M parameters takes about 0.2 s on 2 cores)."""
 
 
 def parse_args(argv=None):
@@ -52,6 +62,12 @@ def parse_args(argv=None):
     ap.add_argument("--quick", action="store_true", help="sizes 1M and 10_000_019, fewer repetitions")
     ap.add_argument("--threads", type=int, default=1, help="CPU threads for every contender (default 1)")
     ap.add_argument("--reps", type=int, default=None, help="timed repetitions per measurement")
+    ap.add_argument("--host-reps", type=int, default=None,
+                    help=f"rounds of the interleaved host rows (CPU: commit, peek, DeepSpeedCPUAdam; default "
+                    f"--reps where given, else {HOST_REPS}, --quick 11)")  # fmt: skip
+    ap.add_argument("--host-only", action="store_true",
+                    help="CPU: only the host rows (and the bandwidth probes); the table and JSON are written as "
+                    "kernels_cpu[_<N>threads]_host.*")  # fmt: skip
     ap.add_argument("--no-deepspeed", action="store_true", help="skip the DeepSpeed anchors")
     ap.add_argument("--stream-elems", type=lambda s: int(float(s)), default=STREAM_ELEMS,
                     help="fp32 elements per buffer of the bandwidth probes (default 64Mi = 256 MiB: larger "
@@ -593,19 +609,40 @@ def run(args) -> dict:
             contenders[key] = deepspeed_adam
         except Exception as e:  # noqa: BLE001 - an anchor that cannot run is reported, not fatal
             notes.append(f"{LABEL[key]} unavailable: {type(e).__name__}: {str(e)[:300]}")
-    contenders.update(quant_contenders(args.device, notes))
+    if args.host_only and args.device != "cpu":
+        raise SystemExit("benchmarks.kernels: --host-only times the host rows, on the CPU (--device cpu)")
+    host = [k for k in HOST if k in contenders] if args.device == "cpu" else []
+    if args.host_only:
+        contenders = {k: contenders[k] for k in host}
+    else:
+        contenders.update(quant_contenders(args.device, notes))
+    host_reps = args.host_reps or args.reps or (11 if args.quick else HOST_REPS)
     results = []
     for n in sizes:
         big = n >= 50_000_000 and args.device == "cpu"
-        times = measure(contenders, n, args.device, max(5, reps // 3) if big else reps, interleave=not big)
+        times, interleaved = {}, []
+        if host:  # the host rows: interleaved at every size, over their own rounds
+            times.update(
+                measure({k: contenders[k] for k in host}, n, args.device, host_reps, interleave=True)
+            )
+            interleaved.append(list(host))
+        rest = {k: f for k, f in contenders.items() if k not in host}
+        if rest:
+            times.update(
+                measure(rest, n, args.device, max(5, reps // 3) if big else reps, interleave=not big)
+            )
+            if not big:
+                interleaved.append(list(rest))
         med = {k: statistics.median(v) for k, v in times.items()}
-        results.append({"params": n, "median_s": med, "times_s": times})
+        results.append({"params": n, "median_s": med, "times_s": times, "interleaved": interleaved})
         print(f"n={n:,}: " + ", ".join(f"{k} {v * 1e3:.3f} ms" for k, v in med.items()), flush=True)
     return {
         "device": args.device,
         "threads": args.threads,
         "clock": CLOCK["name"],
         "reps": reps,
+        "host_reps": host_reps if host else 0,
+        "host_only": bool(args.host_only),
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "machine": machine(args.device),
         "l3_bytes": _l3_bytes() if args.device == "cpu" else 0,
@@ -630,6 +667,7 @@ def main(argv=None) -> None:
         res = run(args)
     md = render(res)
     suffix = f"_{res['threads']}threads" if res["device"] == "cpu" and res["threads"] != 1 else ""
+    suffix += "_host" if res.get("host_only") else ""
     out = Path(args.out_dir) / f"kernels_{res['device']}{suffix}.md"
     out.parent.mkdir(parents=True, exist_ok=True)
     raw = out.with_suffix(".json")

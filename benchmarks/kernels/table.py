@@ -136,6 +136,10 @@ LABEL = {
     "sum_commit_w3_composed": "acco composed, 3 ranks: dequantize_sum into bf16, norm, commit",
 }
 OWN = ("commit", "peek", "acc_bf16_fp32", "acc_bf16_bf16", "read_floor")
+HOST = ("commit", "peek", "deepspeed")
+"""The host rows (CPU): ACCO's commit and peek and DeepSpeedCPUAdam's step, timed in their own interleaved rounds at
+every size (results written before them have none: their entries hold no ``interleaved`` groups)."""
+HOST_ANCHOR = "deepspeed"
 FP16_OWN = {
     "commit_fp16": "commit",
     "peek_fp16": "peek",
@@ -198,7 +202,7 @@ def rows(res: dict) -> list:
     for entry in res["results"]:
         n, t = entry["params"], entry["median_s"]
         anchors = {k: v for k, v in t.items() if k not in BYTES}
-        for key in OWN:
+        for key in (k for k in OWN if k in t):  # a host-only run holds the host rows alone
             sec, vs = t[key], {}
             if key in ("commit", "peek"):
                 vs = {a: anchors[a] / sec for a in anchors if a != "clone_step_restore" or key == "peek"}
@@ -228,6 +232,109 @@ def _quant_rows(n: int, t: dict) -> list:
 def _measured(res: dict, *keys: str) -> bool:
     """Whether any size of the results holds a row of ``keys``."""
     return any(k in entry["median_s"] for entry in res["results"] for k in keys)
+
+
+def paired_ratios(entry: dict, anchor: str, key: str) -> list | None:
+    """``anchor``'s time over ``key``'s, round by round, where the two were timed in the same interleaved rounds
+    (one call each per round): load from other processes falls on both sides of each ratio alike. None where they
+    were not (one after the other, or either missing)."""
+    if not any(anchor in group and key in group for group in entry.get("interleaved", [])):
+        return None
+    a, b = entry["times_s"][anchor], entry["times_s"][key]
+    return [x / y for x, y in zip(a, b)]
+
+
+def quantile(xs: list, q: float) -> float:
+    """The ``q`` quantile of ``xs`` (linear interpolation between the closest ranks; q = 0.5: the median)."""
+    s = sorted(xs)
+    pos = q * (len(s) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+def ratio_spread(ratios: list) -> tuple:
+    """(median, 25th percentile, 75th percentile) of per-round ratios."""
+    return quantile(ratios, 0.5), quantile(ratios, 0.25), quantile(ratios, 0.75)
+
+
+def host_summary(res: dict) -> list:
+    """Per size with host rows: {"params", "ms": {key: median ms}, "gbs": {key: GB/s}, "copy_pct": {key: % of the
+    copy probe}, "vs": {key: (median, p25, p75) of the anchor's time over key's per round, or None}, "rounds"}."""
+    copy = res["stream"]["probes"]["copy"]["gbs"]
+    out = []
+    for entry in res["results"]:
+        t = entry["median_s"]
+        if not any(set(HOST[:2]) <= set(group) for group in entry.get("interleaved", [])):
+            continue
+        own = [k for k in HOST[:2] if k in t]
+        row = {"params": entry["params"], "rounds": len(entry["times_s"][own[0]]), "ms": {}, "gbs": {},
+               "copy_pct": {}, "vs": {}}  # fmt: skip
+        for key in HOST:
+            if key in t:
+                row["ms"][key] = t[key] * 1e3
+        for key in own:
+            gbs = BYTES[key] * entry["params"] / t[key] / 1e9
+            row["gbs"][key], row["copy_pct"][key] = gbs, 100 * gbs / copy
+            ratios = paired_ratios(entry, HOST_ANCHOR, key)
+            row["vs"][key] = ratio_spread(ratios) if ratios else None
+        out.append(row)
+    return out
+
+
+def _host_section(res: dict) -> list:
+    """The host section's lines (none in results without host rounds)."""
+    rows_ = host_summary(res)
+    if not rows_:
+        return []
+    copy = res["stream"]["probes"]["copy"]["gbs"]
+    anchor = LABEL[HOST_ANCHOR].split(" (")[0]
+    measured = any(r["vs"].get("commit") for r in rows_)
+
+    def ratio(r, key):
+        v = r["vs"].get(key)
+        return f"{v[0]:.2f}x [{v[1]:.2f}x, {v[2]:.2f}x]" if v else "not measured"
+
+    def ms(r, key):
+        return f"{r['ms'][key]:.3f}" if key in r["ms"] else "-"
+
+    def bw(r, key):
+        return f"{r['gbs'][key]:.1f} GB/s, {r['copy_pct'][key]:.0f}%" if key in r["gbs"] else "-"
+
+    def goal(r):
+        v = r["vs"].get("commit")
+        if not v:
+            return "not measured"
+        return ("met" if v[0] >= 1 else "NOT met") + (" (the spread spans 1.00x)" if v[1] < 1 < v[2] else "")
+
+    threads = res["threads"]
+    lines = [
+        "",
+        f"## Host rows: ACCO's AdamW against {anchor}",
+        "",
+        f"ACCO's commit and peek (bf16 gradient in, bf16 parameters out) and {anchor}'s step (fp32), the same "
+        f"number of parameters on the same {threads} thread(s), timed in their own rounds, interleaved: one call each "
+        f"per round, in a rotating order, {rows_[0]['rounds']} rounds per size. vs {anchor}: its time over ACCO's in "
+        "the same round, the median over the rounds [25th, 75th percentile] (above 1.00x ACCO is faster); the goal "
+        f"column: ACCO's commit at least {anchor}'s throughput, by that median. GB/s: the commit's 28 B or the peek's "
+        f"16 B per parameter over the median time, and that as a share of this run's copy probe ({copy:.1f} GB/s, "
+        "read + written; it understates the bandwidth, as the notes above say).",
+        "",
+        f"| params | acco commit ms | acco peek ms | {anchor} ms | commit vs {anchor} | peek vs {anchor} | "
+        f"commit >= {anchor} | commit GB/s, % of copy | peek GB/s, % of copy |",
+        "|---:|---:|---:|---:|---|---|---|---:|---:|",
+    ]
+    for r in rows_:
+        lines.append(
+            f"| {r['params']:,} | {ms(r, 'commit')} | {ms(r, 'peek')} | {ms(r, HOST_ANCHOR)} | {ratio(r, 'commit')} "
+            f"| {ratio(r, 'peek')} | {goal(r)} | {bw(r, 'commit')} | {bw(r, 'peek')} |"
+        )
+    if not measured:
+        lines += [
+            "",
+            f"{anchor} was not measured in this run (--no-deepspeed, or it could not run: the notes).",
+        ]
+    return lines
 
 
 def _has_quant(res: dict) -> bool:
@@ -359,10 +466,19 @@ def render(res: dict) -> str:
         f"- Clock: {res['clock']}. Median of {res['reps']} timed calls after 2 warm-up calls; below 50M parameters "
         "(and on the GPU) the contenders are interleaved call by call (so load from other processes falls on all "
         "alike, and no contender keeps its data in the caches from one call to the next); at 50M and above, one "
-        "contender at a time with a third of the calls (memory). Raw per-call times: the JSON beside this file "
+        "contender at a time with a third of the calls (memory)."
+        + (
+            f" The host rows ({', '.join(LABEL[k].split(' (')[0] for k in HOST)}) are timed apart, interleaved at "
+            f"every size over {res['host_reps']} rounds (the host section below); their ratios to the other rows "
+            "compare medians taken at different times."
+            if res.get("host_reps")
+            else ""
+        )
+        + " Raw per-call times: the JSON beside this file "
         "(`python -m benchmarks.kernels --from-json <it>` re-renders this table).",
         "",
         "\n".join(lines),
+        *_host_section(res),
     ]
     if res["notes"]:
         md += ["", "Notes:", *[f"- {x}" for x in res["notes"]]]
