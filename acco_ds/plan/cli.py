@@ -1,7 +1,8 @@
 """``acco-plan``: will ACCO pay off on my cluster? Predicted step time, samples/s and memory per GPU
 of DeepSpeed ZeRO-1 (with and without overlap_comm), ZeRO-2, acco_ds sync, DPU, fixed and adaptive
 ACCO, and a recommendation, from the model size, the cluster's links and a micro-batch's compute
-time. ``acco-plan --help`` lists the options; docs/PLAN.md gives the equations.
+time; with ``--offload`` also the contenders that keep the optimizer in host memory, and whether to.
+``acco-plan --help`` lists the options; docs/PLAN.md gives the equations.
 
 Contract: ``main(argv) -> int`` prints the table (``--json``: the JSON instead; ``--json FILE``: the
 table, and the JSON written to FILE) and returns 0; a bad option exits with status 2 and a message
@@ -25,6 +26,8 @@ from acco_ds.plan.model import (
     PlanInputs,
     predict,
 )
+from acco_ds.plan.offload import CONTENDERS as OFFLOAD_CONTENDERS
+from acco_ds.plan.offload import HOST_ADAM_BW, HOST_ADAM_BW_DEEPSPEED, PCIE_BW
 from acco_ds.plan.recommend import recommend
 
 EXAMPLE = """examples:
@@ -32,6 +35,7 @@ EXAMPLE = """examples:
             --t-micro-batch 60ms --micro-batch 8 --gas 4
   acco-plan --model-config ./my-model/config.json --nodes 2 --gpus-per-node 4 --intra-bw 150GB/s \\
             --inter-bw 25Gbit/s --tflops 150 --seq-len 2048 --micro-batch 4 --gas 8 --json plan.json
+  acco-plan --params 7B --gpus-per-node 1 --t-micro-batch 2s --gas 4 --gpu-memory 80GiB --offload
 """
 
 
@@ -113,6 +117,29 @@ def build_parser() -> argparse.ArgumentParser:
         default=256,
         help="compressed rounds (the *-int8 rows): elements per int8 block, one fp32 scale each (default 256, "
         "acco_ds's compression.block_size)",
+    )
+    o = ap.add_argument_group("optimizer offload (zero_optimization.offload_optimizer device cpu)")
+    o.add_argument(
+        "--offload",
+        action="store_true",
+        help="also predict ZeRO-Offload, acco_ds sync and fixed / adaptive ACCO with the fp32 master and Adam's "
+        "moments in host memory, and say whether to offload (GPU ranks only)",
+    )
+    o.add_argument(
+        "--pcie-bw",
+        help=f"with --offload: one GPU's host copies, each direction, pinned memory (default {PCIE_BW / 1e9:g}GB/s, "
+        "PCIe 4.0 x16; PCIe 5.0 x16 about 50GB/s)",
+    )
+    o.add_argument(
+        "--host-adam-bw",
+        help=f"with --offload: bytes/s acco_ds's host AdamW streams for one GPU (default {HOST_ADAM_BW / 1e9:g}GB/s: "
+        "its commit measured on 2 cores, benchmarks/results/kernels/host_2threads; measure yours with python -m "
+        "benchmarks.kernels --threads <cores per GPU>, the 'acco commit' row's GB/s)",
+    )
+    o.add_argument(
+        "--host-adam-bw-deepspeed",
+        help=f"with --offload: bytes/s DeepSpeedCPUAdam streams for one GPU (default "
+        f"{HOST_ADAM_BW_DEEPSPEED / 1e9:g}GB/s, measured in the same run; the 'DeepSpeedCPUAdam' row's GB/s)",
     )
     ap.add_argument(
         "--json",
@@ -208,6 +235,23 @@ def resolve(argv=None) -> tuple:
     if a.block_size < 1:
         ap.error(f"--block-size must be an integer >= 1, got {a.block_size}")
     gpu_mem = _opt(ap, "--gpu-memory", units.parse_memory, a.gpu_memory) if a.gpu_memory else None
+    bws = {
+        "--pcie-bw": PCIE_BW,
+        "--host-adam-bw": HOST_ADAM_BW,
+        "--host-adam-bw-deepspeed": HOST_ADAM_BW_DEEPSPEED,
+    }
+    for name in list(bws):
+        text = getattr(a, name[2:].replace("-", "_"))
+        if text is None:
+            continue
+        if not a.offload:
+            ap.error(f"{name} {text}: only with --offload (it sets a figure of the offload model)")
+        bws[name] = _opt(ap, name, units.parse_bandwidth, text)
+    if a.offload and a.accelerator != "gpu":
+        ap.error(
+            f"--offload with --accelerator {a.accelerator}: a CPU rank's optimizer state is in host memory already "
+            "(nothing to copy); allowed: --offload with --accelerator gpu"
+        )
     return PlanInputs(
         params=params,
         t_micro_batch=t_mb,
@@ -229,11 +273,21 @@ def resolve(argv=None) -> tuple:
         tokens_per_micro_batch=tokens,
         gpu_memory=gpu_mem,
         block_size=a.block_size,
+        offload=a.offload,
+        pcie_bw=bws["--pcie-bw"],
+        host_adam_bw=bws["--host-adam-bw"],
+        host_adam_bw_deepspeed=bws["--host-adam-bw-deepspeed"],
     ), a.json
 
 
 def _fmt(x, spec: str, none: str = "n/a") -> str:
     return none if x is None else format(x, spec)
+
+
+def _note(r) -> str:
+    if r.host_memory_bytes is None:
+        return r.note
+    return f"{r.note}; host memory {r.host_memory_bytes / 2**30:.2f} GiB"
 
 
 def render(plan, rec: dict) -> str:
@@ -256,6 +310,20 @@ def render(plan, rec: dict) -> str:
         f"a round {ms * d['comm_round_int8_s']:.1f} ms (its job's quantize passes {ms * d['quantize_fused_s']:.2f} ms; "
         f"the gradients quantized in the round's last backward, {ms * d['fold_s']:.2f} ms more compute; adaptive "
         f"rounds quantize in their job: {ms * d['quantize_s']:.2f} ms)",
+    ]
+    if i.get("offload"):
+        lines += [
+            f"offload (*-offload rows): PCIe {i['pcie_bw'] / 1e9:g} GB/s, host AdamW {i['host_adam_bw'] / 1e9:g} GB/s "
+            f"(acco_ds) / {i['host_adam_bw_deepspeed'] / 1e9:g} GB/s (DeepSpeedCPUAdam); a round's job: gradient shard "
+            f"to the host {ms * d['offload_to_host_s']:.1f} ms + host AdamW commit {ms * d['offload_host_commit_s']:.1f}"
+            f" / peek {ms * d['offload_host_peek_s']:.1f} ms + parameters back {ms * d['offload_to_device_s']:.1f} ms, "
+            f"with the collectives {ms * d['offload_job_commit_s']:.1f} / {ms * d['offload_job_peek_s']:.1f} ms "
+            f"(job/compute {d['offload_job_compute_ratio']:.3f}; fixed ACCO hides it up to 0.5); ZeRO-Offload waits "
+            f"{ms * d['offload_deepspeed_serial_s']:.1f} ms per step (fp32 gradients to the host "
+            f"{ms * d['offload_deepspeed_to_host_s']:.1f} ms, DeepSpeedCPUAdam {ms * d['offload_deepspeed_host_s']:.1f}"
+            " ms, with the collectives and the copy back)",
+        ]
+    lines += [
         "",
         "| contender | step ms | samples/s | x ZeRO-1 | micro-batches/step/GPU | exposed comm ms | memory/GPU GiB "
         "| bytes/param | note |",
@@ -268,7 +336,7 @@ def render(plan, rec: dict) -> str:
             f"| {_fmt(r.samples_per_s, ',.1f')} "
             f"| {_fmt(r.x_zero1, '.2f')} | {_fmt(r.micro_batches_per_step, 'g')} "
             f"| {_fmt(None if r.exposed_comm_s is None else ms * r.exposed_comm_s, '.1f')} | {mem} "
-            f"| {r.memory_bytes_per_param:.2f} | {r.note} |"
+            f"| {r.memory_bytes_per_param:.2f} | {_note(r)} |"
         )
     tok = i.get("tokens_per_micro_batch")
     if tok:
@@ -278,9 +346,12 @@ def render(plan, rec: dict) -> str:
         "",
         f"recommendation: {rec['mode']}"
         + (f", {rec['accumulation']} accumulation" if rec["accumulation"] else "")
-        + f", GAS {rec['gas']}",
+        + f", GAS {rec['gas']}"
+        + (", optimizer offloaded to the host" if rec.get("offload") else ""),
         f"why: {rec['reason']}",
     ]
+    if rec.get("offload"):
+        lines.append(f'add to zero_optimization: "offload_optimizer": {json.dumps(rec["offload"])}')
     if rec.get("compression"):
         lines.append(f'add to optimizer.params: "compression": {json.dumps(rec["compression"])}')
     if rec.get("alternative"):
@@ -292,7 +363,7 @@ def main(argv=None) -> int:
     inputs, json_to = resolve(argv)
     plan = predict(inputs)
     rec = recommend(plan, inputs)
-    names = list(CONTENDERS + COMPRESSED_CONTENDERS)
+    names = list(CONTENDERS + COMPRESSED_CONTENDERS + (OFFLOAD_CONTENDERS if inputs.offload else ()))
     doc = json.dumps(plan.to_dict() | {"recommendation": rec, "contenders": names}, indent=1)
     if json_to == "-":
         print(doc)

@@ -15,6 +15,9 @@ gives the exact bytes of ``GroupBuffers.held_bytes()`` for a padded element coun
 two); the DeepSpeed ones follow DeepSpeed 0.19.8's ``runtime/zero/stage_1_and_2.py``.
 ``zero1-overlap`` (ZeRO-1 with ``overlap_comm``, which bench_memory does not run) is zero1 plus the
 second reduce bucket ``setup_buckets`` allocates for ``overlap_comm``.
+
+``offloaded(...)`` splits the same lists for ``zero_optimization.offload_optimizer`` (device cpu): what stays on
+the GPU and what the rank's process holds in host memory (``acco-plan --offload``).
 """
 
 from __future__ import annotations
@@ -30,6 +33,12 @@ ACCO_MODES = ("sync", "dpu", "acco")
 DTYPE_SIZE = {"bf16": 2, "fp16": 2, "fp32": 4}  # fp16 holds what bf16 does (its loss scaler: a few scalars)
 FP32 = 4
 ADAM_SHARD = 3 * FP32  # fp32 master + exp_avg + exp_avg_sq, per parameter of the shard
+ACCO_STATE = "fp32 master + exp_avg + exp_avg_sq shards"
+ZERO_MASTER = "fp32 master partition (single_partition_of_fp32_groups)"
+ZERO_MOMENTS = "Adam exp_avg + exp_avg_sq of the partition"
+OPTIMIZER_STATE = (ACCO_STATE, ZERO_MASTER, ZERO_MOMENTS)
+"""The buffers optimizer offload moves from the GPU to host memory (``offloaded``)."""
+OFFLOADABLE = ("zero1",) + ACCO_MODES
 
 
 @dataclass(frozen=True)
@@ -66,7 +75,7 @@ def _acco(mode: str, D: int, W: int, largest_frac: float, comm_D: int) -> List[B
             Buffer(f"{k} full grad buffer(s) (comm dtype)", k * comm_D, "held", f"{k} C"),
         ]
     c = "D" if comm_D == D else "C"
-    out.append(Buffer("fp32 master + exp_avg + exp_avg_sq shards", ADAM_SHARD / W, "held", "12/W"))
+    out.append(Buffer(ACCO_STATE, ADAM_SHARD / W, "held", "12/W"))
     if mode == "acco":
         out.append(Buffer("kept g~ shard (comm dtype)", comm_D / W, "held", f"{c}/W"))
     out.append(Buffer("gloo reduce-scatter receive buffer (one shard)", comm_D / W, "transient", f"{c}/W"))
@@ -86,8 +95,8 @@ def _zero1(D: int, W: int, bucket_frac: float = 1.0, overlap_comm: bool = False)
     fD = D if f == 1.0 else D * f  # an int where the formula is a whole D, as it always was
     out = [
         Buffer("flat parameters (bit16_groups_flat)", D, "held", "D"),
-        Buffer("fp32 master partition (single_partition_of_fp32_groups)", FP32 / W, "held", "4/W"),
-        Buffer("Adam exp_avg + exp_avg_sq of the partition", 2 * FP32 / W, "held", "8/W"),
+        Buffer(ZERO_MASTER, FP32 / W, "held", "4/W"),
+        Buffer(ZERO_MOMENTS, 2 * FP32 / W, "held", "8/W"),
     ]
     if b == 1.0:
         out.append(Buffer("contiguous reduce bucket (ipg buffer, all gradients)", D, "transient", "D"))
@@ -172,6 +181,46 @@ def buffers(
         return _acco(mode, D, W, largest_frac, comm_D or D) + compression_buffers(D, comm_D or D, W)
     allowed = ", ".join(CONTENDERS + ("zero1-overlap",) + COMPRESSED)
     raise ValueError(f"unknown contender {contender!r}; choose from {allowed}")
+
+
+def offloaded(
+    contender: str,
+    D: int,
+    W: int,
+    largest_frac: float = 0.0,
+    comm_D: int | None = None,
+    bucket_frac: float | None = None,
+) -> tuple:
+    """``(gpu, host)``: the buffers of ``buffers(contender, ...)`` with the optimizer offloaded to the host
+    (``zero_optimization.offload_optimizer`` device cpu), per parameter of the GPU. The fp32 master and both
+    moments (``OPTIMIZER_STATE``) move to ``host``; nothing else leaves the GPU. acco_ds (``acco_ds/core/host_step.py``)
+    adds host staging buffers, reused every round: one reduced gradient shard (comm dtype) and one parameter shard;
+    every other buffer, the kept g~ included, stays on the GPU. DeepSpeed ZeRO-1 (0.19.8, ``stage_1_and_2.py`` with
+    ``cpu_offload``) adds the gradient partition in fp32 on the host (``single_partition_of_fp32_groups[i].grad``),
+    a parameter-dtype copy of the partition (``param_buffer_of_bit16_for_cpu_offload_groups``) and a buffer of the
+    largest parameter on each side (``temp_grad_buffer_for_gpu_offload``, ``temp_grad_buffer_for_cpu_offload``).
+    Every host buffer is held (pinned with ``pin_memory``). ``contender``: one of ``OFFLOADABLE``."""
+    if contender not in OFFLOADABLE:
+        raise ValueError(f"no offload model for {contender!r}; choose from {', '.join(OFFLOADABLE)}")
+    every = buffers(contender, D, W, largest_frac, comm_D, bucket_frac)
+    gpu = [b for b in every if b.name not in OPTIMIZER_STATE]
+    host = [b for b in every if b.name in OPTIMIZER_STATE]
+    if contender == "zero1":
+        gpu.append(Buffer("GPU staging of the largest parameter's gradient", D * largest_frac, "held", "D L"))
+        host += [
+            Buffer("fp32 gradient partition (the host step's input)", FP32 / W, "held", "4/W"),
+            Buffer("parameter-dtype copy of the partition (copied to the GPU)", D / W, "held", "D/W"),
+            Buffer("host buffer of the largest parameter's gradient", D * largest_frac, "held", "D L"),
+        ]
+    else:
+        C = comm_D or D
+        host += [
+            Buffer(
+                "staging: the reduced gradient shard (comm dtype)", C / W, "held", "C/W" if C != D else "D/W"
+            ),
+            Buffer("staging: the new parameter shard", D / W, "held", "D/W"),
+        ]
+    return gpu, host
 
 
 def compression_buffers(D: int, comm_D: int, W: int, block: int = COMPRESSION_BLOCK) -> List[Buffer]:

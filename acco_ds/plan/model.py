@@ -28,6 +28,9 @@ with fixed accumulation the gradients are quantized in each round's last backwar
 more on the compute per round and that pass out of ``T_q``; adaptive rounds quantize them in their job) and
 one more full buffer held (the error-feedback residual, in the comm dtype) plus a round's int8 values and one fp32
 chunk while it exchanges (``memory_model.compression_buffers``).
+
+With ``offload`` the rows of ``offload.CONTENDERS`` follow (the optimizer state in host memory: the host AdamW
+passes and the PCIe copies, ``acco_ds/plan/offload.py``), their ``host_memory_bytes`` set.
 """
 
 from __future__ import annotations
@@ -85,12 +88,19 @@ class PlanInputs:
     tokens_per_micro_batch: float | None = None
     gpu_memory: float | None = None  # bytes; None: no fit check
     block_size: int = 256  # compressed rounds: elements per int8 block (one fp32 scale each)
+    offload: bool = False  # add the optimizer-offload rows (acco_ds/plan/offload.py)
+    pcie_bw: float = 25e9  # bytes/s of one GPU's host copies, each direction (offload.PCIE_BW)
+    host_adam_bw: float = 38e9  # bytes/s of acco_ds's host AdamW per GPU (offload.HOST_ADAM_BW)
+    host_adam_bw_deepspeed: float = (
+        48e9  # bytes/s of DeepSpeedCPUAdam per GPU (offload.HOST_ADAM_BW_DEEPSPEED)
+    )
 
     def __post_init__(self) -> None:
         def bad(name, allowed):
             raise ValueError(f"PlanInputs.{name}={getattr(self, name)!r}: must be {allowed}")
 
-        for name in ("params", "t_micro_batch", "hbm_bw", "reduce_bucket"):
+        for name in ("params", "t_micro_batch", "hbm_bw", "reduce_bucket", "pcie_bw", "host_adam_bw",
+                     "host_adam_bw_deepspeed"):  # fmt: skip
             if not getattr(self, name) > 0:
                 bad(name, "> 0")
         for name in ("micro_batch", "gas", "nodes", "gpus_per_node", "tp", "block_size"):
@@ -108,6 +118,11 @@ class PlanInputs:
             )
         if self.accelerator not in ("gpu", "cpu"):
             bad("accelerator", "'gpu' or 'cpu'")
+        if self.offload and self.accelerator != "gpu":
+            bad(
+                "offload",
+                "False with accelerator='cpu' (a CPU rank's optimizer state is in host memory already)",
+            )
         if self.gpus_per_node // self.tp > 1 and not self.intra_bw > 0:
             bad("intra_bw", "> 0 when a node holds more than one data-parallel rank")
         if self.nodes > 1 and not self.inter_bw > 0:
@@ -140,6 +155,7 @@ class Row:
     exposed_comm_s: float | None = None  # per step, time the compute waits for communication
     fits: bool | None = None
     note: str = ""
+    host_memory_bytes: float | None = None  # offload rows: per GPU, what its process holds in host memory
 
 
 @dataclass
@@ -360,6 +376,8 @@ def predict(i: PlanInputs) -> Plan:
                 note=r.get("note", ""),
             )
         )
+    if i.offload:
+        _add_offload_rows(plan, i)
     if i.accelerator == "gpu":
         for r in plan.rows:
             if r.contender in COMPRESSED_CONTENDERS:
@@ -368,3 +386,29 @@ def predict(i: PlanInputs) -> Plan:
     for r in plan.rows:
         r.x_zero1 = r.samples_per_s / base if r.samples_per_s else None
     return plan
+
+
+def _add_offload_rows(plan: Plan, i: PlanInputs) -> None:
+    from acco_ds.plan import offload  # it builds on this module's primitives
+
+    d = plan.derived
+    d.update(offload.derived(i, d))
+    for name, r in offload.rows(i, d).items():
+        gpu, host = offload.memory(name, i, d)
+        per_param = memory_model.peak(gpu, cpu=False)
+        mem = per_param * d["params_per_gpu"]
+        plan.rows.append(
+            Row(
+                contender=name,
+                step_s=r["step"],
+                samples_per_s=d["dp_world"] * i.micro_batch * r["mbs"] / r["step"] if r["step"] else None,
+                micro_batches_per_step=r["mbs"],
+                memory_bytes=mem,
+                memory_bytes_per_param=per_param,
+                memory_held_bytes_per_param=memory_model.held(gpu),
+                exposed_comm_s=r["exposed"],
+                fits=None if i.gpu_memory is None else mem <= i.gpu_memory,
+                note=r["note"],
+                host_memory_bytes=memory_model.held(host) * d["params_per_gpu"],
+            )
+        )

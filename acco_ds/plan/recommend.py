@@ -16,6 +16,9 @@ paragraph with the figures) and ``alternative`` (or None). The rules (docs/PLAN.
    whose steps grow less. With ``--accelerator gpu`` the reason gives the figure and says why not
    (``GPU_COMPRESSION_NOTE``: the GPU path has run on one GPU only, never across ranks), and ``compression`` stays None.
 DPU is never recommended: it is the stale-gradient baseline ACCO corrects (docs/ALGORITHM.md).
+
+With ``inputs.offload`` the answer also holds ``offload`` (None, or the ``zero_optimization.offload_optimizer``
+section to add) and follows ``recommend_offload.with_offload``'s rules; without it, ``offload`` is None.
 """
 
 from __future__ import annotations
@@ -32,6 +35,15 @@ def _gib(b: float) -> str:
 
 
 def recommend(plan: Plan, i: PlanInputs) -> dict:
+    rec = _without_offload(plan, i) | {"offload": None}
+    if not i.offload:
+        return rec
+    from acco_ds.plan.recommend_offload import with_offload  # it builds on this module
+
+    return with_offload(plan, i, rec)
+
+
+def _without_offload(plan: Plan, i: PlanInputs) -> dict:
     d = plan.derived
     z1, z1o = plan.row("zero1"), plan.row("zero1-overlap")
     base = z1o if z1o.samples_per_s > z1.samples_per_s * (1 + 1e-9) else z1
