@@ -51,16 +51,24 @@ class Buffer:
     )
 
 
-def acco_held_bytes(mode: str, param_D: int, comm_D: int, world: int, padded_numel: int) -> dict:
-    """The bytes ``GroupBuffers.held_bytes()`` reports for one group of ``padded_numel`` elements."""
+def acco_held_bytes(
+    mode: str, param_D: int, comm_D: int, world: int, padded_numel: int, offloaded: bool = False
+) -> dict:
+    """The bytes ``GroupBuffers.held_bytes()`` reports for one group of ``padded_numel`` elements; ``offloaded``: the
+    optimizer state is in host memory (a GPU rank with optimizer offload), counted in ``host_shards``."""
     n, s = padded_numel, padded_numel // world
     overlapped = mode != "sync"
     if param_D == comm_D:
         full = (3 if overlapped else 2) * n * param_D
     else:
         full = (2 if overlapped else 1) * n * (param_D + comm_D)
-    shards = ADAM_SHARD * s + (comm_D * s if mode == "acco" else 0)
-    return {"full": full, "shards": shards}
+    tilde = comm_D * s if mode == "acco" else 0
+    state = ADAM_SHARD * s
+    return {
+        "full": full,
+        "shards": tilde + (0 if offloaded else state),
+        "host_shards": state if offloaded else 0,
+    }
 
 
 def _acco(mode: str, D: int, W: int, largest_frac: float, comm_D: int) -> List[Buffer]:

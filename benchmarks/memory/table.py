@@ -80,7 +80,7 @@ def analyse(results: dict) -> dict:
                     row["code_held"] = (held["full"] + held["shards"] + held.get("residuals", 0)) / n
                     mode = contender.removesuffix("-int8")
                     want = mm.acco_held_bytes(mode, D, D, W, held["padded_numel"])
-                    ok = want == {"full": held["full"], "shards": held["shards"]}
+                    ok = want == {k: held.get(k, 0) for k in ("full", "shards", "host_shards")}
                     if contender in mm.COMPRESSED:  # plus exactly one full buffer: the residual
                         ok = ok and held.get("residuals") == held["padded_numel"] * D
                     row["code_matches_formula"] = ok

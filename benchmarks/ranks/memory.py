@@ -119,7 +119,7 @@ def held_by_acco(engine) -> dict | None:
     pipe = getattr(engine.optimizer, "pipeline", None)
     if pipe is None or not all(hasattr(g, "held_bytes") for g in pipe.groups):
         return None
-    out = {"full": 0, "shards": 0, "padded_numel": 0, "numel": 0, "groups": []}
+    out = {"full": 0, "shards": 0, "host_shards": 0, "padded_numel": 0, "numel": 0, "groups": []}
     residuals = [r for r in getattr(pipe, "residuals", []) if r is not None]
     if residuals:  # compression's error-feedback residuals (one full buffer per group, comm dtype)
         out["residuals"] = sum(r.numel() * r.element_size() for r in residuals)
@@ -127,6 +127,7 @@ def held_by_acco(engine) -> dict | None:
         held = g.held_bytes()
         out["full"] += held["full"]
         out["shards"] += held["shards"]
+        out["host_shards"] += held.get("host_shards", 0)  # optimizer offload: the state in host memory
         out["padded_numel"] += g.layout.padded_numel
         out["numel"] += g.layout.numel
         out["groups"].append(

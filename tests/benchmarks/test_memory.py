@@ -53,6 +53,11 @@ def test_analytic_bytes_are_what_a_pipeline_holds(mode, param_dtype, comm):
                 mode, SIZE[param_dtype], SIZE[g.comm_dtype], 1, g.layout.padded_numel
             )
             assert g.held_bytes() == want, (mode, param_dtype, comm, g.held_bytes(), want)
+            # a GPU rank with optimizer offload: the 12 bytes of state per shard element counted on the host
+            away = memory_model.acco_held_bytes(
+                mode, SIZE[param_dtype], SIZE[g.comm_dtype], 1, g.layout.padded_numel, offloaded=True
+            )
+            assert away["host_shards"] == 12 * g.layout.shard_numel == want["shards"] - away["shards"]
     finally:
         pipe.close()
 
@@ -197,7 +202,7 @@ def test_quick_run_writes_table_json_plot(tmp_path):
     assert held["numel"] == case["params"]
     # the analytic formula is exactly what the launched pipeline held ...
     want = memory_model.acco_held_bytes("acco", 2, 2, 2, held["padded_numel"])
-    assert want == {"full": held["full"], "shards": held["shards"]}
+    assert want == {k: held[k] for k in ("full", "shards", "host_shards")}
     # ... and the table's analytic column is that, per parameter (padding < 32 elements)
     rows = {r["contender"]: r for r in memory_table.analyse(results)["rows"]}
     assert rows["acco"]["code_matches_formula"]
