@@ -24,6 +24,9 @@ class FakeEvent:
     def query(self):
         return self.complete
 
+    def synchronize(self):
+        self.log.append(("synchronize", self.stream.name, threading.get_ident()))
+
 
 class FakeStream:
     def __init__(self, name, log):
@@ -133,3 +136,40 @@ def test_jobs_run_in_order_and_a_failed_one_surfaces_in_wait(cuda):
         assert order == [1, 2]
     finally:
         ex.close()
+
+
+def test_an_offloaded_step_waits_on_the_worker_thread_for_the_side_streams_copies(cuda):
+    """Optimizer offload (``core.host_step.StreamCopies``): the host step's wait for its inputs is an event recorded
+    on the side stream and synchronized by the worker thread, before the step reads the staging buffers; the
+    training thread never synchronizes."""
+    from acco_ds.core.host_step import HostStep, OffloadSpec, StreamCopies
+
+    dev = torch.device("cuda", 0)
+    ex = comm.StreamExecutor(group=None, timeout_s=10.0, device=dev)
+    host = HostStep(1, dev, OffloadSpec(pin_memory=False), copies=StreamCopies(dev))
+    grad, out = torch.arange(6.0), torch.zeros(6)  # CPU tensors stand in for the job's device buffers
+    state = (torch.zeros(6), torch.zeros(6), torch.zeros(6))
+    seen = {}
+
+    def step(master, exp_avg, exp_avg_sq, *, out, grad):
+        cuda.log.append(("step",))
+        seen["grad"] = grad.clone()
+        out.copy_(grad * 2)
+
+    me = threading.get_ident()
+    try:
+        ticket = ex.launch("round 0", lambda: host.run(0, step, state, {"grad": grad}, out))
+        ex.wait(ticket)
+    finally:
+        ex.close()
+    worker = ex._thread.ident
+    side = [e for e in cuda.log if e[-1] == worker or e == ("step",)]
+    assert side == [
+        ("wait", "side", "compute", worker),
+        ("record", "side", worker),  # after the copies to the host, on the side stream
+        ("synchronize", "side", worker),  # the worker thread's wait, not the training thread's
+        ("step",),
+        ("record", "side", worker),  # the job's done event, after the copy back
+    ]
+    assert not any(e[0] == "synchronize" and e[-1] == me for e in cuda.log)
+    assert torch.equal(seen["grad"], grad) and torch.equal(out, grad * 2)
