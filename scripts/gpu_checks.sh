@@ -17,15 +17,18 @@
 # Results: one folder per run, RUN = <device>_<YYYY-MM-DD>_<short commit> (never an existing one: _2, _3, ...
 # appended), in $OUT (else $RESULTS_DIR, else /tmp/acco_ds_gpu_checks): RUN/gpu_checks.log (written as it runs),
 # RUN/summary.md (steps, freshness, goals, verdict) and RUN/details.tar.gz (run.json, steps.tsv, freshness.md,
-# pytest_gpu.xml and each step's JUnit and collected node ids, kernels_cuda.md/.json, gpu_overlap.md/.json): three
-# files, two folders down, as the device tool returns them (at most 8). A call stopped from outside leaves the
-# log and the loose files.
+# pytest_gpu.xml and each step's JUnit and collected node ids, kernels_cuda.md/.json, gpu_overlap.md/.json,
+# offload.md/.json): three files, two folders down, as the device tool returns them (at most 8). A call stopped
+# from outside leaves the log and the loose files.
 # Environment: PYTHON (default python3), BUNDLE_DIR (.gpu_bundle), GPU_CHECKS_BUDGET_S (total seconds, default 540),
 # ACCO_DS_CUDA_ARCHS (default: this GPU's), GPU_CHECKS_ONLY (names of the steps to run, space-separated; the others
 # are "not selected" and the verdict is NOT met), GPU_CHECKS_ORDER=static (the table's order, not freshness's),
 # GPU_CHECKS_SERIAL=1 (a group's steps one after another), BENCH_KERNELS_ARGS (default "--sizes 1e7,1e8 --reps 9
 # --no-deepspeed": the goals judge sizes >= 10M; DeepSpeed's FusedAdam anchor is built just in time, about a
-# minute), BENCH_OVERLAP_ARGS (default "--quick --steps 3 --factors 0,0.5,1,2").
+# minute), BENCH_OVERLAP_ARGS (default "--quick --steps 3 --factors 0,0.5,1,2"), BENCH_OFFLOAD_ARGS (more arguments of
+# python -m benchmarks.offload; its deadline is the step's limit less 15 s). The offload steps (tests and benchmark)
+# do not fit one call with the others (scripts/gpu_steps.py OWN_CALL): run them in a call of their own,
+# GPU_CHECKS_ONLY="versions gpu bundle install build offload bench_offload".
 # Exit status: 0 when every step passed and every goal is met, 3 without a usable GPU, 1 otherwise.
 set -uo pipefail
 SELF=$(cd "$(dirname "$0")" && pwd)/$(basename "$0")
@@ -55,7 +58,7 @@ run_step() {
   echo
   echo "=== $name (limit ${limit}s, $(date -Is))"
   local t0=$SECONDS rc
-  ACCO_GPU_STEP=$name timeout -s INT -k "$KILL_GRACE_S" "$limit" bash "$SELF" --step "$fn"
+  ACCO_GPU_STEP=$name ACCO_GPU_STEP_LIMIT_S=$limit timeout -s INT -k "$KILL_GRACE_S" "$limit" bash "$SELF" --step "$fn"
   rc=$?
   local dt=$((SECONDS - t0)) result word
   if ((rc == 0)); then
@@ -171,6 +174,7 @@ step_fused_sum() { pytest_step tests/gpu/test_quantized_sum_step_gpu.py; }
 step_fold_quantize() { pytest_step tests/gpu/test_fold_quantize_gpu.py; }
 step_pipeline() { pytest_step tests/gpu/test_pipeline_gpu.py; }
 step_stress() { pytest_step tests/gpu/test_stress_gpu.py; }
+step_offload() { pytest_step tests/gpu/test_offload_gpu.py; }
 step_bench_kernels() {
   # shellcheck disable=SC2086
   "$PY" -m benchmarks.kernels --device cuda --out-dir "$RUN_DIR" ${BENCH_KERNELS_ARGS:---sizes 1e7,1e8 --reps 9 --no-deepspeed}
@@ -178,6 +182,11 @@ step_bench_kernels() {
 step_overlap() {
   # shellcheck disable=SC2086
   "$PY" -m benchmarks.gpu_overlap --out "$RUN_DIR" ${BENCH_OVERLAP_ARGS:---quick --steps 3 --factors 0,0.5,1,2}
+}
+step_bench_offload() {  # DeepSpeedCPUAdam's JIT build (about a minute, the first time) is part of it
+  local deadline=$((${ACCO_GPU_STEP_LIMIT_S:-300} - 15))
+  # shellcheck disable=SC2086
+  "$PY" -m benchmarks.offload --out "$RUN_DIR" --deadline-s "$deadline" ${BENCH_OFFLOAD_ARGS:-}
 }
 
 if [ "${1:-}" = "--step" ]; then  # run_step's child: one step, in its own time limit

@@ -5,7 +5,8 @@
 
 ``goals`` reads what scripts/gpu_checks.sh wrote into RUN_DIR (steps.tsv: each step's limit, result and seconds;
 collected_STEP.txt: the node ids each test step collected; junit_STEP.xml; kernels_cuda.json from
-python -m benchmarks.kernels; gpu_overlap.json from python -m benchmarks.gpu_overlap) and states, per goal, the
+python -m benchmarks.kernels; gpu_overlap.json from python -m benchmarks.gpu_overlap; offload.json from
+python -m benchmarks.offload) and states, per goal, the
 measured figure and whether it meets the goal, then one verdict: ALL MET only when every row is met. A result that
 is missing is never met: a step of scripts/gpu_steps.py's table that is not in steps.tsv, was not selected, was
 skipped or timed out, a test collected but without a result, a benchmark whose step did not end ok, are NOT met.
@@ -19,7 +20,12 @@ skipped or timed out, a test collected but without a result, a benchmark whose s
 - the host never leaves the device without work inside acco's steps: on the kernel timeline of the profiled acco
   steps at every stand-in, no host gap of the compute stream over STALL_THRESHOLD_US (:func:`host_goal_met`;
   benchmarks/gpu_overlap/timeline.py defines a host gap); the host syncs per step (acco's round end waits for the
-  previous round's summary by design) and the share of steps the host started ahead are reported as diagnostics.
+  previous round's summary by design) and the share of steps the host started ahead are reported as diagnostics;
+- the offload benchmark's goals (docs/GPU.md section 7), judged from offload.json alone by
+  benchmarks/offload/goals.py (standard library only, loaded by its path): fixed ACCO + offload >= 1.4x ZeRO-Offload's
+  steps/s where the host step is 0.35-0.7x a step's compute; adaptive ACCO + offload >= 90% of the compute-only
+  samples/s where it is up to 1x, and >= ZenFlow's; the loss after the same samples within 2% of ZeRO-Offload's; no
+  fp32 master and no moments on the GPU; the host AdamW >= DeepSpeedCPUAdam's throughput; every contender ran.
 No torch import: runs anywhere.
 """
 
@@ -283,8 +289,31 @@ def overlap_goals(results: Path) -> list:
     ]
 
 
+def _offload_goals_module():
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "offload" / "goals.py"
+    spec = importlib.util.spec_from_file_location("offload_goals", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def offload_goals(results: Path) -> list:
+    """The offload benchmark's goals from offload.json (benchmarks/offload/goals.py's rows), each NOT met (no result)
+    when the bench_offload step did not end ok or the file is missing."""
+    og = _offload_goals_module()
+    path = results / "offload.json"
+    why = step_ended_ok(results, "bench_offload")
+    if why or not path.is_file():
+        why = why or "offload.json missing"
+        return [_row(f"offload: {goal}", why, None) for goal in og.GOALS]
+    rows = og.judge(json.loads(path.read_text()))
+    return [_row(f"offload: {r['goal']}", r["figure"].replace("|", "/"), r["met"]) for r in rows]
+
+
 def goal_rows(results: Path) -> list:
-    return [tests_goal(results), *kernel_goals(results), *overlap_goals(results)]
+    return [tests_goal(results), *kernel_goals(results), *overlap_goals(results), *offload_goals(results)]
 
 
 def all_met(rows) -> bool:

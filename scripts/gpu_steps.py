@@ -9,7 +9,14 @@ Run order (:func:`run_order`): the set-up steps, then the units (a group of step
 alone) whose code or tests changed since their last GPU pass, then the others, each part in the table's order.
 The steps of the group ``kernel_tests`` run at the same time (one pytest process each, on the one GPU): they are
 correctness tests whose time is mostly Triton compilation on the host's CPU cores; the timing steps
-(bench_kernels, overlap) and the multi-process ones (pipeline, stress) run alone. A group lasts as long as its
+(bench_kernels, overlap, bench_offload) and the multi-process ones (pipeline, stress, offload) run alone.
+
+The budget: the units of ``OWN_CALL`` (the offload tests and the offload benchmark) do not fit one call with the
+others; each call's units add up to at most the budget minus BUDGET_MARGIN_S (:func:`call_limits`): ``checks`` the
+set-up and every other unit, ``offload`` the set-up and ``OWN_CALL``'s
+(``GPU_CHECKS_ONLY="versions gpu bundle install build offload bench_offload"``). In a full run they come last in
+the table, so they never displace the others: they get what the others leave (the benchmark then skips the
+contenders that would not fit, and its step is not ok). A group lasts as long as its
 longest step, so its steps share one limit: the longest estimate among them (adamw_difference's), rounded up; each
 step's basis still states its own estimate.
 
@@ -39,6 +46,9 @@ PYTEST_OVERHEAD_S = 5
 """A pytest step's start: torch's import and the collection (the committed runs: step seconds minus the suite's
 time, 3-5 s)."""
 SETUP = ("versions", "gpu", "bundle", "install", "build")
+OWN_CALL = ("offload", "bench_offload")
+"""Units that run in a call of their own, together, with the set-up: their limits and the others' do not fit one
+budget."""
 
 TRITON = "acco_ds/ops/triton_kernels/"
 CUDA_ADAMW = "csrc/"
@@ -49,9 +59,11 @@ CORE_GPU = (
     "acco_ds/core/round_job.py",
     "acco_ds/core/phase_clock.py",
     "acco_ds/core/fused_round_end.py",
+    "acco_ds/core/host_step.py",
 )
 """The CUDA parts of acco_ds/core: the side-stream executor, the pipeline and round job that order the streams with
-events, the phase clock's CUDA events, the fused round end's gradient hooks on the compute stream."""
+events, the phase clock's CUDA events, the fused round end's gradient hooks on the compute stream, the offloaded
+step's copies to and from the host on the side stream (host_step.py)."""
 
 
 @dataclass(frozen=True)
@@ -107,6 +119,15 @@ STEPS = (
     Step("overlap", 50, "step_overlap", code=CORE_GPU, basis="45 s at most (h200/fourth_full)"),
     Step("stress", 120, "step_stress", tests=("tests/gpu/test_stress_gpu.py",), code=CORE_GPU,
          basis="115 s at most (stress_rerun: 13 tests, 8.1 s each)"),
+    Step("offload", 60, "step_offload", tests=("tests/gpu/test_offload_gpu.py",), code=CORE_GPU,
+         basis="never run on a GPU: one launch at W = 1 (NCCL) of 8 toy scenarios of 6 steps (4 modes with and "
+               "without offload); the pipeline step's 2.18 s per test (H100 second run) x 8 + the launch's 15 s: "
+               "33 s"),
+    Step("bench_offload", 300, "step_bench_offload", code=CORE_GPU,
+         basis="never run on a GPU: estimated 240 s (docs/GPU.md section 7): DeepSpeedCPUAdam's JIT build about 60 s, "
+               "six contender processes of about 15 s start-up (imports, NCCL, 0.95B model, pinned host state) plus "
+               "9 optimizer steps each (1.0-1.2 s a step for ZeRO-Offload, 0.6-0.8 s the others) and a profile; "
+               "the benchmark gets the limit as its deadline and skips the contenders that would not fit"),
 )  # fmt: skip
 
 
@@ -126,9 +147,18 @@ def unit_limit(steps) -> int:
     return max(s.limit for s in steps)
 
 
-def total_limit() -> int:
-    """The units' limits added up: the longest a run can take before the goals (a group counts its longest)."""
-    return sum(unit_limit(steps) for _, steps in units())
+def total_limit(leave_out=OWN_CALL) -> int:
+    """The units' limits added up, those of ``leave_out`` left out: the longest a run of the others can take before
+    the goals (a group counts its longest)."""
+    return sum(unit_limit(steps) for name, steps in units() if name not in leave_out)
+
+
+def call_limits() -> dict:
+    """{call: its units' limits added up}: ``checks`` (the set-up and every unit but ``OWN_CALL``'s) and ``offload``
+    (the set-up and ``OWN_CALL``'s units): each must fit the budget minus BUDGET_MARGIN_S."""
+    setup = sum(unit_limit(steps) for name, steps in units() if name in SETUP)
+    own = sum(unit_limit(steps) for name, steps in units() if name in OWN_CALL)
+    return {"checks": total_limit(), "offload": setup + own}
 
 
 def run_order(stale_units=()) -> list:
@@ -200,7 +230,8 @@ def main(argv) -> int:
         return 0
     if argv == ["estimate"]:
         rates, collected = measured_rates(), collect_counts(test_files())
-        print(f"units add up to {total_limit()} s of the {BUDGET_S} s budget (margin {BUDGET_MARGIN_S} s)")
+        print(f"units add up to {total_limit(())} s, {total_limit()} s without {', '.join(OWN_CALL)}, of the "
+              f"{BUDGET_S} s budget (margin {BUDGET_MARGIN_S} s); per call: {call_limits()}")  # fmt: skip
         for s in STEPS:
             e = estimate(s, rates, collected) if s.tests else None
             n = sum(collected.get(f, 0) for f in s.tests)

@@ -100,11 +100,27 @@ def test_steps_fit_one_call_in_the_order_the_verdicts_need():
     assert gpu_steps.BUDGET_S <= 540
     total = gpu_steps.total_limit()
     assert total <= gpu_steps.BUDGET_S - gpu_steps.BUDGET_MARGIN_S, f"the units' limits add up to {total} s"
+    # the offload tests and benchmark, too long to share a call with the others, fit one of their own with the set-up
+    calls = gpu_steps.call_limits()
+    assert set(calls) == {"checks", "offload"}
+    for call, limit in calls.items():
+        assert limit <= gpu_steps.BUDGET_S - gpu_steps.BUDGET_MARGIN_S, (
+            f"call {call}: limits add up to {limit} s"
+        )
+    assert (
+        gpu_steps.total_limit(()) > gpu_steps.BUDGET_S
+    )  # the whole table does not fit one call: hence OWN_CALL
     order = [s.name for s in gpu_steps.run_order()]
     assert order[:5] == list(gpu_steps.SETUP)
     pos = {n: i for i, n in enumerate(order)}
     assert max(pos["kernels"], pos["bench_kernels"]) < min(pos["pipeline"], pos["overlap"], pos["stress"])
-    assert order[-1] == "stress"
+    # the offload call's units last: they displace none of the others
+    assert order[-3:] == ["stress", "offload", "bench_offload"]
+    # stale with the others, they still come after them (the table's order among stale units)
+    assert [s.name for s in gpu_steps.run_order(["bench_offload", "stress"])][5:7] == [
+        "stress",
+        "bench_offload",
+    ]
     # stale units first, the set-up always before them, each part in the table's order
     order = [s.name for s in gpu_steps.run_order(["stress", "overlap"])]
     assert order[:5] == list(gpu_steps.SETUP) and order[5:7] == ["overlap", "stress"]
@@ -275,7 +291,10 @@ def test_benchmark_steps_that_did_not_end_ok_are_not_met(tmp_path):
 
 
 def test_kernel_and_overlap_goals(tmp_path):
-    assert gpu_goals.goals(tmp_path).count("| NOT met (no result) |") == 5  # nothing measured: nothing is met
+    offload_rows = len(gpu_goals.offload_goals(tmp_path))
+    assert offload_rows == 7
+    # nothing measured: nothing is met
+    assert gpu_goals.goals(tmp_path).count("| NOT met (no result) |") == 5 + offload_rows
     n = 100_000_000
     copy_gbs = 3000.0
     kernels = {
