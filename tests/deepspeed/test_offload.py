@@ -2,7 +2,8 @@
 
 The ranks run with ``ACCO_DS_HOST_STEP_STAGING=1``: the offloaded runs take the path a GPU rank takes
 (``core.host_step``: the step's inputs copied into host staging buffers by a copy thread, the state stepped there, the
-new parameters copied back before the all-gather) instead of stepping the CPU rank's state in place. The CPU and
+new parameters copied back before the all-gather) instead of stepping the CPU rank's state in place; each copy comes
+5 ms late (``ACCO_DS_HOST_COPY_DELAY_S``). The CPU and
 CUDA kernels share one math, so every mode with offload gives the bits of the same mode without it (parameters, both
 moments, the norm), compressed rounds included; and ``sync`` with it ends where DeepSpeed's
 ZeRO-1 with it ends (DeepSpeed then steps with DeepSpeedCPUAdam), within the two AdamW implementations' rounding,
@@ -14,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from acco_ds.core.host_step import STAGING_ENV
+from acco_ds.core.host_step import COPY_DELAY_ENV, STAGING_ENV
 from tests.core import test_fp16_trajectories as fp16
 from tests.core.test_trajectories import LR, WD, acco_opt, assert_sync_matches_zero1, ds_config
 from tests.ranks.launch import run_scenarios
@@ -89,7 +90,8 @@ def scenarios(world: int) -> list:
 def run(request, tmp_path_factory):
     world = request.param
     tmp = tmp_path_factory.mktemp(f"offload_w{world}")
-    return world, run_scenarios(world, scenarios(world), tmp, **{STAGING_ENV: "1"})
+    # every staging copy 5 ms late: a step that did not wait for its inputs would read stale buffers
+    return world, run_scenarios(world, scenarios(world), tmp, **{STAGING_ENV: "1", COPY_DELAY_ENV: "0.005"})
 
 
 @pytest.mark.parametrize("name", list(PAIRS))
