@@ -1,7 +1,9 @@
 // CPU launcher of the fused AdamW (commit / peek / noop).
 //
 // Loops are plain element loops over acco::adamw_update (adamw_math.h) that the compiler vectorises, compiled
-// once per instruction-set variant (csrc/common/cpu.h; the best the running CPU supports is used). Threads:
+// once per instruction-set variant (csrc/common/cpu.h; the best the running CPU supports is used); the AVX2
+// variant runs the steps with bf16 `out` (fp32 or bf16 gradient) as adamw_range_avx2_bf16 instead, the same
+// operations written with intrinsics and software-pipelined (adamw_cpu_range.h), the same bits. Threads:
 // OpenMP, at most `num_threads` (the caller passes torch.get_num_threads()), and fewer for small inputs.
 // Built with -ffp-contract=off and without -ffast-math: IEEE fp32 operations in adamw_update's order, so
 // results do not depend on the ISA picked.
@@ -9,6 +11,7 @@
 #include <stdint.h>
 
 #include <algorithm>
+#include <type_traits>
 
 #include "adamw/adamw_cpu_range.h"
 #include "adamw/adamw_launch.h"
@@ -33,6 +36,13 @@ void cast_range_base(const AdamWKernelArgs& a, float s, int64_t b, int64_t e, bo
 #if ACCO_HAVE_ISA_VARIANTS
 template <typename G, typename O, bool COMMIT, bool HAS_OUT>
 ACCO_TARGET_AVX2 void adamw_range_avx2(const AdamWKernelArgs& a, float s, int64_t b, int64_t e, bool st) {
+#if ACCO_HAVE_AVX2_ADAMW
+  // bf16 out from an fp32 or bf16 gradient: the intrinsics' software-pipelined loop (adamw_cpu_range.h), same bits
+  if constexpr (HAS_OUT && std::is_same_v<O, uint16_t> && (std::is_same_v<G, float> || std::is_same_v<G, uint16_t>)) {
+    adamw_range_avx2_bf16<G, COMMIT>(a, s, b, e, st);
+    return;
+  }
+#endif
   adamw_range_impl<G, O, COMMIT, HAS_OUT>(a, s, b, e, st);
 }
 template <typename G, typename O, bool COMMIT, bool HAS_OUT>
