@@ -90,9 +90,9 @@ class PlanInputs:
     block_size: int = 256  # compressed rounds: elements per int8 block (one fp32 scale each)
     offload: bool = False  # add the optimizer-offload rows (acco_ds/plan/offload.py)
     pcie_bw: float = 25e9  # bytes/s of one GPU's host copies, each direction (offload.PCIE_BW)
-    host_adam_bw: float = 38e9  # bytes/s of acco_ds's host AdamW per GPU (offload.HOST_ADAM_BW)
+    host_adam_bw: float = 49e9  # bytes/s of acco_ds's host AdamW per GPU (offload.HOST_ADAM_BW)
     host_adam_bw_deepspeed: float = (
-        48e9  # bytes/s of DeepSpeedCPUAdam per GPU (offload.HOST_ADAM_BW_DEEPSPEED)
+        47e9  # bytes/s of DeepSpeedCPUAdam per GPU (offload.HOST_ADAM_BW_DEEPSPEED)
     )
 
     def __post_init__(self) -> None:

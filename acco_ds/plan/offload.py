@@ -31,12 +31,14 @@ PCIE_BW = 25e9
 """Default bytes/s of one GPU's host copies, each direction: a PCIe 4.0 x16 link (32 GB/s raw) moves about
 25 GB/s between pinned host memory and the GPU; PCIe 5.0 x16 about twice that. An assumption: measure yours
 (``nvbandwidth``, or a timed ``tensor.to("cuda", non_blocking=True)`` from pinned memory) and pass ``--pcie-bw``."""
-HOST_ADAM_BW = 38e9
-"""Default bytes/s of acco_ds's C++ AdamW on the host: its commit at 100M parameters, 28 B each in 73.1 ms, on the
-2 cores of this project's machine (``python -m benchmarks.kernels --threads 2 --sizes 1e7,1e8``,
-benchmarks/results/kernels/host_2threads). The peek measured 47.7 ms there where 16 B at this rate is 42 ms."""
-HOST_ADAM_BW_DEEPSPEED = 48e9
-"""Default bytes/s of DeepSpeedCPUAdam: 28 B per parameter in 58.3 ms at 100M parameters in the same run."""
+HOST_ADAM_BW = 49e9
+"""Default bytes/s of acco_ds's C++ AdamW on the host: its commit at 100M parameters, 28 B each in 57.006 ms
+(49.1 GB/s, rounded to 49), on the 2 cores of this project's machine (``python -m benchmarks.kernels --threads 2
+--sizes 1e7,1e8``, benchmarks/results/kernels/host_2threads, the host rows' medians over 61 interleaved rounds). The
+peek measured 45.157 ms there where 16 B at this rate is 32.7 ms: the model's peek is about 28% too short."""
+HOST_ADAM_BW_DEEPSPEED = 47e9
+"""Default bytes/s of DeepSpeedCPUAdam: 28 B per parameter in 59.511 ms at 100M parameters in the same run
+(47.0 GB/s, rounded to 47)."""
 DEEPSPEED_D2H_BYTES = 4
 """DeepSpeed 0.19.8 casts the gradient partition to fp32 on the GPU before copying it to the host
 (``async_inplace_copy_grad_to_fp32_buffer_from_gpu``)."""

@@ -171,10 +171,11 @@ def test_gpu_and_host_memory():
 
 
 # -- the recommendation ----------------------------------------------------------------------------
-# One GPU, 1e9 bf16 parameters, the defaults (PCIe 25 GB/s, host AdamW 38 / 48 GB/s): without offload ZeRO-1
+# One GPU, 1e9 bf16 parameters, the defaults (PCIe 25 GB/s, host AdamW 49 / 47 GB/s): without offload ZeRO-1
 # holds 17 B per parameter (15.8 GiB), ACCO 22 B; with offload ACCO 10 B (9.3 GiB: 3 full buffers, the g~ shard and
-# the reduce-scatter's receive shard), ZeRO-Offload 5 B (4.7 GiB). The commit's job: 0.08 + 28e9 / 38e9 + 0.08 =
-# 0.897 s, the peek's 0.08 + 16e9 / 38e9 + 0.08 = 0.581 s.
+# the reduce-scatter's receive shard), ZeRO-Offload 5 B (4.7 GiB). The commit's job: 0.08 + 28e9 / 49e9 + 0.08 =
+# 0.08 + 0.5714 + 0.08 = 0.731 s, the peek's 0.08 + 16e9 / 49e9 + 0.08 = 0.08 + 0.3265 + 0.08 = 0.487 s.
+# ZeRO-Offload's serial part: 4e9 / 25e9 + 34e9 / 47e9 + 0.08 = 0.16 + 0.7234 + 0.08 = 0.963 s.
 def _rec(**kw):
     i = PlanInputs(
         **{"params": 1e9, "t_micro_batch": 0.25, "micro_batch": 1, "gas": 8, "gpus_per_node": 1, "offload": True,
@@ -185,40 +186,43 @@ def _rec(**kw):
 
 def test_no_offload_where_the_model_states_fit():
     r = _rec(gpu_memory=80 * GIB)  # compute-bound: neither ACCO nor ACCO with offload gains 5% over ZeRO-1
+    # t_c = 8 x 0.25 = 2 s; fixed ACCO with offload hides both jobs (0.487, 0.731 s <= 1 s): 2.0 s a step, against
+    # ZeRO-1's 2.02 s (its 20 ms exposed, which the host figures do not touch): 2.02 / 2.0 = 1.010, a 1.0% gain
     assert r["offload"] is None and r["mode"].startswith("zero1")
     assert "No optimizer offload: the model states fit without offload (zero1: 15.8 GiB" in r["reason"]
     assert "the best with offload, acco-offload, would gain 1.0% samples/s, below the 5%" in r["reason"]
-    # ACCO fits and hides its round; offload only costs: adaptive rounds of ceil(0.581 / 0.01) + ceil(0.897 / 0.01)
+    # ACCO fits and hides its round; offload only costs: adaptive rounds of ceil(0.487 / 0.01) + ceil(0.731 / 0.01)
+    # = ceil(48.65) + ceil(73.14) = 49 + 74 = 123 micro-batches, at 1 / 0.01 = 100 samples/s as without offload
     r = _rec(gpu_memory=80 * GIB, t_micro_batch=0.01)
     assert (r["mode"], r["offload"]) == ("acco", None)
     assert "offload only adds the copies and the host passes" in r["reason"]
     assert (
-        "acco-adaptive-offload, 100.0 samples/s: 1.00x, with steps of about 149 micro-batches" in r["reason"]
+        "acco-adaptive-offload, 100.0 samples/s: 1.00x, with steps of about 123 micro-batches" in r["reason"]
     )
     r = _rec()  # no --gpu-memory: nothing to decide on, so no offload, and the reason says why
     assert r["offload"] is None and "without --gpu-memory the plan cannot tell" in r["reason"]
 
 
 def test_offload_with_fixed_acco_where_a_round_hides_the_host_work():
-    r = _rec(gpu_memory=10 * GIB)  # the commit's job 0.897 s <= half of t_c = 2 s
+    r = _rec(gpu_memory=10 * GIB)  # the commit's job 0.731 s <= half of t_c = 2 s
     assert (r["mode"], r["accumulation"], r["gas"]) == ("acco", "fixed", 8)
     assert r["offload"] == {"device": "cpu", "pin_memory": True}
     assert "Without offload zero1 needs 15.8 GiB per GPU, more than --gpu-memory 10.0 GiB" in r["reason"]
     assert "fits in half a step's compute (1000.0 ms)" in r["reason"]
-    assert "1.47x ZeRO-Offload's" in r["reason"]  # (2 + 0.948) / 2
+    assert "1.48x ZeRO-Offload's" in r["reason"]  # (2 + 0.963) / 2 = 1.4817
 
 
 def test_offload_with_adaptive_acco_where_the_host_step_outlasts_the_compute():
-    r = _rec(gpu_memory=10 * GIB, t_micro_batch=0.05)  # t_c = 0.4 s against a 0.897 s job
+    r = _rec(gpu_memory=10 * GIB, t_micro_batch=0.05)  # t_c = 0.4 s against a 0.731 s job
     assert (r["mode"], r["accumulation"]) == ("acco", "adaptive") and r["offload"]
     assert "is longer than half a step's compute (200.0 ms)" in r["reason"]
-    # rounds of ceil(0.581 / 0.05) + ceil(0.897 / 0.05) micro-batches
-    assert "steps of about 30 micro-batches per GPU instead of 8" in r["reason"]
-    assert "--gas 36" in r["alternative"]  # 2 x ceil(0.897 / 0.05)
+    # rounds of ceil(0.487 / 0.05) + ceil(0.731 / 0.05) = ceil(9.73) + ceil(14.63) = 10 + 15 micro-batches
+    assert "steps of about 25 micro-batches per GPU instead of 8" in r["reason"]
+    assert "--gas 30" in r["alternative"]  # 2 x ceil(0.731 / 0.05) = 2 x 15
 
 
 def test_offload_with_zero1_where_acco_does_not_pay_or_does_not_fit():
-    r = _rec(gpu_memory=10 * GIB, t_micro_batch=20.0)  # the host work is 0.6% of a step
+    r = _rec(gpu_memory=10 * GIB, t_micro_batch=20.0)  # the host work is 0.6% of a step: 0.963 / 160.963
     assert (r["mode"], r["accumulation"]) == ("zero1", None) and r["offload"]
     assert "below the 5% worth a switch" in r["reason"]
     r = _rec(gpu_memory=6 * GIB)  # ZeRO-Offload (4.7 GiB) fits, ACCO with offload (9.3 GiB) does not
@@ -236,7 +240,8 @@ def test_nothing_fits_even_offloaded():
 def test_acco_with_offload_over_a_fitting_deepspeed_whose_communication_is_exposed():
     """8 ranks at 10 GB/s, a bucket of the whole model: ZeRO-1 (7.5 B per parameter, 7.0 GiB) fits in 7.2 GiB and
     waits 0.53 s a step for its collectives; ACCO does not fit (8 B), ACCO with offload does (6.5 B) and hides its
-    job (0.46 s) behind half a step (0.5 s)."""
+    job behind half a step (0.5 s): each collective 7/8 x 2e9 / 10e9 = 0.175 s, the copies 2 x 1.25e8 / 25e9 =
+    0.01 s each, the commit 28 x 1.25e8 / 49e9 = 0.071 s: 0.175 + 0.01 + 0.071 + 0.01 + 0.175 = 0.44 s."""
     r = _rec(gpus_per_node=8, intra_bw=10e9, gas=4, reduce_bucket=1e9, gpu_memory=7.2 * GIB)
     assert (r["mode"], r["accumulation"]) == ("acco", "fixed") and r["offload"]
     assert r["reason"].startswith("zero1 fits (7.0 GiB per GPU) but waits for its communication")
@@ -283,9 +288,11 @@ def test_cli_output_and_json(capsys, tmp_path):
     assert cli.main(argv) == 0
     text = capsys.readouterr().out
     assert (
-        "offload (*-offload rows): PCIe 20 GB/s, host AdamW 38 GB/s (acco_ds) / 48 GB/s (DeepSpeedCPUAdam)"
+        "offload (*-offload rows): PCIe 20 GB/s, host AdamW 49 GB/s (acco_ds) / 47 GB/s (DeepSpeedCPUAdam)"
         in text
     )
+    # t_c = 8 x 0.25 = 2 s; the commit's job 2e9 / 20e9 + 28e9 / 49e9 + 2e9 / 20e9 = 0.1 + 0.571 + 0.1 = 0.771 s <=
+    # 1 s: fixed ACCO's step is the compute's; host memory (12 + 2 + 2) x 1e9 B / 2^30 = 14.90 GiB
     assert "| acco-offload | 2000.0 |" in text and "host memory 14.90 GiB |" in text
     assert "recommendation: acco, fixed accumulation, GAS 8, optimizer offloaded to the host" in text
     assert 'add to zero_optimization: "offload_optimizer": {"device": "cpu", "pin_memory": true}' in text
