@@ -70,7 +70,7 @@ matmul measured here (the device tool's KINDS.md); the gpu_overlap runs on H200s
 matmuls than these sizes). A prediction only: the run measures the micro-batch."""
 ASSUMED_HOST_BW = 80e9
 """Bytes/s DeepSpeedCPUAdam streams on the 16 host cores of the lent H200 machine (an Intel Xeon VM): an assumption
-between the 38-48 GB/s two cores of this project's EPYC measured (docs/OFFLOAD.md) and a socket's DDR5 bandwidth
+between the 47-49 GB/s two cores of this project's EPYC measured (docs/OFFLOAD.md) and a socket's DDR5 bandwidth
 shared by other tenants. The run measures it (the host rows)."""
 ASSUMED_PCIE_BW = 40e9
 """Bytes/s of a pinned host <-> H200 copy each way (PCIe 5.0 x16: 64 GB/s raw)."""
