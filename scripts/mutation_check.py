@@ -88,8 +88,8 @@ MUTANTS = [
         "M05",
         "the peek writes the optimizer state",
         "acco_ds/core/round_job.py",
-        "commit=job is Job.COMMIT,",
-        "commit=True,",
+        "        commit = job is Job.COMMIT\n",
+        "        commit = True\n",
         tuple(TRAJ),
     ),
     Mutant(
