@@ -60,7 +60,8 @@ def offloaded(cfg: dict) -> dict:
     return {**cfg, "zero_optimization": OFFLOAD}
 
 
-def scenarios(world: int) -> list:
+def pair_scenarios() -> list:
+    """Each of PAIRS twice: without the offload section (``name``) and with it (``name_off``)."""
     out = []
     for name, (opt, dtype, clip) in PAIRS.items():
         cfg = ds_config(opt, dtype, clip)
@@ -68,6 +69,11 @@ def scenarios(world: int) -> list:
             {"name": name, "steps": STEPS, "config": cfg},
             {"name": f"{name}_off", "steps": STEPS, "config": offloaded(cfg)},
         ]
+    return out
+
+
+def scenarios(world: int) -> list:
+    out = pair_scenarios()
     for name, (dtype, clip) in AGAINST_ZERO1.items():
         out += [
             {"name": f"zero1_{name}_off", "steps": STEPS, "config": offloaded(ds_config(ZERO1, dtype, clip))},

@@ -8,8 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.core.test_trajectories import ds_config
-from tests.deepspeed.test_offload import PAIRS, STEPS, offloaded
+from tests.deepspeed.test_offload import PAIRS, pair_scenarios
 from tests.ranks.launch import run_scenarios
 
 pytestmark = [
@@ -22,13 +21,7 @@ pytestmark = [
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     world = min(torch.cuda.device_count(), 2)
-    plans = []
-    for name, (opt, dtype, clip) in PAIRS.items():
-        cfg = ds_config(opt, dtype, clip)
-        plans += [
-            {"name": name, "steps": STEPS, "config": cfg},
-            {"name": f"{name}_off", "steps": STEPS, "config": offloaded(cfg)},
-        ]
+    plans = pair_scenarios()
     return world, run_scenarios(world, plans, tmp_path_factory.mktemp("gpu_offload"), backend="nccl")
 
 

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from acco_ds.plan import cli, memory_model, offload
 from acco_ds.plan.model import PlanInputs, predict
 from acco_ds.plan.recommend import recommend
+from tests.plan.test_plan import _exit2
 
 GIB = 2**30
 BASE = ["--params", "1B", "--gpus-per-node", "1", "--t-micro-batch", "250ms", "--gas", "8"]
@@ -248,13 +249,6 @@ def test_acco_with_offload_over_a_fitting_deepspeed_whose_communication_is_expos
 
 
 # -- the CLI ---------------------------------------------------------------------------------------
-def _exit2(capsys, argv):
-    with pytest.raises(SystemExit) as exc:
-        cli.main(argv)
-    assert exc.value.code == 2
-    return capsys.readouterr().err
-
-
 @pytest.mark.parametrize(
     "argv,says",
     [
