@@ -17,7 +17,10 @@ One interface, two implementations, one thread each:
   kernels. ``wait`` makes the compute stream wait on the ``done`` event; the host waits only while
   the worker thread has not finished enqueueing the job (it had a round of compute for it).
   ``done`` queries the event. Jobs must not read device values on the host (no ``.item()``):
-  scales and skip flags stay on the device.
+  scales and skip flags stay on the device. The class takes the ``torch.cuda``-like module it runs on:
+  with ``ACCO_DS_EMULATED_STREAM_EXECUTOR=1`` CPU ranks run it on ``core.emulated_stream.EmulatedCuda``
+  (a CPU test mode: events on the side stream complete late, stream waits block the calling thread;
+  that module's docstring says which CUDA-only parts it covers and which it does not).
 
 Jobs are plain callables; their return value is handed back by ``wait``.
 
@@ -40,6 +43,8 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+
+from acco_ds.core import emulated_stream
 
 
 def reduce_scatter_single(
@@ -211,25 +216,34 @@ class ThreadExecutor:
 class StreamExecutor(ThreadExecutor):
     """The worker thread enqueues each job on a side CUDA stream, ordered against the compute stream by events
     (module docstring). NCCL collectives do not fail on the host: a lost peer ends in NCCL's watchdog after the
-    group's timeout, comm_timeout_s; a job that raised while being enqueued surfaces in ``wait``."""
+    group's timeout, comm_timeout_s; a job that raised while being enqueued surfaces in ``wait``.
 
-    def __init__(self, group, timeout_s: float, device: torch.device, monitor=None):
+    ``cuda``: the ``torch.cuda``-like module the streams and events come from (default ``torch.cuda``; CPU ranks in
+    the emulated test mode: ``core.emulated_stream.EmulatedCuda``). Threads and streams: ``launch`` runs on the
+    training thread and records ``ticket.ready`` on its current stream (the compute stream); ``_run`` runs on the
+    worker thread with the side stream current there, which waits on ``ready`` before the job and records
+    ``ticket.cuda_done`` after it; ``wait`` (training thread) makes the compute stream wait on ``cuda_done``, so the
+    compute side touches the job's buffers only after it; ``done`` never blocks. A ticket without ``cuda_done``
+    (a job restored as finished, on a CPU rank) needs no stream wait."""
+
+    def __init__(self, group, timeout_s: float, device: torch.device, monitor=None, cuda=None):
         self.device = device
+        self.cuda = torch.cuda if cuda is None else cuda
         # torch maps a priority beyond the device's range to its highest: the round's NCCL kernels then
         # start as soon as their inputs are ready instead of queueing behind the compute stream's kernels
-        self.stream = torch.cuda.Stream(device=device, priority=SIDE_STREAM_PRIORITY)
+        self.stream = self.cuda.Stream(device=device, priority=SIDE_STREAM_PRIORITY)
         super().__init__(group, timeout_s, monitor)
 
     def _before_launch(self, ticket: Ticket) -> None:
-        ticket.ready = torch.cuda.Event()
-        ticket.ready.record(torch.cuda.current_stream(self.device))
+        ticket.ready = self.cuda.Event()
+        ticket.ready.record(self.cuda.current_stream(self.device))
 
     def _run(self, ticket: Ticket, job: Callable[[], Any]) -> Any:
         # the current device and stream are the thread's own: set both here, for every job
-        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+        with self.cuda.device(self.device), self.cuda.stream(self.stream):
             self.stream.wait_event(ticket.ready)
             result = job()
-            done = torch.cuda.Event()
+            done = self.cuda.Event()
             done.record(self.stream)
             ticket.cuda_done = done
         return result
@@ -241,7 +255,8 @@ class StreamExecutor(ThreadExecutor):
 
     def wait(self, ticket: Ticket) -> Any:
         self._wait_host(ticket)
-        torch.cuda.current_stream(self.device).wait_event(ticket.cuda_done)
+        if ticket.cuda_done is not None:
+            self.cuda.current_stream(self.device).wait_event(ticket.cuda_done)
         return ticket.result
 
 
@@ -293,7 +308,12 @@ def new_subgroup(group, backend: str, timeout_s: float):
 
 def make_executor(device: torch.device, timeout_s: float, group=None):
     """A dedicated process group over all ranks of ``group`` (default: WORLD) and the executor for
-    ``device``. Collective: every rank calls it at the same point."""
+    ``device``: ``StreamExecutor`` on CUDA; on CPU ``ThreadExecutor``, or with
+    ``ACCO_DS_EMULATED_STREAM_EXECUTOR=1`` ``StreamExecutor`` on ``core.emulated_stream.EmulatedCuda`` (its delay
+    from ``ACCO_DS_EMULATED_STREAM_DELAY_S``). Collective: every rank calls it at the same point."""
+    emulated = None  # read before anything starts: a bad delay raises with no thread running
+    if device.type == "cpu" and emulated_stream.enabled():
+        emulated = emulated_stream.EmulatedCuda.from_env()
     comm_group = new_subgroup(group, "nccl" if device.type == "cuda" else "gloo", timeout_s)
     from acco_ds.core.liveness import PeerMonitor, heartbeat_interval
 
@@ -306,6 +326,8 @@ def make_executor(device: torch.device, timeout_s: float, group=None):
     monitor.start()
     if device.type == "cuda":
         return StreamExecutor(comm_group, timeout_s, device, monitor)
+    if emulated is not None:
+        return StreamExecutor(comm_group, timeout_s, device, monitor, cuda=emulated)
     return ThreadExecutor(comm_group, timeout_s, monitor)
 
 

@@ -173,3 +173,22 @@ def test_an_offloaded_step_waits_on_the_worker_thread_for_the_side_streams_copie
     ]
     assert not any(e[0] == "synchronize" and e[-1] == me for e in cuda.log)
     assert torch.equal(seen["grad"], grad) and torch.equal(out, grad * 2)
+
+
+def test_the_cuda_module_is_the_executors_argument(monkeypatch):
+    """``StreamExecutor(cuda=...)`` takes its streams and events from that module alone (the CPU test mode passes
+    ``core.emulated_stream.EmulatedCuda``): ``torch.cuda`` is not touched."""
+
+    def untouchable(*args, **kwargs):
+        raise AssertionError("torch.cuda used although the executor was given its own cuda module")
+
+    for name in ("current_stream", "Stream", "Event", "stream", "device"):
+        monkeypatch.setattr(torch.cuda, name, untouchable)
+    fake = FakeCuda()
+    ex = comm.StreamExecutor(group=None, timeout_s=10.0, device=torch.device("cuda", 0), cuda=fake)
+    try:
+        ticket = ex.launch("round 0", lambda: "result")
+        assert ex.wait(ticket) == "result"
+    finally:
+        ex.close()
+    assert [e[0] for e in fake.log] == ["record", "wait", "record", "wait"]

@@ -5,10 +5,16 @@ saves per step: the lr the step used, the committed fp32 parameters and Adam mom
 through DeepSpeed's public ``safe_get_full_fp32_param`` / ``safe_get_full_optimizer_state``
 (collectives) and ``engine.get_global_grad_norm()``, plus ACCO's state sizes/stats. ``final_norm``:
 the norm of the last commit, which acco/dpu report only once ``finish()`` has applied it.
+
+Scenario switches of the CPU test modes: ``cuda_paths`` runs the scenario with the CUDA executor on emulated
+streams (``core.emulated_stream``) and the host summaries read one job late (``defer_host_reads``, which a
+scenario may also ask for alone); the results then say which executor ran (``executor``) and how often its
+emulated streams made a thread wait (``emulated_blocked_waits``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import deepspeed  # noqa: E402
@@ -16,7 +22,7 @@ import torch
 from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state  # noqa: E402
 
 import acco_ds  # noqa: E402,F401
-from acco_ds.core import compressed_comm, round_job, snapshot
+from acco_ds.core import compressed_comm, emulated_stream, round_job, snapshot
 from acco_ds.deepspeed.cpu_fp16 import allow_fp16_on_cpu
 from tests.ranks import rank_start, toy  # noqa: E402
 
@@ -34,6 +40,20 @@ def optimizer_states(engine, params, key: str) -> torch.Tensor:
     return toy.flat(safe_get_full_optimizer_state(p, key) for p in params).cpu()
 
 
+@contextlib.contextmanager
+def emulated_stream_executor(on: bool):
+    """``ACCO_DS_EMULATED_STREAM_EXECUTOR=1`` for the block when ``on`` (the executor is made in
+    ``deepspeed.initialize``), unset after."""
+    if not on:
+        yield
+        return
+    os.environ[emulated_stream.EXECUTOR_ENV] = "1"
+    try:
+        yield
+    finally:
+        os.environ.pop(emulated_stream.EXECUTOR_ENV, None)
+
+
 def run_scenario(sc: dict, rank: int) -> dict:
     cfg = sc["config"]
     gas = cfg["gradient_accumulation_steps"]
@@ -45,7 +65,16 @@ def run_scenario(sc: dict, rank: int) -> dict:
     poison_param = {(p[0], p[1]): p[2] for p in sc.get("poison", []) if len(p) == 3}
     linear = sc.get("model") == "linear"  # toy.Linear: a micro-batch's gradient is toy.linear_input
     model = toy.Linear() if linear else toy.build()
-    engine, _, _, _ = deepspeed.initialize(model=model, config=cfg, model_parameters=model.parameters())
+    # "cuda_paths": the CPU test modes of the paths only a GPU rank takes: the CUDA executor on emulated streams
+    # (core.emulated_stream: its switch set while the engine builds the executor) and the host summaries read one
+    # job late (defer_host_reads)
+    cuda_paths = bool(sc.get("cuda_paths"))
+    with emulated_stream_executor(cuda_paths):
+        engine, _, _, _ = deepspeed.initialize(model=model, config=cfg, model_parameters=model.parameters())
+    if cuda_paths:
+        engine.optimizer.pipeline.defer_host_reads = True
+    if sc.get("defer_host_reads"):  # read each job's host summary one job later, as the pipeline does on CUDA
+        engine.optimizer.pipeline.defer_host_reads = True
     params = toy.trainable(engine.module)
     lrs, traj, norms, at_boundary, residuals, committed = [], [], [], [], [], []
     scales, skipped = [], []
@@ -104,6 +133,12 @@ def run_scenario(sc: dict, rank: int) -> dict:
         out["final_scale"] = float(opt.cur_scale)
         out["final_model"] = toy.flat(params).cpu()
         out["stats"] = opt.stats()
+        # which executor ran the jobs, and how often an emulated stream's wait found its event not yet complete
+        out["executor"] = type(opt.pipeline.executor).__name__
+        out["emulated_blocked_waits"] = getattr(
+            getattr(opt.pipeline.executor, "cuda", None), "blocked_waits", None
+        )
+        out["defer_host_reads"] = opt.pipeline.defer_host_reads
         opt.pipeline.close()
     return out
 
