@@ -36,8 +36,10 @@ RUNS = [
     ("acco", "manual"),
     ("sync", "no_sync"),
     ("acco", "no_sync"),
+    ("dpu", "no_sync"),
     ("sync", "coalesce"),
     ("acco", "coalesce"),
+    ("dpu", "coalesce"),
     ("dpu", "late"),
     ("acco", "late"),
 ]
@@ -78,6 +80,10 @@ def results(tmp_path_factory):
         }
         for mode, style in RUNS
     ]
+    # every step ends at its peek round's share: acco commits each alone, one round per step (the notice's case)
+    scenarios.append(
+        {"name": "acco_short", "config": config("acco"), "sizes": [GAS // 2] * 6, "style": "manual"}
+    )
     (tmp / "scenarios.json").write_text(json.dumps(scenarios))
     args = ["--scenarios", tmp / "scenarios.json", "--out", tmp]
     run_local(REPO / "tests" / "ranks" / "boundary_worker.py", WORLD, args, env=rank_env())
@@ -162,10 +168,11 @@ def test_sync_equals_deepspeed_zero1(results):
         ("acco_late", "acco", GAS // 2),
         ("sync_no_sync", "sync", GAS),
         ("sync_coalesce", "sync", GAS),
-        # held to its boundary, an acco step is one round: its gradient committed alone, then a prologue; the
-        # reference does that for every step when a round's share is at least the longest step
-        ("acco_no_sync", "acco", max(SIZES)),
-        ("acco_coalesce", "acco", max(SIZES)),
+        # held to its boundary, an acco step runs the rounds of the marked loop: its peek round ends by count
+        ("acco_no_sync", "acco", GAS // 2),
+        ("dpu_no_sync", "dpu", GAS),
+        ("acco_coalesce", "acco", GAS // 2),
+        ("dpu_coalesce", "dpu", GAS),
     ],
 )
 def test_matches_reference(results, name, mode, k):
@@ -184,13 +191,42 @@ def test_matches_reference(results, name, mode, k):
     assert res["stats"]["micro_batches_local"] == sum(SIZES) + (4 if "refused" in res else 0)
 
 
-@pytest.mark.parametrize(
-    "name", [f"{m}_{s}" for m, s in RUNS if m in ("zero1", "sync", "dpu") or s == "no_sync"]
-)
+@pytest.mark.parametrize("name", [f"{m}_{s}" for m, s in RUNS if m in ("zero1", "sync", "dpu")])
 def test_nothing_moves_before_the_boundary(results, name):
     """In sync and dpu (and DeepSpeed's ZeRO-1) no backward before the engine's boundary changes the weights,
-    and inside no_sync() nothing changes them in any mode."""
+    inside no_sync() or not (acco's peek round end changes them mid-step by design, inside no_sync() too)."""
     assert results[name]["moved_before_boundary"] == 0
+
+
+@pytest.mark.parametrize("held", ["no_sync", "coalesce"])
+@pytest.mark.parametrize("mode", ["acco", "dpu"])
+def test_held_micro_batches_run_the_bare_loops_rounds(results, mode, held):
+    """Inside no_sync() (accelerate's accumulate() enters it between boundaries) or coalesce_grad_reduction(), no
+    step ends, yet the rounds that end by count do: acco's peek after GAS/2 micro-batches. The run is the marked
+    loop's bit for bit (weights, moments, norms) with the same number of rounds: two per acco step, not one."""
+    name = f"{mode}_{held}"
+    got, bare = results[name], results[f"{mode}_manual"]
+    short = sum(1 for s in SIZES if s <= GAS // 2)  # an acco step this short is committed alone: one round
+    assert got["stats"]["rounds"] == (2 * len(SIZES) - short if mode == "acco" else len(SIZES))
+    for t, (a, b) in enumerate(zip(got["steps"], bare["steps"])):
+        for key in ("params", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(a[key], b[key]), f"{name} step {t + 1}: {key} differs from the marked loop's"
+    assert got["norms"] == bare["norms"]
+
+
+def test_no_overlap_is_said_once_with_its_cause(results):
+    """A run whose every step ends at GAS/2 micro-batches runs one round per step in acco mode: the optimizer says
+    so (its cause and what to do) and reports the figure; the runs with two rounds per step, no_sync() included,
+    name no round-count cause (the toy's rounds may still wait for gloo: that cause is tests/core/test_overlap.py's)."""
+    short = results["acco_short"]
+    assert short["stats"]["rounds_per_step"] == 1.0
+    notice = short["overlap_notice"]
+    assert notice is not None and f"at most {GAS // 2} micro-batches" in notice, notice
+    for name in ("acco_manual", "acco_no_sync", "acco_coalesce", "dpu_no_sync"):
+        said = results[name]["overlap_notice"] or ""
+        assert "one round per optimizer step" not in said and "at most" not in said, (name, said)
+    assert results["acco_no_sync"]["stats"]["rounds_per_step"] > 1.5
+    assert results["acco_no_sync"]["stats"]["micro_batches_held"] == sum(SIZES) - len(SIZES)
 
 
 @pytest.mark.parametrize("mode", sorted(PROBED))

@@ -6,7 +6,7 @@ micro-batches of each optimizer step, as the loop marks them) and ``style``, how
 - ``manual``: ``engine.set_gradient_accumulation_boundary(j == last)`` before every backward and
   ``engine.step()`` after the last (accelerate's and the HF Trainer's way);
 - ``no_sync``: the flag set True before EVERY backward, all but the last backward inside ``engine.no_sync()``
-  (nothing may end there), then ``engine.step()``;
+  (no step may end there: the flag is ignored; acco's peek round still ends by count), then ``engine.step()``;
 - ``coalesce``: the ``manual`` loop inside ``engine.coalesce_grad_reduction()`` (DeepSpeed's manual-boundary
   mode: the context's exit is the boundary), ``engine.step()`` after it;
 - ``late``: the flag False for every backward, set True only before ``engine.step()`` (the optimizer's
@@ -15,8 +15,8 @@ micro-batches of each optimizer step, as the loop marks them) and ``style``, how
 Rank 0 saves per scenario, after every step: the lr the step used, the committed fp32 parameters and Adam
 moments (``safe_get_full_fp32_param`` / ``safe_get_full_optimizer_state``, collectives) and the reported
 gradient norm; ``moved_before_boundary``: how many backwards that the engine did not mark as a boundary
-(or ran inside ``no_sync``) changed the module's weights, in sync/dpu and inside ``no_sync`` (acco's PEEK
-rounds change them mid-step by design). ``probe: true`` adds, after the steps: the keys of
+changed the module's weights, in sync/dpu (acco's PEEK rounds change them mid-step by design, inside
+``no_sync`` too). ``probe: true`` adds, after the steps: the keys of
 ``engine.optimizer.state`` and whether its moments are ACCO's own shards (or, for DeepSpeed's ZeRO-1, just
 the keys), and a refused ``engine.step()`` (no backward since the last step) with the state before and
 after it.
@@ -56,7 +56,7 @@ def one_step(engine, rank: int, first: int, size: int, style: str, watch: bool, 
             last = j == size - 1
             flag = {"manual": last, "coalesce": last, "no_sync": True, "late": False}[style]
             held = style == "no_sync" and not last
-            before = toy.flat(params).clone() if (watch or held) and not last else None
+            before = toy.flat(params).clone() if watch and not last else None
             x, y = toy.micro_batch(rank, first + j)
             with engine.no_sync() if held else contextlib.nullcontext():
                 loss = engine(x.to(engine.device), y.to(engine.device))
@@ -142,6 +142,7 @@ def run_scenario(sc: dict, rank: int) -> dict:
         engine.optimizer.finish()
         out["final_norm"] = float(engine.optimizer.pipeline.last_grad_norm)
         out["stats"] = engine.optimizer.stats()
+        out["overlap_notice"] = engine.optimizer.overlap_notice
         engine.optimizer.pipeline.close()
     return out
 
