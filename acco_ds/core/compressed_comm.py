@@ -30,7 +30,7 @@ included, writes ``base + dequantized difference`` into each slice (the owner's 
 bitwise identical and
 what quantization withheld is part of the next round's difference (the fp32 master is exact; the replicas
 trail it by at most half a quantization step per element). gloo: point-to-point to every peer; NCCL: one
-``all_gather_into_tensor`` of the values and one of the scales.
+all-gather (``acco_ds.core.comm.all_gather_single``) of the values and one of the scales.
 
 :class:`Traffic` counts the bytes a rank hands to (``sent``) and takes from (``received``) the network
 in one job, counted at each send/receive call (point-to-point: the tensor's bytes; NCCL's collectives:
@@ -47,6 +47,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from acco_ds.core.comm import all_gather_single
 from acco_ds.ops.quantize import (
     add_dequantized,
     dequantize_sum,
@@ -255,8 +256,8 @@ def exchange_quantized_difference(
         gathered = torch.empty(world * wire.numel(), dtype=wire.dtype, device=target.device)
         moved = (world - 1) * (wire.numel() * wire.element_size() + scales.numel() * scales.element_size())
         traffic.collective(moved, moved)
-        dist.all_gather_into_tensor(gathered, wire, group=group)
-        dist.all_gather_into_tensor(got_s.view(-1), scales, group=group)
+        all_gather_single(gathered, wire, group=group)
+        all_gather_single(got_s.view(-1), scales, group=group)
         got_q = list(gathered.view(world, -1))
     for c in range(world):
         if c != me:

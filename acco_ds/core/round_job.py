@@ -322,7 +322,7 @@ def run_round_job(
     else:
         rank_counts = torch.empty(world, dtype=torch.float64, device=dev)
         mine = torch.full((1,), float(local_count), dtype=torch.float64, device=dev)
-        dist.all_gather_into_tensor(rank_counts, mine, group=group)
+        all_gather_single(rank_counts, mine, group=group)
     count = rank_counts.sum().reshape(1)
     round_count = count
 
