@@ -382,8 +382,8 @@ MUTANTS = [
         "the fused round end: the first fold writes the residual without waiting for the job in flight to release "
         "it (it reads what that job has not written yet)",
         "acco_ds/core/fused_round_end.py",
-        "                self.releases[group].wait(self.job_finished, self.timeout_s)\n",
-        "                pass\n",
+        "                self.releases[group].wait(\n",
+        "                (lambda *args, **kwargs: None)(\n",
         (
             "tests/core/test_fused_round_end.py::test_the_first_fold_waits_for_the_job_that_holds_the_residual",
         ),

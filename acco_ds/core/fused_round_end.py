@@ -20,8 +20,9 @@ Streams and ownership:
 - The residual belongs to the communication side while a job that reads or writes it is in flight: every job
   releases each group's residual (:class:`ResidualRelease`) once it is done with it (right after its
   quantization, before its exchange: the wait never covers the network). The first fold of a group waits for
-  that release of the job in flight (CPU: the compute thread waits; CUDA: the compute stream waits on an event,
-  the host does not).
+  that release of the job in flight (CPU: the compute thread waits; CUDA: the host waits only until the worker
+  thread has enqueued the release, then the compute stream waits on its event), and raises after comm_timeout_s
+  when the job neither released the residual nor finished.
 - At the round end (:meth:`FusedRoundEnd.finish`, compute side) the leftover blocks are quantized and the rows are
   handed to the job, which owns them from then on (on CUDA it records its stream on them before the compute side
   drops its references).
@@ -34,6 +35,7 @@ import time
 from typing import Callable, Dict, List, Sequence, Tuple
 
 import torch
+import torch.distributed as dist
 
 from acco_ds.core.buffers import GroupBuffers
 from acco_ds.core.compressed_comm import Compression
@@ -62,16 +64,41 @@ class ResidualRelease:
             self._cuda_event = event
         self._set.set()
 
-    def wait(self, job_finished: Callable[[], bool], timeout_s: float) -> None:
+    def wait(
+        self,
+        job_finished: Callable[[], bool],
+        timeout_s: float,
+        *,
+        rank: int = 0,
+        group: int = 0,
+        phase: str = "",
+    ) -> None:
         """Until the residual is released: on CUDA the current stream waits for the job's event (the job is
         enqueued by then); on CPU the calling thread waits for the worker thread, or stops waiting once the job
-        has finished without releasing (it failed: its error surfaces where the round end waits for it)."""
+        has finished without releasing (it failed: its error surfaces where the round end waits for it).
+
+        Raises RuntimeError naming ``rank``, ``group`` (the parameter group's index) and ``phase`` (what the
+        caller was about to do) when the job neither released the residual nor finished within ``timeout_s``
+        (comm_timeout_s): the job may still write the residual, so the caller must not."""
         deadline = time.monotonic() + timeout_s
         while not self._set.wait(0.01):
-            if job_finished() or time.monotonic() > deadline:
+            if job_finished():
                 return
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"acco_ds: rank {rank}: {phase or 'a write of the residual'} waited comm_timeout_s={timeout_s:g}"
+                    f" s for the communication job in flight to release parameter group {group}'s error-feedback "
+                    "residual; the job has neither released it nor finished (a peer lost or stalled, or the job "
+                    "is stuck), and writing the residual now would race the job's own write of it. If no peer is "
+                    "lost and your link is that slow, raise optimizer.params.comm_timeout_s."
+                )
         if self._cuda_event is not None:
             torch.cuda.current_stream(self.device).wait_event(self._cuda_event)
+
+
+def _rank(buffers: GroupBuffers) -> int:
+    """This process's global rank where the default group is up, else its rank in the group's data-parallel layout."""
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else buffers.rank
 
 
 class BlockOwners:
@@ -150,7 +177,14 @@ class FusedRoundEnd:
         target = self.targets[group]
         if target is None:
             if self.releases is not None and self.residuals[group] is not None:
-                self.releases[group].wait(self.job_finished, self.timeout_s)
+                self.releases[group].wait(
+                    self.job_finished,
+                    self.timeout_s,
+                    rank=_rank(self.groups[group]),
+                    group=group,
+                    phase=f"the first gradient fold of the round that ends with a {self.plan.job.value} "
+                    f"(commit index {self.plan.commit_index})",
+                )
             if self.loss_scale is not None and self.residuals[group] is not None:
                 residual_scales, round_scale = self.loss_scale
                 express_residual(self.residuals[group], residual_scales[group], round_scale)

@@ -247,3 +247,55 @@ def test_the_first_fold_waits_for_the_job_that_holds_the_residual():
     want_q, want_scales = quantize_with_residual_ref(grad, want_residual[:64], 16)
     assert torch.equal(q[:64], want_q) and torch.equal(scales[:4], want_scales)
     assert torch.equal(residual[:64], want_residual[:64])
+
+
+def _one_group_fused_round_end(release, job_finished, timeout_s):
+    from acco_ds.core.buffers import GroupBuffers, GroupLayout
+    from acco_ds.core.compressed_comm import Compression
+    from acco_ds.core.fused_round_end import BlockOwners, FusedRoundEnd
+    from acco_ds.core.schedule import plan
+
+    params = [torch.nn.Parameter(torch.randn(64))]
+    b = GroupBuffers(
+        params, GroupLayout.build(params, 1), 0, torch.float32, keep_tilde=False, overlapped=True
+    )
+    residual = torch.zeros(b.layout.padded_numel)
+    fused = FusedRoundEnd(
+        plan("dpu", 1), [b], [BlockOwners(b, 16)], Compression(16, True), [residual], [release], job_finished,
+        timeout_s,
+    )  # fmt: skip
+    return fused, residual
+
+
+def test_a_job_that_never_releases_the_residual_is_an_error_not_a_race():
+    """The job in flight neither releases the residual nor finishes within comm_timeout_s: the first fold raises,
+    naming the rank, the group and the phase, and leaves the residual (which the job may still write) alone."""
+    import time
+
+    from acco_ds.core.fused_round_end import ResidualRelease
+
+    fused, residual = _one_group_fused_round_end(ResidualRelease(torch.device("cpu")), lambda: False, 0.2)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError) as err:
+        fused.fold(0, 0, torch.randn(64))
+    assert time.monotonic() - start >= 0.2
+    text = str(err.value)
+    for part in ("rank 0", "parameter group 0", "first gradient fold", "commit", "comm_timeout_s=0.2"):
+        assert part in text, (part, text)
+    assert torch.count_nonzero(residual) == 0, "the fold wrote the residual the job still holds"
+    assert fused.targets == [None], "the fold went on after the deadline"
+
+
+def test_a_job_that_failed_before_releasing_lets_the_fold_go_on():
+    """A job that finished without releasing (it raised; its error surfaces at the round end's wait) no longer
+    holds the residual: the fold goes on at once."""
+    import time
+
+    from acco_ds.core.fused_round_end import ResidualRelease
+
+    fused, residual = _one_group_fused_round_end(ResidualRelease(torch.device("cpu")), lambda: True, 30.0)
+    start = time.monotonic()
+    fused.fold(0, 0, torch.randn(64))
+    assert time.monotonic() - start < 5.0
+    assert fused.targets[0] is not None
+    fused.abandon()
