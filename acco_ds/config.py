@@ -16,7 +16,8 @@ the optimizer's ``type`` trains with the same AdamW. (``"torch_adam": true`` wou
 from __future__ import annotations
 
 import math
-from typing import Literal, Tuple
+import os
+from typing import Literal, Tuple, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -29,6 +30,9 @@ MIN_TIMEOUT_S = 1.0
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
 """Longest comm_timeout_s accepted (a week); larger values overflow the backends' millisecond timers."""
 
+MAX_HOST_THREADS = 1024
+"""Largest host_threads accepted: more OpenMP threads than any host has CPUs would only oversubscribe it."""
+
 ALLOWED = {
     "lr": "a finite number >= 0",
     "betas": "two finite numbers in [0, 1), e.g. [0.9, 0.999]",
@@ -39,6 +43,7 @@ ALLOWED = {
     "comm_dtype": "'auto', 'bf16', 'fp16' or 'fp32'",
     "max_micro_batches_per_round": "null (no bound) or an integer >= 1, with accumulation='adaptive'",
     "comm_timeout_s": f"a number of seconds in [{MIN_TIMEOUT_S:g}, {MAX_TIMEOUT_S:g}]",
+    "host_threads": f"'auto' or an integer in [1, {MAX_HOST_THREADS}]",
     "compression": "an object with keys among commit, peek, block_size, error_feedback, all_gather, fuse_round_end, e.g. "
     '{"commit": "int8", "peek": "int8", "block_size": 256, "error_feedback": true}',
     "compression.commit": "'none', 'int8' or 'int4'",
@@ -152,6 +157,23 @@ def _number(v) -> float:
     return v
 
 
+def available_cpus() -> int:
+    """The CPUs this process may run on (its affinity mask where the OS has one, else the machine's count)."""
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return max(1, os.cpu_count() or 1)
+
+
+def local_ranks() -> int:
+    """The ranks on this node, as the launcher says: ``LOCAL_WORLD_SIZE`` (torchrun, accelerate), else
+    ``LOCAL_SIZE`` (DeepSpeed's launcher), else 1 (a value that is not a positive integer counts as absent)."""
+    for name in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE"):
+        value = os.environ.get(name, "")
+        if value.strip().isdigit() and int(value) >= 1:
+            return int(value)
+    return 1
+
+
 class ACCOConfig(BaseModel):
     """The ``optimizer.params`` of a DeepSpeed config whose optimizer type is ``ACCO``."""
 
@@ -194,6 +216,16 @@ class ACCOConfig(BaseModel):
     collectives, before raising an error that names the job and the lost peer (docs/RELIABILITY.md);
     also the timeout of ACCO's process groups, and a tenth of it (within [0.2, 5] s) is the heartbeat
     period used to name the lost rank. DeepSpeed's own collectives keep the default group's timeout."""
+
+    host_threads: Union[Literal["auto"], int] = "auto"
+    """OpenMP threads of the CPU kernels the round's job runs on the communication worker thread: the host AdamW of
+    optimizer offload on GPU ranks (``core.host_step``), and on CPU ranks the job's AdamW, quantization and
+    quantized-sum kernels. An integer is used as it is. 'auto' (:meth:`host_thread_count`): on GPU ranks
+    ``max(1, CPUs this process may run on // ranks on this node - 1)``, the rank's share of the cores less one
+    for its training thread, which keeps enqueueing the next micro-batch's kernels meanwhile (NCCL's proxy thread
+    shares the rest); on CPU ranks ``torch.get_num_threads()``, as before the option existed (the launchers already
+    give each rank its share of the cores, and its training thread computes on the same threads). The kernels' bits
+    do not depend on the count. The training thread's own kernels keep ``torch.get_num_threads()``."""
 
     compression: CompressionConfig = Field(default_factory=CompressionConfig)
     """Compressed gradient exchange with error feedback (CPU/gloo ranks; ``CompressionConfig``). Off by default."""
@@ -250,6 +282,17 @@ class ACCOConfig(BaseModel):
             raise ValueError(f"must be in [{MIN_TIMEOUT_S:g}, {MAX_TIMEOUT_S:g}] seconds")
         return v
 
+    @field_validator("host_threads", mode="before")
+    @classmethod
+    def _host_threads(cls, v):
+        if v == "auto" and isinstance(v, str):
+            return v
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v != int(v):
+            raise ValueError("must be 'auto' or an integer")
+        if not 1 <= int(v) <= MAX_HOST_THREADS:
+            raise ValueError(f"must be in [1, {MAX_HOST_THREADS}]")
+        return int(v)
+
     _choice = field_validator("mode", "accumulation", "comm_dtype", mode="before")(classmethod(_string))
 
     @model_validator(mode="after")
@@ -276,6 +319,21 @@ class ACCOConfig(BaseModel):
                 "'fixed'; remove it, or set accumulation='adaptive'.",
             )
         return self
+
+    def host_thread_count(
+        self, device_type: str, cpus: int | None = None, ranks_on_node: int | None = None
+    ) -> int | None:
+        """The threads :attr:`host_threads` gives the round job's CPU kernels on a rank whose parameters are on a
+        ``device_type`` device ('cpu', 'cuda', ...): the integer set, else ('auto') None on CPU ranks (the kernels
+        then take ``torch.get_num_threads()``) and ``max(1, cpus // ranks_on_node - 1)`` on the others. ``cpus``
+        defaults to :func:`available_cpus`, ``ranks_on_node`` to :func:`local_ranks`."""
+        if self.host_threads != "auto":
+            return self.host_threads
+        if device_type == "cpu":
+            return None
+        cpus = available_cpus() if cpus is None else cpus
+        ranks = local_ranks() if ranks_on_node is None else ranks_on_node
+        return max(1, cpus // max(1, ranks) - 1)
 
     def adamw_settings(self):
         """The config's AdamW settings as ``acco_ds.ops.adamw_settings.AdamWSettings``: the defaults of every

@@ -18,6 +18,7 @@ from acco_ds.deepspeed.validate import (
     offload_spec,
 )
 from acco_ds.deepspeed.version import check_deepspeed_version
+from acco_ds.ops.adamw import host_threads, set_host_threads
 
 logger = logging.getLogger("acco_ds")
 
@@ -51,14 +52,16 @@ def configure_acco(engine, client_optimizer, model_parameters) -> None:
     engine.optimizer = optimizer
     engine.enable_backward_allreduce = False
     unsync_throughput_timer(engine)
+    threads = configure_host_threads(optimizer.pipeline, cfg)
     offload = optimizer.pipeline.offload
     if offload is not None and engine.global_rank == 0:
         if offload.staged:
             logger.info(
                 "acco_ds: zero_optimization.offload_optimizer.device=cpu: ACCO's optimizer state (fp32 master shard, "
                 "exp_avg, exp_avg_sq) lives in host memory and each round's job steps it there with %d threads "
-                "(torch.get_num_threads()), its copies %s",
-                torch.get_num_threads(),
+                "(optimizer.params.host_threads=%r), its copies %s",
+                threads,
+                cfg.host_threads,
                 "pinned" if offload.pin_memory else "in pageable memory (pin_memory false)",
             )
         else:
@@ -68,13 +71,31 @@ def configure_acco(engine, client_optimizer, model_parameters) -> None:
             )
     if engine.global_rank == 0:
         logger.info(
-            "acco_ds: ACCO optimizer (mode=%s, accumulation=%s, comm_dtype=%s, %d parameters in %d groups)",
+            "acco_ds: ACCO optimizer (mode=%s, accumulation=%s, comm_dtype=%s, %d parameters in %d groups, "
+            "the round job's CPU kernels on %d threads: host_threads=%r)",
             cfg.mode,
             cfg.accumulation,
             optimizer.pipeline.groups[0].comm_dtype,
             sum(b.layout.numel for b in optimizer.pipeline.groups),
             len(optimizer.pipeline.groups),
+            threads,
+            cfg.host_threads,
         )
+
+
+def configure_host_threads(pipeline, cfg: ACCOConfig) -> int:
+    """Give the pipeline's communication worker thread, which runs every round's job (and the host step of
+    offload), ``cfg.host_threads``'s OpenMP threads for the CPU kernels (``acco_ds.ops.adamw.set_host_threads``,
+    thread-local: the training thread keeps ``torch.get_num_threads()``). Runs one job on the executor, before any
+    round is launched; returns the count the worker thread uses from then on."""
+    count = cfg.host_thread_count(pipeline.device.type)
+
+    def apply() -> int:
+        set_host_threads(count)
+        return host_threads()
+
+    executor = pipeline.executor
+    return executor.wait(executor.launch("host threads", apply))
 
 
 def trainable_dtype(model_parameters: list):

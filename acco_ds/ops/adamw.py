@@ -33,6 +33,12 @@ Per element, in fp32, in torch.optim.AdamW's order::
 
 Streams: on CUDA the kernel is enqueued on ``torch.cuda.current_stream()`` of ``master``'s device; the caller
 owns every buffer for the duration of that stream's work (no copy is kept).
+
+Threads: the CPU kernel runs on at most :func:`host_threads` OpenMP threads, the calling thread's setting
+(:func:`set_host_threads`; the kernels of ``ops.quantize`` and ``ops.quantized_sum_step`` read the same one). The
+pipeline's communication worker thread gets the configured ``host_threads`` (``acco_ds.config``), so the host
+step leaves cores to the training thread; every other thread keeps ``torch.get_num_threads()``. The kernels'
+bits do not depend on the count (work split in fixed items, partial sums added in item order).
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ from __future__ import annotations
 import inspect
 import logging
 import math
+import threading
 import warnings
 from typing import NamedTuple
 
@@ -380,11 +387,30 @@ def adamw_step_ref(master, exp_avg, exp_avg_sq, grad, out=None, **keywords) -> N
     _adamw_torch_host_flag(_bind("adamw_step_ref", master, exp_avg, exp_avg_sq, grad, out, keywords))
 
 
+_HOST_THREADS = threading.local()
+
+
+def set_host_threads(threads: int | None) -> None:
+    """The OpenMP threads the CPU kernels use when called from THIS thread (thread-local: other threads keep their
+    own); ``None`` goes back to ``torch.get_num_threads()`` at each call. Raises ValueError for anything else than
+    None or an integer >= 1."""
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+        raise ValueError(f"host threads={threads!r}: must be None or an integer >= 1")
+    _HOST_THREADS.value = threads
+
+
+def host_threads() -> int:
+    """The OpenMP threads a CPU kernel called from this thread may use: :func:`set_host_threads`'s value for this
+    thread, else ``torch.get_num_threads()``."""
+    value = getattr(_HOST_THREADS, "value", None)
+    return torch.get_num_threads() if value is None else value
+
+
 def adamw_step(master, exp_avg, exp_avg_sq, grad, out=None, **keywords) -> None:
     """One fused AdamW step on flat shards (see the module docstring for the full contract).
 
-    Dispatch: the CUDA extension for CUDA tensors, the CPU extension (OpenMP, ``torch.get_num_threads()``
-    threads) for CPU tensors, :func:`adamw_step_ref` when the extension is missing or (CUDA) holds no kernel for
+    Dispatch: the CUDA extension for CUDA tensors, the CPU extension (OpenMP, :func:`host_threads` threads) for
+    CPU tensors, :func:`adamw_step_ref` when the extension is missing or (CUDA) holds no kernel for
     the GPU's architecture (:func:`_launch_or_torch`); the choice is logged once per device type. Arguments are validated before any launch (TypeError/ValueError naming the argument).
     """
     a = _bind("adamw_step", master, exp_avg, exp_avg_sq, grad, out, keywords)
@@ -407,7 +433,7 @@ def adamw_step(master, exp_avg, exp_avg_sq, grad, out=None, **keywords) -> None:
         _launch_or_torch(master.device, launch, a)
     else:
         _log_backend_once(dev, "the CPU extension")
-        ext.adamw_cpu(*_ext_args(a), torch.get_num_threads())
+        ext.adamw_cpu(*_ext_args(a), host_threads())
 
 
 def adamw_step_cuda_body_on_cpu(master, exp_avg, exp_avg_sq, grad, out=None, *, grid_dim: int = 0,

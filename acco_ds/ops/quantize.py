@@ -35,7 +35,8 @@ same bits as :func:`quantize` of the difference and :func:`dequantize_add` into 
 Backends (``backend=`` of every public function; the ``*_ref`` functions are the torch reference):
 
 - ``"cpp"``: the CPU extension ``acco_ds._quantize_cpu`` (csrc/quantize; OpenMP over blocks,
-  ``torch.get_num_threads()`` threads; the call returns when done), for CPU tensors that are contiguous,
+  ``acco_ds.ops.adamw.host_threads()`` threads: the calling thread's setting, by default
+  ``torch.get_num_threads()``; the call returns when done), for CPU tensors that are contiguous,
   aligned to their element size and do not overlap one another; 8 bits (4 bits take the reference, the same
   bits). It reproduces the reference bit for bit (q, scales, residual, dequantized values, NaN bits included):
   tests/ops/test_quantize_kernel.py.
@@ -62,6 +63,7 @@ import torch
 
 from acco_ds.ops import _build
 from acco_ds.ops._dtypes import ALLOWED, DTYPE_CODE, FLOATS, store_as_kernels
+from acco_ds.ops.adamw import host_threads
 
 logger = logging.getLogger(__name__)
 
@@ -463,7 +465,7 @@ def _quantize_cpp(
             block_size,
             q.data_ptr(),
             scales.data_ptr(),
-            torch.get_num_threads(),
+            host_threads(),
         )
     elif x.numel():
         _build.load("quantize_cpu").quantize_cpu(
@@ -475,7 +477,7 @@ def _quantize_cpp(
             block_size,
             q.data_ptr(),
             scales.data_ptr(),
-            torch.get_num_threads(),
+            host_threads(),
         )
     return q, scales
 
@@ -490,7 +492,7 @@ def _dequantize_cpp(out: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bl
             block_size,
             out.data_ptr(),
             add,
-            torch.get_num_threads(),
+            host_threads(),
         )
 
 
@@ -689,7 +691,7 @@ def dequantize_sum(
                 block_size,
                 out.data_ptr(),
                 _DTYPE_CODE[out.dtype],
-                torch.get_num_threads(),
+                host_threads(),
             )
     elif how == "triton":
         _dequantize_sum_triton(out, q, scales, block_size, order)
@@ -746,7 +748,7 @@ def add_dequantized(
             _DTYPE_CODE[out.dtype],
             q.numel(),
             block_size,
-            torch.get_num_threads(),
+            host_threads(),
         )
         return
     nb = num_blocks(q.numel(), block_size)

@@ -58,7 +58,7 @@ import torch
 
 from acco_ds.ops import _build
 from acco_ds.ops._dtypes import ALLOWED, FLOATS
-from acco_ds.ops.adamw import _bind, _ext_args, _overlaps, adamw_step, hyper_tensor
+from acco_ds.ops.adamw import _bind, _ext_args, _overlaps, adamw_step, host_threads, hyper_tensor
 from acco_ds.ops.adamw_difference import _check_base, adamw_step_difference
 from acco_ds.ops.norm import sum_of_squares
 from acco_ds.ops.quantize import (
@@ -194,7 +194,7 @@ def quantized_sum_of_squares(
                 _DTYPE_CODE[dtype],
                 0 if tilde is None else tilde.data_ptr(),
                 0 if tilde_out is None else tilde_out.data_ptr(),
-                torch.get_num_threads(),
+                host_threads(),
             )
         return torch.tensor([total], dtype=torch.float64)
     from acco_ds.ops.triton_kernels import quantized_sum_step as kernels  # imports triton: only at a launch
@@ -277,7 +277,7 @@ def adamw_step_quantized_sum(
                 0 if base is None else base.data_ptr(),
                 0 if dq is None else dq.data_ptr(),
                 0 if dscales is None else dscales.data_ptr(),
-                torch.get_num_threads(),
+                host_threads(),
             )
         return None if base is None else (dq, dscales)
     if n:
