@@ -136,7 +136,18 @@ def table_rows(summary: dict) -> list:
     """The rows of the final table (a header first): one per run; with an fp16 run, each run's skipped steps
     (``engine.skipped_steps``) and final loss scale too."""
     fp16 = any(s.get("fp16") for s in summary["runs"].values())
-    head = ("mode", "steps", "samples", "time s", "samples/s", "train loss", "val loss", "peak MiB/rank")
+    head = (
+        "mode",
+        "steps",
+        "samples",
+        "time s",
+        "samples/s",
+        "comm % of time",
+        "comm hidden %",
+        "train loss",
+        "val loss",
+        "peak MiB/rank",
+    )
     rows = [head + (("skipped", "loss scale") if fp16 else ())]
     for label, s in summary["runs"].items():
         row = (
@@ -145,6 +156,8 @@ def table_rows(summary: dict) -> list:
             str(s["samples"]),
             f"{s['train_s']:.1f}",
             f"{s['samples_per_s']:.1f}",
+            _percent(s.get("comm_share")),
+            _percent(s.get("hidden_share")),
             f"{s['final_train_loss']:.3f}" if s["final_train_loss"] is not None else "-",
             f"{s['val_loss']:.3f}" if s["val_loss"] is not None else "-",
             f"{max(s['peak_mem_mib']):.0f}",
@@ -153,6 +166,30 @@ def table_rows(summary: dict) -> list:
             row += (str(s["skipped_steps"]), f"{s['loss_scale']:g}") if s.get("fp16") else ("-", "-")
         rows.append(row)
     return rows
+
+
+def _percent(share) -> str:
+    return "-" if share is None else f"{100 * share:.0f}"
+
+
+def overlap_line(summary: dict) -> str | None:
+    """One sentence on what the ACCO runs' communication cost and hid (``metrics.overlap_shares``), so that a run on
+    a fast link (where every mode's speed is close) says why and where the modes would part; None without such a
+    run."""
+    parts = [
+        f"{label}: communication {100 * s['comm_share']:.0f}% of the training time, {100 * s['hidden_share']:.0f}% "
+        "of it hidden behind compute"
+        for label, s in summary["runs"].items()
+        if s.get("comm_share") is not None and s.get("hidden_share") is not None
+    ]
+    if not parts:
+        return None
+    return (
+        "acco-train: "
+        + "; ".join(parts)
+        + ". Where communication is a small share, every mode runs at about the same speed; on a link that makes "
+        "it a large share, ZeRO-1 waits for all of it and ACCO only for the part it did not hide."
+    )
 
 
 def _print_table(summary: dict) -> None:
@@ -253,5 +290,8 @@ def run_job(a) -> dict:
     ]
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
     _print_table(summary)
+    said = overlap_line(summary)
+    if said:
+        print(said, flush=True)
     print(f"acco-train: wrote {out / 'metrics.jsonl'}, {out / 'summary.json'} and the plots", flush=True)
     return summary

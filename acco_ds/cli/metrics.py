@@ -138,6 +138,7 @@ def summarize(
         "peak_mem_mib": [s["peak_mem_mib"] for s in ranks],
         "rank_micro_batches": [s["micro_batches_local"] for s in ranks],
         "acco_stats": [s.get("stats", {}) for s in ranks],
+        **overlap_shares([s.get("stats") or {} for s in ranks], max(s["train_s"] for s in ranks)),
         # bytes each rank sent while training (acco_ds.cli.wire_bytes), per optimizer step, mean over ranks
         "wire_bytes_per_step": (
             statistics.mean(s["wire_bytes_sent"] for s in ranks) / last["step"]
@@ -155,6 +156,23 @@ def summarize(
         "loss_scale": ranks[0].get("loss_scale"),
         "skipped_steps": ranks[0].get("skipped_steps"),
         "fp16_allowed_on_cpu": bool(ranks[0].get("fp16_allowed_on_cpu", False)),
+    }
+
+
+def overlap_shares(stats: list, train_s: float) -> dict:
+    """What a run's ACCO communication cost and how much of it ACCO hid, from each rank's ``stats()`` (means over
+    the ranks): ``comm_share``, the round jobs' own time (``core.overlap.job_seconds``) over the training time, and
+    ``hidden_share``, the part of that time the training thread did not wait for (1 - ``comm_wait_share``). None
+    for a run without ACCO (DeepSpeed's ZeRO-1 reports no such figures) or before a job's time is known."""
+    from acco_ds.core.overlap import JOB_PHASES
+
+    jobs = [sum(float(st.get(k, 0.0)) for k in JOB_PHASES) for st in stats if st]
+    if not jobs or not all(j > 0 for j in jobs) or train_s <= 0:
+        return {"comm_share": None, "hidden_share": None}
+    waits = [float(st.get("comm_wait_s", 0.0)) for st in stats if st]
+    return {
+        "comm_share": statistics.mean(jobs) / train_s,
+        "hidden_share": statistics.mean(max(0.0, 1.0 - min(1.0, w / j)) for w, j in zip(waits, jobs)),
     }
 
 

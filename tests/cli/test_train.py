@@ -129,6 +129,28 @@ def test_merge_and_summary_of_rank_records():
     assert time_to_loss(recs, 3.5, 12) == 3.0 and time_to_loss(recs, 0.1, 12) is None
 
 
+def test_summary_says_what_communication_cost_and_acco_hid():
+    """The overlap figures of each ACCO run: the jobs' time over the training time, and the part of it the training
+    thread did not wait for; none for a run without ACCO; the table and the closing sentence show them."""
+    from acco_ds.cli.job import overlap_line, table_rows
+
+    recs = merge_ranks(
+        [_rank_log([1.0, 2.0, 3.0, 4.0], [2, 4, 6, 8], [10.0, 18.0, 24.0, 28.0])], micro_batch=3
+    )
+    stats = {"job_reduce_scatter_s": 0.6, "job_step_s": 0.2, "job_all_gather_s": 0.2, "comm_wait_s": 0.25}
+    rank = {"train_s": 4.0, "peak_mem_mib": 1.0, "micro_batches_local": 8, "val_loss": 2.5}
+    acco = summarize(recs, [dict(rank, stats=stats)], warmup=1, micro_batch=3)
+    zero1 = summarize(recs, [rank], warmup=1, micro_batch=3)
+    assert acco["comm_share"] == pytest.approx(0.25) and acco["hidden_share"] == pytest.approx(0.75)
+    assert zero1["comm_share"] is None and zero1["hidden_share"] is None
+    rows = table_rows({"runs": {"acco": acco, "zero1": zero1}})
+    i, j = rows[0].index("comm % of time"), rows[0].index("comm hidden %")
+    assert (rows[1][i], rows[1][j], rows[2][i], rows[2][j]) == ("25", "75", "-", "-")
+    line = overlap_line({"runs": {"acco": acco, "zero1": zero1}})
+    assert "acco: communication 25% of the training time, 75% of it hidden" in line and "zero1" not in line
+    assert overlap_line({"runs": {"zero1": zero1}}) is None
+
+
 def _acco_works() -> bool:
     from acco_ds.cli.job import acco_registered
 
