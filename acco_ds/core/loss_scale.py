@@ -176,6 +176,12 @@ class DeviceLossScaler:
         """The current scale (a host read)."""
         return float(self.state[SCALE].item())
 
+    def read(self) -> dict:
+        """The current state as host numbers, one host read of the state vector (it waits for the compute stream):
+        ``STATE_FIELDS`` names to floats, the state after the commits applied so far. For readers outside the
+        training path (``acco_ds.deepspeed.loss_scaler_view``); the training path never calls it."""
+        return dict(zip(STATE_FIELDS, self.state.tolist()))
+
     def state_dict(self) -> dict:
         values = self.state.cpu().tolist()
         return {**dict(zip(STATE_FIELDS, values)), "round_scale": self._round.cpu().tolist()}

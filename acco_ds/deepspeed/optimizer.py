@@ -1,7 +1,9 @@
 """ACCOZeroOptimizer: the object a DeepSpeedEngine drives when its config says "type": "ACCO".
 
 What the engine calls and what happens:
-- ``backward_prologue()`` before every micro-batch backward: the parameters' ``.grad`` are views
+- ``backward_prologue()`` at the start of every micro-batch backward (from the engine's output hooks, or from the
+  hook ``scale_if_loss`` puts on the loss, which covers a loop calling ``engine.module(...)`` directly, as programs
+  training several engines do): the parameters' ``.grad`` are views
   into the round's communication buffer, so autograd accumulates into it in place (bf16 parameters
   with fp32 communication: hooks fold each gradient into it as backward produces it). The engine's
   boundary and ``no_sync()`` are declared to the pipeline there: the last micro-batch of a compressed
@@ -28,6 +30,8 @@ What the engine calls and what happens:
 - ``state`` (= ``optimizer.state``): per fp32 master shard, as DeepSpeed's ZeRO-1 exposes its inner
   optimizer's: ``exp_avg`` and ``exp_avg_sq`` are ACCO's moment shards themselves (views, not copies),
   ``step`` a 0-dim fp32 tensor, the applied commits (``ShardState``).
+- ``loss_scaler``, ``dynamic_loss_scale``, ``cur_scale`` / ``loss_scale``: ZeRO-1's fp16 face, read off the
+  pipeline's device loss scaler when asked (``loss_scaler_view``); without fp16 a static scale of 1.0, as ZeRO-1's.
 
 At the engine's k-th accumulation boundary in ``acco`` mode the commit producing theta^k has just
 been launched and the model holds the estimate theta~^k; ``committed_parameters`` semantics
@@ -50,6 +54,7 @@ from acco_ds.core.pipeline import ACCOPipeline
 from acco_ds.deepspeed import checkpoint
 from acco_ds.deepspeed.accessors import hide_step_gradients, link_accessors
 from acco_ds.deepspeed.evaluation import EvaluationView
+from acco_ds.deepspeed.loss_scaler_view import loss_scaler_view, read_only_error
 from acco_ds.deepspeed.monitor import ACCOMonitor
 from acco_ds.deepspeed.param_groups import ParamGroupHolder
 from acco_ds.ops.adamw_settings import AdamWSettings
@@ -137,6 +142,12 @@ torch.utils._pytree.register_pytree_node(
 )
 
 
+def _graph_task() -> int:
+    """The id of the autograd graph task running on this thread (each backward has its own), -1 outside one."""
+    current = getattr(torch._C, "_current_graph_task_id", None)
+    return -1 if current is None else int(current())
+
+
 class ACCOZeroOptimizer(ZeROOptimizer):
     """See the module docstring."""
 
@@ -184,10 +195,11 @@ class ACCOZeroOptimizer(ZeROOptimizer):
         self._global_grad_norm = None
         self.custom_loss_scaler = False
         self.torch_autocast_gradscaler = None
-        self.loss_scaler = None  # ZeROOptimizer.scale_if_loss's: ACCO scales through its pipeline instead
+        self._loss_scaler = loss_scaler_view(self.pipeline)
         self.dynamic_loss_scale = bool(loss_scale is not None and loss_scale.dynamic)
         self.partition_gradients = False
         self._since_step = 0
+        self._prologue_task = None  # the autograd graph task whose backward the prologue last ran for
         self._view = EvaluationView(self.pipeline)
         link_accessors(self)
 
@@ -229,7 +241,17 @@ class ACCOZeroOptimizer(ZeROOptimizer):
     def backward_prologue(self):
         """Before a micro-batch backward; the engine's boundary and ``no_sync()`` are known by now (DeepSpeed sets
         them before ``engine.backward``), and the epilogue reads the same ones: declared to the pipeline, they let
-        a compressed round's last micro-batch quantize its gradients as they arrive (``core.fused_round_end``)."""
+        a compressed round's last micro-batch quantize its gradients as they arrive (``core.fused_round_end``).
+
+        Runs once per backward, from whichever comes first at its start: the hook :meth:`scale_if_loss` puts on the
+        loss ``engine.backward`` runs backward on (every loop, the module called directly too), or the engine's own
+        prologue (the output hooks ``engine(...)`` puts on its outputs: ``engine.backward`` and ``loss.backward()``).
+        Called inside a backward, a second call for the same autograd graph task does nothing; called outside one
+        (a bare optimizer), it always runs."""
+        task = _graph_task()
+        if task >= 0 and task == self._prologue_task:
+            return
+        self._prologue_task = task
         engine = self.engine
         if engine is None:
             self.pipeline.on_backward_start(boundary=None)
@@ -243,6 +265,7 @@ class ACCOZeroOptimizer(ZeROOptimizer):
         """After a micro-batch backward: hand the pipeline the engine's word on it (see the module
         docstring); without an engine (a bare optimizer) every gradient_accumulation_steps-th
         micro-batch is a boundary."""
+        self._prologue_task = None
         self._since_step += 1
         engine = self.engine
         if engine is None:
@@ -323,21 +346,44 @@ class ACCOZeroOptimizer(ZeROOptimizer):
         micro-batches already in it, which DeepSpeed's ZeRO-1 does not do either)."""
 
     def scale_if_loss(self, value):
-        """The loss times the current round's loss scale with fp16 (``core.loss_scale``; a device tensor, no host
-        read), unchanged with bf16/fp32; the loss is recorded for the monitor when it is enabled."""
+        """What ``engine.backward`` (and ``engine.scale``) run backward on: the loss times the current round's loss
+        scale with fp16 (``core.loss_scale``; a device tensor, no host read), the loss itself with bf16/fp32. The
+        returned tensor carries a hook that runs :meth:`backward_prologue` when its backward starts, so the prologue
+        runs when the module was called directly (``engine.module(x)``: no output hooks of the engine) as it does
+        through ``engine(x)``. The loss is recorded for the monitor when it is enabled."""
         monitor = getattr(self, "_acco_monitor", None)
         if monitor is not None:
             monitor.record_loss(value)
-        if self.pipeline.scaler is not None and isinstance(value, torch.Tensor) and value.requires_grad:
-            return self.pipeline.scale_loss(value)
-        return super().scale_if_loss(value)
+        if not (isinstance(value, torch.Tensor) and value.requires_grad):
+            return value
+        scaled = self.pipeline.scale_loss(value)
+        scaled.register_hook(self._prologue_hook)
+        return scaled
+
+    def _prologue_hook(self, grad):
+        self.backward_prologue()
+
+    @property
+    def loss_scaler(self):
+        """ZeRO-1's scaler object, read off ACCO's device scaler when asked (``loss_scaler_view``): DeepSpeed's
+        ``DynamicLossScaler`` with dynamic fp16, its ``LossScaler`` with a static fp16 scale or bf16/fp32 (scale 1.0).
+        The same object for the optimizer's life; it cannot be replaced (``LossScalerReadOnlyError``)."""
+        return self._loss_scaler
+
+    @loss_scaler.setter
+    def loss_scaler(self, value):
+        raise read_only_error("optimizer.loss_scaler (replacing the object)")
 
     @property
     def cur_scale(self) -> float:
-        """The loss scale (ZeRO-1's ``cur_scale``; 1.0 without fp16). With fp16 a host read of the device state:
-        the scale after the commits swapped in so far."""
-        scaler = self.pipeline.scaler
-        return 1.0 if scaler is None else scaler.scale
+        """The loss scale (ZeRO-1's ``cur_scale`` and ``loss_scale``: ``loss_scaler.cur_scale``; 1.0 without fp16).
+        With dynamic fp16 a host read of the device state: the scale after the commits applied so far. Assigning it
+        raises ``LossScalerReadOnlyError`` (ZeRO-1 would change its scale; ACCO's is decided on the device)."""
+        return self._loss_scaler.cur_scale
+
+    @cur_scale.setter
+    def cur_scale(self, value):
+        raise read_only_error("optimizer.cur_scale (and optimizer.loss_scale)")
 
     loss_scale = cur_scale
 
