@@ -152,8 +152,9 @@ MUTANTS = [
         "M13",
         "the peek's estimate is not all-gathered (stage 2 computes at stale parameters)",
         "acco_ds/core/round_job.py",
-        "        all_gather_inplace(target, group, traffic)\n",
-        "        if job is Job.COMMIT:\n            all_gather_inplace(target, group, traffic)\n",
+        "            in_flight = all_gather_inplace(target, group, traffic, wait=offload is None)\n",
+        "            if job is Job.COMMIT:\n"
+        "                in_flight = all_gather_inplace(target, group, traffic, wait=offload is None)\n",
         tuple(TRAJ),
     ),
     Mutant(
@@ -486,17 +487,61 @@ MUTANTS = [
         "M51",
         "offload: the host step reads its staging buffers without waiting for the copies of its inputs",
         "acco_ds/core/host_step.py",
-        "        copies.wait_host()\n        if clock is not None:",
-        "        if clock is not None:",
+        "        self._wait(partial(copies.wait_host, staged.ready), group, INPUTS_PHASE)\n",
+        "",
         ("tests/core/test_host_step.py::test_a_step_waits_for_its_inputs_copies",),
     ),
     Mutant(
         "M52",
         "offload: the new parameters not copied back from the host (the all-gather sends the device's old shard)",
         "acco_ds/core/host_step.py",
-        "        copies.copy(out, out_host)\n",
+        "        copies.copy(staged.out, staged.out_host)\n",
         "",
         ("tests/core/test_host_step.py",),
+    ),
+    Mutant(
+        "M53",
+        "offload: the groups serialised again (each group's inputs staged only once the previous group's all-gather "
+        "was issued: no group's host step overlaps an all-gather)",
+        "acco_ds/core/round_job.py",
+        "    staged = [offload.stage(i, c[2], c[3]) for i, c in enumerate(calls)] if offload is not None else None\n",
+        # group i staged at its turn, after group i-1's all-gather was issued (on CUDA: behind it on the stream)
+        "    staged = type('Lazy', (), {'__getitem__': lambda _, i: offload.stage(i, calls[i][2], calls[i][3])})()"
+        " if offload is not None else None\n",
+        (
+            "tests/core/test_host_step_order.py::test_the_next_groups_inputs_are_staged_and_stepped_before_a_groups_all_gather_is_waited",
+        ),
+    ),
+    Mutant(
+        "M54",
+        "offload on gloo: each group's all-gather waited at once (the next group's host step never runs beside it)",
+        "acco_ds/core/round_job.py",
+        "            in_flight = all_gather_inplace(target, group, traffic, wait=offload is None)\n",
+        "            in_flight = all_gather_inplace(target, group, traffic, wait=True)\n",
+        (
+            "tests/core/test_host_step_order.py::test_the_next_groups_inputs_are_staged_and_stepped_before_a_groups_all_gather_is_waited",
+        ),
+    ),
+    Mutant(
+        "M55",
+        "offload: the staging buffers not allocated at set-up (each made by the first job that needs it)",
+        "acco_ds/core/round_job.py",
+        "        staging=host_staging(groups, compression, world, ranged),\n",
+        "        staging=None,\n",
+        (
+            "tests/core/test_host_step_order.py::test_the_staging_is_allocated_at_set_up_with_exact_sizes_and_no_job_allocates",
+        ),
+    ),
+    Mutant(
+        "M56",
+        "offload: the host step's waits for its copies without a deadline (a stalled copy blocks the worker thread)",
+        "acco_ds/core/host_step.py",
+        "        if not wait(self.timeout_s):\n",
+        "        if not wait(None):\n",
+        (
+            "tests/core/test_host_step_order.py::test_a_copy_to_the_host_slower_than_the_timeout_raises_naming_the_rank_group_and_wait",
+            "tests/core/test_host_step_order.py::test_a_copy_back_slower_than_the_timeout_raises_naming_that_wait",
+        ),
     ),
     Mutant(
         "M45",

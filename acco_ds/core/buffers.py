@@ -368,10 +368,14 @@ class GroupBuffers:
         """Elements of sharded optimizer state held by this rank (master + exp_avg + exp_avg_sq)."""
         return self.master.numel() + self.exp_avg.numel() + self.exp_avg_sq.numel()
 
+    host_staging_bytes: int | None = None
+    """Bytes of host staging buffers the staged host step holds for this group (``core.host_step.HostStep`` keeps it
+    current; they are allocated when the pipeline is built); None without a staged host step."""
+
     def held_bytes(self) -> dict:
         """Bytes this group holds, per buffer kind (what bench_memory's analytic columns predict): ``full`` and
         ``shards`` on the parameters' device, ``host_shards`` the optimizer state in host memory (offload; 0
-        without it)."""
+        without it) and, only with a staged host step (offload), ``host_staging``: its buffers in host memory."""
         full = {id(t): t for t in self.param_bufs + self.grad_bufs}.values()
         shards = [self.master, self.exp_avg, self.exp_avg_sq] + (
             [self.tilde] if self.tilde is not None else []
@@ -379,8 +383,11 @@ class GroupBuffers:
         offloaded = self.state_device != self.device
         here = [t for t in shards if not (offloaded and t.device == self.state_device)]
         away = [t for t in shards if offloaded and t.device == self.state_device]
-        return {
+        held = {
             "full": sum(t.numel() * t.element_size() for t in full),
             "shards": sum(t.numel() * t.element_size() for t in here),
             "host_shards": sum(t.numel() * t.element_size() for t in away),
         }
+        if self.host_staging_bytes is not None:
+            held["host_staging"] = self.host_staging_bytes
+        return held

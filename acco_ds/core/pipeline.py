@@ -61,10 +61,10 @@ from acco_ds.core.buffers import GroupBuffers, GroupLayout
 from acco_ds.core.comm import check_reducible, make_control_group, make_executor, new_subgroup
 from acco_ds.core.compressed_comm import Compression
 from acco_ds.core.fused_round_end import BlockOwners, FusedRoundEnd, ResidualRelease
-from acco_ds.core.host_step import HostStep, OffloadSpec
+from acco_ds.core.host_step import OffloadSpec
 from acco_ds.core.liveness import BlockBoard
 from acco_ds.core.loss_scale import DeviceLossScaler, LossScaleSpec
-from acco_ds.core.round_job import RoundResult, all_gather_inplace, run_round_job
+from acco_ds.core.round_job import RoundResult, all_gather_inplace, make_host_step, run_round_job
 from acco_ds.core.schedule import Job, RoundCounter
 from acco_ds.ops.adamw_settings import AdamWSettings
 
@@ -217,11 +217,6 @@ class ACCOPipeline:
             for ps in groups_params
         ]
         self.offload = offload
-        self.host_step = (
-            HostStep(len(self.groups), self.device, offload)
-            if offload is not None and offload.staged
-            else None
-        )
         for b in self.groups:
             b.install_fold_hooks()
         # error feedback (compressed rounds): per group, what quantization withheld from the rounds sent so
@@ -253,6 +248,20 @@ class ACCOPipeline:
             else torch.full((1,), float(self.scaler.spec.init_scale), dtype=torch.float64, device=self.device)
             for r in self.residuals
         ]
+        # the host step's staging buffers, allocated here for every job to come (core.host_step)
+        self.host_step = (
+            make_host_step(
+                self.groups,
+                self.device,
+                offload,
+                self.compression,
+                self.world_size,
+                tp_group,
+                cfg.comm_timeout_s,
+            )
+            if offload is not None and offload.staged
+            else None
+        )
         self.executor = make_executor(self.device, cfg.comm_timeout_s, dp_group)
         self.control_group = make_control_group(dp_group, cfg.comm_timeout_s)
         self.tp_size = 1 if tp_group is None else dist.get_world_size(tp_group)

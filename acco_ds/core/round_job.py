@@ -43,8 +43,9 @@ from acco_ds.core.phase_clock import PhaseClock
 from acco_ds.core.schedule import Job
 from acco_ds.ops.adamw import adamw_step
 from acco_ds.ops.adamw_difference import adamw_step_difference
-from acco_ds.ops.adamw_settings import AdamWSettings
+from acco_ds.ops.adamw_settings import KERNEL_FIELDS, AdamWSettings
 from acco_ds.ops.norm import sum_of_squares
+from acco_ds.ops.quantize import num_blocks
 from acco_ds.ops.quantized_sum_step import adamw_step_quantized_sum, quantized_sum_of_squares
 
 _SUMMARY_FIXED = 4  # skipped, empty, count, round_count; then one count per rank
@@ -166,27 +167,117 @@ def reduce_scatter_inplace(full: torch.Tensor, group, traffic: Traffic | None = 
         chunks[me].add_(received)
 
 
-def all_gather_inplace(full: torch.Tensor, group, traffic: Traffic | None = None) -> None:
+class PendingGather:
+    """An all-gather whose point-to-point transfers may still be running (:func:`all_gather_inplace` with
+    ``wait=False``): :meth:`wait` returns once they are done (at once where there are none); idempotent. Waited by the
+    thread that issued it."""
+
+    def __init__(self, reqs: Sequence[Any] = ()):
+        self._reqs = list(reqs)
+
+    def wait(self) -> None:
+        reqs, self._reqs = self._reqs, []
+        for req in reqs:
+            req.wait()
+
+
+def all_gather_inplace(
+    full: torch.Tensor, group, traffic: Traffic | None = None, wait: bool = True
+) -> PendingGather:
     """Every rank's slice of ``full`` to every rank, in place (NCCL's in-place all-gather; on gloo each
     slice is sent point-to-point straight into the peers' buffers, no staging copy). ``traffic``
-    (optional) counts the bytes at each call."""
+    (optional) counts the bytes at each call. ``wait`` False: the point-to-point form returns with its transfers in
+    flight; the caller waits the returned :class:`PendingGather` before anything reads ``full`` and before its next
+    collective on ``group`` (the collective form is enqueued or done when it returns: nothing left to wait for)."""
     world, me = dist.get_world_size(group), dist.get_rank(group)
     chunks = full.view(world, -1)
     if world == 1:
-        return
+        return PendingGather()
     traffic = traffic if traffic is not None else Traffic()
     if collectives(group):
         moved = (world - 1) * chunks[me].numel() * full.element_size()
         traffic.collective(moved, moved)
         all_gather_single(full, chunks[me], group=group)
-        return
+        return PendingGather()
     reqs = []
     for k in range(1, world):
         dst, src = (me + k) % world, (me - k) % world
         reqs.append(traffic.send(chunks[me], group, dst))
         reqs.append(traffic.recv(chunks[src], group, src))
-    for req in reqs:
-        req.wait()
+    pending = PendingGather(reqs)
+    if wait:
+        pending.wait()
+    return pending
+
+
+def host_staging(
+    groups: Sequence[GroupBuffers], compression: dict, world: int, ranged_norm: bool
+) -> List[list]:
+    """The host staging buffers the jobs of a pipeline hand their ``offload`` (``core.host_step.HostStep.stage``),
+    per group, as ``(name, shape, dtype)`` keys: the step inputs of every job it runs (a COMMIT; in acco, whose groups
+    keep a g~, a PEEK too) and the parameter shard the step writes where that is none of them. The choices are those
+    of :func:`run_round_job`: ``compression[job]`` (``Compression`` or None) per job; compressed gradients stay
+    unsummed up to :data:`UNSTORED_SUM_MAX_WORLD` ranks unless the groups' norms have tensor-parallel ranges
+    (``ranged_norm``); the parameter shard is the reduced gradient's own slice (same dtypes, summed gradients), the
+    base (one parameter buffer: mixed dtypes in sync, whose target is the model buffer) or a buffer of its own."""
+    jobs = [Job.COMMIT] + ([Job.PEEK] if groups[0].tilde is not None else [])
+    scalars = [
+        ("hyper_tensor", (len(KERNEL_FIELDS),), torch.float32),
+        ("scale_tensor", (1,), torch.float32),
+        ("noop_flag", (1,), torch.int32),
+    ]
+    out: List[list] = []
+    for b in groups:
+        s, P, C = b.layout.shard_numel, b.param_dtype, b.comm_dtype
+        keys = set(scalars)
+        for job in jobs:
+            comp = compression.get(job)
+            packed = comp is not None and comp.parameters
+            unsummed = (
+                comp is not None and comp.gradients and world <= UNSTORED_SUM_MAX_WORLD and not ranged_norm
+            )
+            if unsummed and job is Job.COMMIT:  # a peek's step reads the sum its norm pass wrote into the g~
+                keys |= {
+                    ("q", (world, s), torch.int8),
+                    ("scales", (world, num_blocks(s, comp.block_size)), torch.float32),
+                }
+                if b.tilde is not None:
+                    keys.add(("tilde", (s,), C))
+            else:
+                keys.add(("grad", (s,), C))
+            if packed:
+                keys.add(("base", (s,), P))
+            own_slice = b.shared and not unsummed
+            on_base = packed and not b.shared and len(b.param_bufs) == 1
+            if not (own_slice or on_base):
+                keys.add(("out", (s,), P))
+        out.append(sorted(keys, key=lambda k: (k[0], k[1], str(k[2]))))
+    return out
+
+
+def make_host_step(
+    groups: Sequence[GroupBuffers],
+    device: torch.device,
+    spec,
+    compression: dict,
+    world: int,
+    tp_group,
+    timeout_s: float,
+) -> HostStep:
+    """The pipeline's ``HostStep`` (``core.host_step``) with every staging buffer its jobs use allocated now
+    (:func:`host_staging`) and counted in the groups' ``held_bytes()``; its waits bounded by ``timeout_s`` (the
+    pipeline's comm_timeout_s), its errors naming this rank. ``tp_group``: the pipeline's tensor-parallel group or
+    None (the norm has ranges on every tensor-parallel rank but the first: ``GroupBuffers.set_norm_ranges``)."""
+    ranged = tp_group is not None and dist.get_world_size(tp_group) > 1 and dist.get_rank(tp_group) != 0
+    return HostStep(
+        len(groups),
+        device,
+        spec,
+        staging=host_staging(groups, compression, world, ranged),
+        accounts=groups,
+        timeout_s=timeout_s,
+        rank=dist.get_rank() if dist.is_initialized() else 0,
+    )
 
 
 def run_round_job(
@@ -262,7 +353,10 @@ def run_round_job(
     ``unscale_by`` as ``loss_scale.ready_scale`` of that state; the training thread then enqueues none of it.
 
     ``offload`` (``core.host_step``): the groups' master shards and moments are in host memory; each group's step
-    runs there (its inputs copied to the host, the new parameters back) between the norm and the all-gather."""
+    runs there (its inputs copied to the host, the new parameters back) between the norm and its all-gather. Every
+    group's inputs are staged right after the norm; then per group: its host step, its copy back, its all-gather,
+    so that group i+1's step overlaps group i's all-gather (on gloo the uncompressed all-gather's transfers stay in
+    flight meanwhile; the compressed one, ``exchange_quantized_difference``, returns done)."""
     dev = groups[0].device
     clock = PhaseClock(dev)
     if unscale_ready:
@@ -388,6 +482,7 @@ def run_round_job(
     if table.shape[1] > 1:
         row = (applied[0] - base_applied).clamp(0, table.shape[1] - 1).long()
         table = table.index_select(1, row)
+    calls = []  # per group: (buffers, step function, its device inputs, this rank's shard of the target, target)
     for i, (b, grad, (_, p)) in enumerate(zip(groups, grads, roles)):
         target = b.param_bufs[p]
         step = dict(
@@ -421,19 +516,29 @@ def run_round_job(
             else:
                 fn = partial(adamw_step, commit=commit)
                 tensors = dict(grad=source, **step)
+        calls.append((b, fn, tensors, out, target))
+    # offload (core.host_step): every group's inputs go to the host before the first all-gather is issued, so that
+    # group i+1's host step runs while group i's all-gather does (CUDA: on this stream; gloo: its transfers left in
+    # flight, at most one all-gather at a time, waited before the next is issued and before the job returns)
+    staged = [offload.stage(i, c[2], c[3]) for i, c in enumerate(calls)] if offload is not None else None
+    in_flight = PendingGather()
+    for i, (b, fn, tensors, out, target) in enumerate(calls):
         if offload is None:
             diff = fn(b.master, b.exp_avg, b.exp_avg_sq, out=out, **tensors)
-        else:  # the state is in host memory: the inputs go there, the new parameters come back (core.host_step)
-            diff = offload.run(i, fn, (b.master, b.exp_avg, b.exp_avg_sq), tensors, out, clock=clock)
+        else:  # the state is in host memory: the inputs went there, the new parameters come back (core.host_step)
+            diff = offload.step(staged[i], fn, (b.master, b.exp_avg, b.exp_avg_sq), clock=clock)
         clock.mark("step" if offload is None else "to_device")
+        in_flight.wait()  # the previous group's all-gather, before this group's collectives
         if packed_params:
             q, scales = diff
             exchange_quantized_difference(
                 target, bases[i], q, scales, group, compression.block_size, traffic, bits
             )
         else:
-            all_gather_inplace(target, group, traffic)
+            in_flight = all_gather_inplace(target, group, traffic, wait=offload is None)
         clock.mark("all_gather")
+    in_flight.wait()
+    clock.mark("all_gather")
     if job is Job.COMMIT:
         applied[0].add_((~(skipped | empty)).double())
 

@@ -51,11 +51,21 @@ class Buffer:
     )
 
 
+HOST_STEP_SCALARS = 8 * FP32 + FP32 + 4
+"""Bytes of the staged host step's per-group scalars: the AdamW scalars' row (8 fp32), the scale (fp32) and the skip
+flag (int32), staged beside the shards (``acco_ds.core.round_job.host_staging``)."""
+
+
 def acco_held_bytes(
     mode: str, param_D: int, comm_D: int, world: int, padded_numel: int, offloaded: bool = False
 ) -> dict:
     """The bytes ``GroupBuffers.held_bytes()`` reports for one group of ``padded_numel`` elements; ``offloaded``: the
-    optimizer state is in host memory (a GPU rank with optimizer offload), counted in ``host_shards``."""
+    optimizer state is in host memory (a GPU rank with optimizer offload), counted in ``host_shards``, and then (only
+    then: the key is absent without offload, as in ``held_bytes()``) the staged host step's buffers of uncompressed
+    rounds, allocated at set-up, in ``host_staging``: the reduced gradient shard
+    (comm dtype; the step writes the new parameters over it where the dtypes match), a parameter shard of its own
+    where they differ, and the scalars (:data:`HOST_STEP_SCALARS`). Compressed rounds stage other inputs
+    (``acco_ds.core.round_job.host_staging``)."""
     n, s = padded_numel, padded_numel // world
     overlapped = mode != "sync"
     if param_D == comm_D:
@@ -64,11 +74,14 @@ def acco_held_bytes(
         full = (2 if overlapped else 1) * n * (param_D + comm_D)
     tilde = comm_D * s if mode == "acco" else 0
     state = ADAM_SHARD * s
-    return {
+    held = {
         "full": full,
         "shards": tilde + (0 if offloaded else state),
         "host_shards": state if offloaded else 0,
     }
+    if offloaded:
+        held["host_staging"] = comm_D * s + (0 if param_D == comm_D else param_D * s) + HOST_STEP_SCALARS
+    return held
 
 
 def _acco(mode: str, D: int, W: int, largest_frac: float, comm_D: int) -> List[Buffer]:

@@ -1,7 +1,8 @@
 """Optimizer offload's staged host step (``core.host_step``) on one CPU rank: the path a GPU rank runs.
 
-With ``OffloadSpec(staged=True)`` a round's job copies the step's inputs into host staging buffers on a copy thread,
-waits for them, steps the state with the CPU kernels and copies the new parameters back before the all-gather. The
+With ``OffloadSpec(staged=True)`` a round's job copies every group's step inputs into host staging buffers on a copy
+thread, then per group waits for them, steps the state with the CPU kernels and copies the new parameters back before
+its all-gather (the order itself: ``tests/core/test_host_step_order.py``). The
 CPU and CUDA kernels share one math, so offload must not change a bit: every mode, dtype and exchange ends with the
 parameters, master shards, moments and gradient norms of the same run without offload. A copy thread that delays
 every copy makes a step that does not wait for its inputs read stale staging buffers (the test with the delay)."""
@@ -147,8 +148,9 @@ def test_the_state_lives_on_the_host_and_the_staging_buffers_are_reused():
     finally:
         pipe.close()
     assert staging[0] == staging[1] > 0  # one set of buffers per group, made once
-    # on a CPU rank the state device is the parameters' device: nothing counts as moved away
+    # on a CPU rank the state device is the parameters' device: nothing counts as moved away; the staging does
     assert all(h["host_shards"] == 0 for h in held)
+    assert sum(h["host_staging"] for h in held) == staging[0]
 
 
 def test_host_step_run_copies_an_aliased_base_once_and_returns_device_tensors():
