@@ -2,7 +2,9 @@
 
 Modules: ``units`` (option values with units), ``comm`` (alpha-beta collectives, hierarchical across
 nodes), ``memory_model`` (bytes per parameter of every contender, shared with bench_memory),
-``model`` (step time, samples/s, memory: ``predict``), ``recommend`` (mode, accumulation, GAS and
+``primitives`` (bytes per element and per AdamW step, an adaptive round's length, the gain worth a switch),
+``model`` (step time, samples/s, memory without offload: ``predict``), ``recommend`` (mode, accumulation, GAS and
 why), ``offload`` and ``recommend_offload`` (``--offload``: the optimizer in host memory, and whether to),
-``hfconfig`` (parameter count of a transformers config), ``cli`` (the console script).
+``planner`` (the two composed: ``predict`` and ``recommend`` for any inputs), ``hfconfig`` (parameter count of a
+transformers config), ``cli`` (the console script).
 """

@@ -17,18 +17,11 @@ import sys
 from pathlib import Path
 
 from acco_ds.plan import units
-from acco_ds.plan.model import (
-    COMPRESSED_CONTENDERS,
-    CONTENDERS,
-    DEEPSPEED_BUCKET,
-    DTYPE_SIZE,
-    MIXED_HALVES,
-    PlanInputs,
-    predict,
-)
+from acco_ds.plan.model import COMPRESSED_CONTENDERS, CONTENDERS, DEEPSPEED_BUCKET, MIXED_HALVES, PlanInputs
 from acco_ds.plan.offload import CONTENDERS as OFFLOAD_CONTENDERS
 from acco_ds.plan.offload import HOST_ADAM_BW, HOST_ADAM_BW_DEEPSPEED, PCIE_BW
-from acco_ds.plan.recommend import recommend
+from acco_ds.plan.planner import predict, recommend
+from acco_ds.plan.primitives import DTYPE_SIZE
 
 EXAMPLE = """examples:
   acco-plan --params 125M --nodes 4 --gpus-per-node 8 --intra-bw 200GB/s --inter-bw 100Gbit/s \\

@@ -29,8 +29,8 @@ more on the compute per round and that pass out of ``T_q``; adaptive rounds quan
 one more full buffer held (the error-feedback residual, in the comm dtype) plus a round's int8 values and one fp32
 chunk while it exchanges (``memory_model.compression_buffers``).
 
-With ``offload`` the rows of ``offload.CONTENDERS`` follow (the optimizer state in host memory: the host AdamW
-passes and the PCIe copies, ``acco_ds/plan/offload.py``), their ``host_memory_bytes`` set.
+The rows are those without offload whatever ``inputs.offload`` says: ``planner.predict`` adds the rows of
+``offload.CONTENDERS`` after them (the optimizer state in host memory: ``offload.add_rows``).
 """
 
 from __future__ import annotations
@@ -41,10 +41,8 @@ from typing import Dict, List
 
 from acco_ds.plan import memory_model
 from acco_ds.plan.comm import Topology
+from acco_ds.plan.primitives import DTYPE_SIZE, adaptive_round_micro_batches, opt_bytes_per_param
 
-DTYPE_SIZE = {"bf16": 2, "fp16": 2, "fp32": 4}
-"""Bytes per element. fp16 (with loss scaling) moves and holds what bf16 does; the loss scaler's state is a few
-scalars, and DeepSpeed's overflow check (an amax and an amin over the gradient partition) is not modelled."""
 MIXED_HALVES = {"bf16", "fp16"}
 """The parameter / communication dtype pair the plan refuses: fp16 and bf16 do not mix (acco_ds's optimizer refuses
 it)."""
@@ -60,7 +58,6 @@ GPU_COMPRESSION_NOTE = (
 COMPRESSION_CONFIG = {"commit": "int8", "peek": "int8", "all_gather": "int8"}
 BACKWARD_SHARE = 2.0 / 3.0  # of a micro-batch's compute: backward ~ 2x forward
 DEEPSPEED_BUCKET = 500_000_000  # DeepSpeed's default reduce_bucket_size (elements)
-FP32_ADAM = 12  # fp32 master, exp_avg, exp_avg_sq: bytes per parameter, read or written
 
 
 @dataclass(frozen=True)
@@ -88,7 +85,7 @@ class PlanInputs:
     tokens_per_micro_batch: float | None = None
     gpu_memory: float | None = None  # bytes; None: no fit check
     block_size: int = 256  # compressed rounds: elements per int8 block (one fp32 scale each)
-    offload: bool = False  # add the optimizer-offload rows (acco_ds/plan/offload.py)
+    offload: bool = False  # planner.predict adds the optimizer-offload rows (offload.add_rows)
     pcie_bw: float = 25e9  # bytes/s of one GPU's host copies, each direction (offload.PCIE_BW)
     host_adam_bw: float = 49e9  # bytes/s of acco_ds's host AdamW per GPU (offload.HOST_ADAM_BW)
     host_adam_bw_deepspeed: float = (
@@ -171,20 +168,6 @@ class Plan:
         return {"inputs": self.inputs, "derived": self.derived, "rows": [asdict(r) for r in self.rows]}
 
 
-def opt_bytes_per_param(kind: str, D: int, C: int) -> int:
-    """Bytes one AdamW step streams per parameter of the shard: ``commit`` (acco_ds's fused kernel:
-    read fp32 master/m/v + the reduced gradient, write master/m/v + the new parameter), ``peek``
-    (read the same, write only the parameter), ``deepspeed`` (the gradient partition copied to fp32,
-    a fused AdamW on fp32, the fp32 master copied back to the parameter dtype)."""
-    if kind == "commit":
-        return 2 * FP32_ADAM + C + D
-    if kind == "peek":
-        return FP32_ADAM + C + D
-    if kind == "deepspeed":
-        return (C + 4) + (4 + 2 * FP32_ADAM) + (4 + D)
-    raise ValueError(f"unknown optimizer step kind {kind!r}")
-
-
 UNSTORED_SUM_MAX_WORLD = 3
 """``acco_ds.core.round_job.UNSTORED_SUM_MAX_WORLD`` (the planner stands alone; a test keeps the two equal)."""
 
@@ -218,12 +201,6 @@ def exposed_overlapped_reduce(t_reduce: float, t_backward: float, n_buckets: int
     if not can_overlap or n_buckets <= 1:
         return t_reduce
     return max(t_reduce / n_buckets, t_reduce - t_backward * (1 - 1 / n_buckets))
-
-
-def adaptive_round_micro_batches(k: int, comm_s: float, t_mb: float) -> int:
-    """Micro-batches of an adaptive round: at least ``k``; the round ends at the first micro-batch
-    boundary at or after its communication's end."""
-    return max(k, math.ceil(comm_s / t_mb - 1e-9))
 
 
 def _derived(i: PlanInputs) -> dict:
@@ -354,6 +331,8 @@ def _rows(i: PlanInputs, d: dict) -> Dict[str, dict]:
 
 
 def predict(i: PlanInputs) -> Plan:
+    """The plan of every contender without offload (``CONTENDERS + COMPRESSED_CONTENDERS``, in that order),
+    ``x_zero1`` set on each; ``inputs.offload`` is left to ``planner.predict``."""
     d = _derived(i)
     W = d["dp_world"]
     plan = Plan(inputs=asdict(i), derived=d)
@@ -376,8 +355,6 @@ def predict(i: PlanInputs) -> Plan:
                 note=r.get("note", ""),
             )
         )
-    if i.offload:
-        _add_offload_rows(plan, i)
     if i.accelerator == "gpu":
         for r in plan.rows:
             if r.contender in COMPRESSED_CONTENDERS:
@@ -386,29 +363,3 @@ def predict(i: PlanInputs) -> Plan:
     for r in plan.rows:
         r.x_zero1 = r.samples_per_s / base if r.samples_per_s else None
     return plan
-
-
-def _add_offload_rows(plan: Plan, i: PlanInputs) -> None:
-    from acco_ds.plan import offload  # it builds on this module's primitives
-
-    d = plan.derived
-    d.update(offload.derived(i, d))
-    for name, r in offload.rows(i, d).items():
-        gpu, host = offload.memory(name, i, d)
-        per_param = memory_model.peak(gpu, cpu=False)
-        mem = per_param * d["params_per_gpu"]
-        plan.rows.append(
-            Row(
-                contender=name,
-                step_s=r["step"],
-                samples_per_s=d["dp_world"] * i.micro_batch * r["mbs"] / r["step"] if r["step"] else None,
-                micro_batches_per_step=r["mbs"],
-                memory_bytes=mem,
-                memory_bytes_per_param=per_param,
-                memory_held_bytes_per_param=memory_model.held(gpu),
-                exposed_comm_s=r["exposed"],
-                fits=None if i.gpu_memory is None else mem <= i.gpu_memory,
-                note=r["note"],
-                host_memory_bytes=memory_model.held(host) * d["params_per_gpu"],
-            )
-        )

@@ -2,7 +2,9 @@
 contenders that keep the fp32 master and Adam's moments in host memory (``zero_optimization.offload_optimizer``
 device cpu). Equations and assumptions: docs/PLAN.md, "Optimizer offload".
 
-Contract: ``derived(inputs, d) -> dict`` (the offload figures, merged into the plan's derived dict) and
+Contract: ``add_rows(plan, inputs)`` appends the rows of ``CONTENDERS`` to ``model.predict``'s plan (their
+``host_memory_bytes`` and ``x_zero1`` set) and merges ``derived`` into its derived dict; it is ``planner.predict``'s
+with ``inputs.offload``. Its parts: ``derived(inputs, d) -> dict`` (the offload figures) and
 ``rows(inputs, d) -> {contender: {"step", "mbs", "exposed", "note"}}`` for ``CONTENDERS``, both pure arithmetic on
 the inputs; ``memory(contender, inputs, d) -> (gpu, host)`` the buffers of ``memory_model.offloaded``. Per GPU,
 with ``s = N/W`` the parameters of its shard (``N`` per GPU, ``W`` data-parallel ranks):
@@ -18,13 +20,14 @@ with ``s = N/W`` the parameters of its shard (``N`` per GPU, ``W`` data-parallel
 
 with a round's job (``acco_ds/core/host_step.py``) ``J = T_rs + C s/pcie + H + D s/pcie + T_ag``: the reduced
 gradient shard down (comm dtype), the host AdamW pass ``H`` (commit ``(24 + C + D) s / host``, peek
-``(12 + C + D) s / host``: ``model.opt_bytes_per_param``), the new parameter shard up (parameter dtype).
+``(12 + C + D) s / host``: ``primitives.opt_bytes_per_param``), the new parameter shard up (parameter dtype).
 """
 
 from __future__ import annotations
 
 from acco_ds.plan import memory_model
-from acco_ds.plan.model import DTYPE_SIZE, FP32_ADAM, adaptive_round_micro_batches, opt_bytes_per_param
+from acco_ds.plan.model import Plan, PlanInputs, Row
+from acco_ds.plan.primitives import DTYPE_SIZE, FP32_ADAM, adaptive_round_micro_batches, opt_bytes_per_param
 
 CONTENDERS = ("zero1-offload", "sync-offload", "acco-offload", "acco-adaptive-offload")
 PCIE_BW = 25e9
@@ -133,3 +136,32 @@ def memory(contender: str, i, d: dict) -> tuple:
     name = contender.removesuffix("-offload").replace("acco-adaptive", "acco")
     bucket = d["bucket_frac"] if name == "zero1" else None
     return memory_model.offloaded(name, D, d["dp_world"], i.largest_frac, C, bucket_frac=bucket)
+
+
+def add_rows(plan: Plan, i: PlanInputs) -> None:
+    """Append the rows of ``CONTENDERS`` to ``plan`` (``model.predict(i)``'s, its ``zero1`` row included), each
+    with its GPU and host memory and ``x_zero1`` over that row, and merge ``derived`` into ``plan.derived``."""
+    d = plan.derived
+    d.update(derived(i, d))
+    base = plan.row("zero1").samples_per_s
+    for name, r in rows(i, d).items():
+        gpu, host = memory(name, i, d)
+        per_param = memory_model.peak(gpu, cpu=False)
+        mem = per_param * d["params_per_gpu"]
+        sps = d["dp_world"] * i.micro_batch * r["mbs"] / r["step"] if r["step"] else None
+        plan.rows.append(
+            Row(
+                contender=name,
+                step_s=r["step"],
+                samples_per_s=sps,
+                micro_batches_per_step=r["mbs"],
+                memory_bytes=mem,
+                memory_bytes_per_param=per_param,
+                memory_held_bytes_per_param=memory_model.held(gpu),
+                x_zero1=sps / base if sps else None,
+                exposed_comm_s=r["exposed"],
+                fits=None if i.gpu_memory is None else mem <= i.gpu_memory,
+                note=r["note"],
+                host_memory_bytes=memory_model.held(host) * d["params_per_gpu"],
+            )
+        )

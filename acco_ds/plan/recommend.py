@@ -17,8 +17,8 @@ paragraph with the figures) and ``alternative`` (or None). The rules (docs/PLAN.
    (``GPU_COMPRESSION_NOTE``: the GPU path has run on one GPU only, never across ranks), and ``compression`` stays None.
 DPU is never recommended: it is the stale-gradient baseline ACCO corrects (docs/ALGORITHM.md).
 
-With ``inputs.offload`` the answer also holds ``offload`` (None, or the ``zero_optimization.offload_optimizer``
-section to add) and follows ``recommend_offload.with_offload``'s rules; without it, ``offload`` is None.
+The answer is among the contenders without offload whatever ``inputs.offload`` says, and its ``offload`` is None:
+``planner.recommend`` passes it through ``recommend_offload.with_offload`` with ``inputs.offload``.
 """
 
 from __future__ import annotations
@@ -26,8 +26,7 @@ from __future__ import annotations
 import math
 
 from acco_ds.plan.model import COMPRESSION_CONFIG, GPU_COMPRESSION_NOTE, Plan, PlanInputs
-
-MIN_GAIN = 1.05
+from acco_ds.plan.primitives import MIN_GAIN
 
 
 def _gib(b: float) -> str:
@@ -35,12 +34,8 @@ def _gib(b: float) -> str:
 
 
 def recommend(plan: Plan, i: PlanInputs) -> dict:
-    rec = _without_offload(plan, i) | {"offload": None}
-    if not i.offload:
-        return rec
-    from acco_ds.plan.recommend_offload import with_offload  # it builds on this module
-
-    return with_offload(plan, i, rec)
+    """The recommendation among ``plan``'s contenders without offload (``offload`` None)."""
+    return _without_offload(plan, i) | {"offload": None}
 
 
 def _without_offload(plan: Plan, i: PlanInputs) -> dict:

@@ -24,7 +24,7 @@ import math
 
 from acco_ds.plan.model import Plan, PlanInputs, Row
 from acco_ds.plan.offload import OFFLOAD_CONFIG
-from acco_ds.plan.recommend import MIN_GAIN
+from acco_ds.plan.primitives import MIN_GAIN
 
 
 def _gib(b: float) -> str:

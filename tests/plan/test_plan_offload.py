@@ -1,7 +1,8 @@
-"""acco-plan --offload (acco_ds/plan/offload.py, recommend_offload.py): each offload contender's step time on a
-hand-computed case; fixed ACCO's 1.5x limit over the same host work run serially, reached where that work is half a
-step's compute; adaptive ACCO at the compute-only rate; the GPU and host memory (the optimizer state moved, nothing
-else); the recommendation (offload or not, which mode) and its reason; the CLI's options, output and errors."""
+"""acco-plan --offload (acco_ds/plan/offload.py, recommend_offload.py, joined by planner.py): each offload
+contender's step time on a hand-computed case; fixed ACCO's 1.5x limit over the same host work run serially,
+reached where that work is half a step's compute; adaptive ACCO at the compute-only rate; the GPU and host memory
+(the optimizer state moved, nothing else); the recommendation (offload or not, which mode) and its reason; the
+CLI's options, output and errors."""
 
 from __future__ import annotations
 
@@ -12,9 +13,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from acco_ds.plan import cli, memory_model, offload
-from acco_ds.plan.model import PlanInputs, predict
-from acco_ds.plan.recommend import recommend
+from acco_ds.plan import cli, memory_model, model, offload
+from acco_ds.plan import recommend as base_recommend
+from acco_ds.plan.model import PlanInputs
+from acco_ds.plan.planner import predict, recommend
 from tests.plan.test_plan import _exit2
 
 GIB = 2**30
@@ -62,6 +64,24 @@ def test_each_offload_contender_against_a_hand_computed_case():
     plain = predict(dataclasses.replace(ONE_GPU, offload=False))
     assert not any(r.contender.endswith("-offload") for r in plain.rows)
     assert not any(k.startswith("offload_") for k in plain.derived)
+
+
+def test_the_base_modules_leave_offload_to_the_planner():
+    """model.predict and recommend.recommend answer without offload whatever inputs.offload says; planner.predict is
+    their plan followed by the offload rows (x_zero1 over the same ZeRO-1 row), planner.recommend their answer
+    passed through recommend_offload.with_offload."""
+    base = model.predict(ONE_GPU)
+    assert [r.contender for r in base.rows] == list(model.CONTENDERS + model.COMPRESSED_CONTENDERS)
+    assert base_recommend.recommend(base, ONE_GPU)["offload"] is None
+    full = predict(ONE_GPU)
+    assert full.rows[: len(base.rows)] == base.rows
+    zero1 = full.row("zero1").samples_per_s
+    for r in full.rows[len(base.rows) :]:
+        assert r.x_zero1 == pytest.approx(r.samples_per_s / zero1) and r.host_memory_bytes > 0
+    assert "No optimizer offload" in recommend(full, ONE_GPU)["reason"]  # no --gpu-memory: rule 1
+    small = dataclasses.replace(ONE_GPU, gpu_memory=8 * GIB)  # fits only offloaded
+    assert base_recommend.recommend(model.predict(small), small)["offload"] is None
+    assert recommend(predict(small), small)["offload"] == offload.OFFLOAD_CONFIG
 
 
 def test_the_jobs_hold_the_collectives_and_the_shard():
