@@ -7,8 +7,13 @@ The caller (the DeepSpeed optimizer, or a test) drives it with:
   hooks fold each gradient into it as backward produces it; ``core.buffers``).
 - ``on_micro_batch_end(boundary, hold)`` after each micro-batch backward. ``boundary``: the engine marks
   this micro-batch the last of its optimizer step (None: count, a boundary every
-  ``gradient_accumulation_steps``); ``hold``: no round may end (the engine's ``no_sync()`` or coalesced
-  reduction). With fixed accumulation the COMMIT of a step is launched at its boundary and nowhere else
+  ``gradient_accumulation_steps``); ``hold``: the optimizer step does not end at this micro-batch (the engine's
+  ``no_sync()`` or coalesced reduction), while the rounds that end by count (acco's PEEK rounds, every adaptive
+  round) end as they would outside it, so a loop that wraps the micro-batches before its boundary in ``no_sync()``
+  (accelerate's ``accumulate()``) runs the rounds of the bare loop; ``boundary`` True with ``hold``: the step ends
+  right after this micro-batch without a further backward (:meth:`close_step`, a coalesced reduction's flush), so
+  no round ends by count here either (the boundary decides, as outside). With fixed accumulation the COMMIT of a
+  step is launched at its boundary and nowhere else
   (``schedule.plan_boundary``), whatever the number of micro-batches the step took; acco's PEEK rounds
   end after their share of micro-batches. With adaptive accumulation rounds end when they have their
   share and the previous round's communication is done; the boundary does not end them.
@@ -37,7 +42,10 @@ for that job a round ago, so the read finds it complete unless the host runs mor
 of the device (then it waits, with a round of work queued on the GPU). The bookkeeping that depends
 on those figures (committed/applied steps, skips, stats) is done at that read. The reported grad norm
 is not: it is selected on the device when a commit is swapped in, so a step reports the norm of the
-commit it waited for (sync: its own) on every device. What the next job needs from them, the AdamW step count and the settings of the LR schedule at
+commit it waited for (sync: its own) on every device. Nor is a commit's skip: the engine's optimizer step reads
+the summaries of the commits swapped in so far (``read_swapped_commits``), so a skip reaches the engine at the
+step that swapped its commit in on every device (sync: its own step, as ZeRO-1). What the next job needs from
+them, the AdamW step count and the settings of the LR schedule at
 that count, is decided on the device: the pipeline keeps the applied-commit count as the side stream
 sees it (``applied_dev``) and hands each job a table of AdamW scalars for every count the unread
 commits could have left; the job picks its row on the device (``round_job``). ``stats.comm_wait_s``
@@ -46,6 +54,7 @@ is the time the host spent in those waits and reads (on CPU: the time the comput
 
 from __future__ import annotations
 
+import os
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -68,6 +77,9 @@ from acco_ds.core.round_job import RoundResult, all_gather_inplace, make_host_st
 from acco_ds.core.schedule import Job, RoundCounter
 from acco_ds.ops.adamw_settings import AdamWSettings
 
+DEFER_HOST_READS_ENV = "ACCO_DS_DEFER_HOST_READS"
+"""Set to 1, CPU ranks read each job's host summary one job late, as CUDA ranks always do (a CPU test mode)."""
+
 UNDECLARED = object()
 """``on_backward_start``'s default ``boundary``: the caller does not say what the micro-batch's end will be."""
 
@@ -77,7 +89,9 @@ class PipelineStats:
     """ACCO's own figures (per rank unless said global)."""
 
     rounds: int = 0
+    optimizer_steps: int = 0  # optimizer steps the caller ended (on_engine_step calls), LR-stepped or not
     micro_batches_local: int = 0
+    micro_batches_held: int = 0  # micro-batches ended inside no_sync() or a coalesced reduction
     micro_batches_committed: int = 0  # global: micro-batches that entered applied commits
     micro_batches_peeked: int = 0  # global: micro-batches that entered peeks
     micro_batches_discarded: int = 0  # global: gradients of rounds that end no commit (end of run)
@@ -270,6 +284,10 @@ class ACCOPipeline:
             # groups of their own: the compute side's tensor-parallel collectives use DeepSpeed's group
             backend = "nccl" if self.device.type == "cuda" else "gloo"
             self.tp_norm_group = new_subgroup(tp_group, backend, cfg.comm_timeout_s)
+            # its first collective here, on the job's device: NCCL creates a group's communicator lazily, at its
+            # first collective, which would otherwise be a job's norm while the compute side runs tensor-parallel
+            # collectives on DeepSpeed's group
+            dist.all_reduce(torch.zeros(1, device=self.device), group=self.tp_norm_group)
             self.tp_control_group = make_control_group(tp_group, cfg.comm_timeout_s)
             tp_rank = dist.get_rank(tp_group)
             for b, flags in zip(self.groups, tp_sharded or [[True] * len(b.params) for b in self.groups]):
@@ -295,7 +313,7 @@ class ACCOPipeline:
         self.tilde_count = [torch.zeros(1, dtype=torch.float64, device=self.device)]
         # applied commits as the side stream sees them (the jobs run in order and add to it)
         self.applied_dev = [torch.zeros(1, dtype=torch.float64, device=self.device)]
-        self.defer_host_reads = self.device.type == "cuda"
+        self.defer_host_reads = self.device.type == "cuda" or os.environ.get(DEFER_HOST_READS_ENV, "0") == "1"
         self._unread: deque = deque()  # results swapped in whose summary is not read yet (oldest first)
         self.viewing_committed = (
             False  # the model's parameters view theta for evaluation (core.committed_view)
@@ -361,9 +379,11 @@ class ACCOPipeline:
     def _predicted_round_end(self, boundary, hold: bool) -> schedule.RoundEnd | None:
         """The round end :meth:`on_micro_batch_end` will make after this micro-batch, given what the caller
         declared; None where it ends no round or is not known before the backward (adaptive accumulation)."""
-        if hold or self.adaptive:
+        if self.adaptive:
             return None
-        ends_step = self.step_count + 1 >= self.gas if boundary is None else bool(boundary)
+        if hold and boundary:
+            return None  # the step ends at close_step, right after this micro-batch
+        ends_step = not hold and (self.step_count + 1 >= self.gas if boundary is None else bool(boundary))
         if ends_step:
             return schedule.plan_boundary(self.mode, self.phase_round)
         if (
@@ -425,6 +445,10 @@ class ACCOPipeline:
         self.step_count += 1
         self.stats.micro_batches_local += 1
         if hold:
+            # no step ends inside no_sync(): only a round that ends by its count (a PEEK, adaptive rounds)
+            self.stats.micro_batches_held += 1
+            if (self.adaptive or not boundary) and self._may_end():
+                self.end_round()
             return
         declared = boundary is not None  # the engine's word: its optimizer step follows (end_step)
         if boundary is None:
@@ -498,6 +522,7 @@ class ACCOPipeline:
     def on_engine_step(self, lr_stepped: bool = True) -> None:
         """The engine's optimizer step was called; ``lr_stepped``: its LR scheduler steps right after
         (DeepSpeed skips the scheduler step when the optimizer reports ``overflow``)."""
+        self.stats.optimizer_steps += 1
         if lr_stepped:
             self.engine_steps += 1
 
@@ -726,6 +751,21 @@ class ACCOPipeline:
             result.wait_summary()
             self.stats.comm_wait_s += time.perf_counter() - t0
             self._account(result)
+
+    def read_swapped_commits(self) -> None:
+        """Read the summaries of the commits swapped in so far (and of every job before the newest of them), so
+        that their skips and applied steps are counted now: the engine's optimizer step calls it before it asks
+        for ``overflow``, and a commit's skip is then reported at the engine step that swapped the commit in, on
+        every device, as DeepSpeed's ZeRO-1 reports an overflow at the step that made it.
+
+        With ``defer_host_reads`` (CUDA) this is a host wait for the newest swapped-in commit's job: in sync the
+        job the step just waited for (the compute stream waits for it anyway, and ZeRO-1 fp16 reads its overflow
+        flag on the host at each step too), in dpu the previous step's commit, which had a round of compute to
+        finish. A peek swapped in after the newest commit stays unread (acco's commits are read by then): no
+        wait for a job whose communication is still meant to overlap."""
+        newest = max((i for i, r in enumerate(self._unread) if r.job is Job.COMMIT), default=None)
+        if newest is not None:
+            self._read_summaries(keep=len(self._unread) - newest - 1)
 
     def _account(self, result: RoundResult) -> None:
         skipped, empty, count, round_count, *rank_counts = result.summary.tolist()

@@ -13,7 +13,8 @@ What the engine calls and what happens:
   boundaries): the engine, not a count, says which micro-batch ends an optimizer step.
 - ``backward_epilogue()`` after every micro-batch backward, with the engine's boundary flag
   (``engine.is_gradient_accumulation_boundary()``) and ``engine.inside_no_sync_ctxt`` (``no_sync()``,
-  ``coalesce_grad_reduction()``: no round ends, nothing is communicated); a round may end here
+  ``coalesce_grad_reduction()``: no step ends there, while a round that ends by its count, acco's peek, still
+  does, so accelerate's ``accumulate()`` runs the bare loop's rounds); a round may end here
   (``core.pipeline``). With fixed accumulation the step's COMMIT is launched only at a micro-batch the
   engine marks as the boundary, however many micro-batches the step took (a data loader's shorter last
   accumulation is a step); in sync it is launched and waited for at ``step()``, where ZeRO-1 steps, so that
@@ -51,7 +52,7 @@ from deepspeed.runtime.utils import is_model_parallel_parameter
 
 from acco_ds.config import ACCOConfig, ACCOConfigError
 from acco_ds.core.pipeline import ACCOPipeline
-from acco_ds.deepspeed import checkpoint
+from acco_ds.deepspeed import checkpoint, overlap_report
 from acco_ds.deepspeed.accessors import hide_step_gradients, link_accessors
 from acco_ds.deepspeed.evaluation import EvaluationView
 from acco_ds.deepspeed.loss_scaler_view import loss_scaler_view, read_only_error
@@ -152,6 +153,8 @@ class ACCOZeroOptimizer(ZeROOptimizer):
     """See the module docstring."""
 
     _coalesce_grad_reduction = False  # the engine's coalesce_grad_reduction() requires the attribute
+    steps_taken = 0  # engine optimizer steps of this process (step() calls that were not refused)
+    overlap_notice: str | None = None  # the notice said when the run overlaps little (``overlap_report``)
 
     def __init__(
         self,
@@ -256,10 +259,19 @@ class ACCOZeroOptimizer(ZeROOptimizer):
         if engine is None:
             self.pipeline.on_backward_start(boundary=None)
             return
-        self.pipeline.on_backward_start(
-            boundary=bool(engine.is_gradient_accumulation_boundary()),
-            hold=bool(getattr(engine, "inside_no_sync_ctxt", False)),
-        )
+        boundary, hold = self._engine_word(engine)
+        self.pipeline.on_backward_start(boundary=boundary, hold=hold)
+
+    def _engine_word(self, engine) -> tuple:
+        """``(boundary, hold)`` of the micro-batch whose backward runs: ``hold`` inside ``no_sync()`` and
+        ``coalesce_grad_reduction()`` (no step ends there). Inside ``no_sync()`` the engine's boundary flag means
+        nothing (the step ends at an ``engine.step()`` outside it: DeepSpeed refuses one inside), so it is passed
+        as False; inside a coalesced reduction it marks the block's last micro-batch, whose step the flush ends."""
+        hold = bool(getattr(engine, "inside_no_sync_ctxt", False))
+        boundary = bool(engine.is_gradient_accumulation_boundary())
+        if hold and not self._coalesce_grad_reduction:
+            boundary = False
+        return boundary, hold
 
     def backward_epilogue(self, **kwargs):
         """After a micro-batch backward: hand the pipeline the engine's word on it (see the module
@@ -272,10 +284,8 @@ class ACCOZeroOptimizer(ZeROOptimizer):
             self.pipeline.on_micro_batch_end()
             return
         rounds = self.pipeline.stats.rounds
-        self.pipeline.on_micro_batch_end(
-            boundary=bool(engine.is_gradient_accumulation_boundary()),
-            hold=bool(getattr(engine, "inside_no_sync_ctxt", False)),
-        )
+        boundary, hold = self._engine_word(engine)
+        self.pipeline.on_micro_batch_end(boundary=boundary, hold=hold)
         hide_step_gradients(self, rounds)  # DeepSpeed's gradient accessors then ask accessors.py
 
     # the engine's coalesce_grad_reduction() flush (DeepSpeedEngine._flush_coalesced_reduction_zero12) calls
@@ -309,6 +319,7 @@ class ACCOZeroOptimizer(ZeROOptimizer):
         self.pipeline.end_step()
         hide_step_gradients(self, rounds)
         self._since_step = 0
+        self.pipeline.read_swapped_commits()
         self.overflow = self._take_unreported_skip()
         self.pipeline.on_engine_step(lr_stepped=not self.overflow)
         # A torch LR scheduler wraps the inner AdamW's step() to see that the optimizer steps before it, and
@@ -321,6 +332,8 @@ class ACCOZeroOptimizer(ZeROOptimizer):
             self._global_grad_norm = self.pipeline.last_grad_norm.reshape(())
         if getattr(self, "_acco_monitor", None) is not None:
             self._acco_monitor.after_step(self)
+        self.steps_taken += 1
+        overlap_report.after_step(self)
 
     def _take_unreported_skip(self) -> bool:
         """``overflow`` for this engine step: True when a commit skipped for a non-finite gradient has
@@ -329,7 +342,9 @@ class ACCOZeroOptimizer(ZeROOptimizer):
 
         In ``sync`` the boundary's own commit has finished: a skip is reported at the step that made it.
         In ``acco``/``dpu`` the commit launched at a boundary finishes during the next round, so its
-        skip is reported one engine step later. The reported count is the engine's ``skipped_steps``
+        skip is reported one engine step later. On every device: ``step`` has the pipeline read the summaries of
+        the commits swapped in first (``ACCOPipeline.read_swapped_commits``). The reported count is the engine's
+        ``skipped_steps``
         (saved in DeepSpeed's checkpoints), or this optimizer's own counter without an engine."""
         engine = getattr(self, "engine", None)
         reported = getattr(engine, "skipped_steps", None)
@@ -470,6 +485,7 @@ class ACCOZeroOptimizer(ZeROOptimizer):
             model_holds=self.pipeline.model_holds,
             mode=self.cfg.mode,
             accumulation=self.cfg.accumulation,
+            **overlap_report.figures(self),
         )
         return out
 
