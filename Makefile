@@ -25,4 +25,4 @@ bench: setup
 	$(PY) -m benchmarks.e2e
 
 gpu-checks:
-	bash scripts/gpu_checks.sh
+	bash scripts/gpu/checks.sh

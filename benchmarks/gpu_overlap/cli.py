@@ -22,7 +22,7 @@ waits for the previous round's summary by design). Whether the host ever left th
 on the kernel timeline of ``--profile-steps`` more acco steps per setting (torch.profiler, recorded in steady state:
 two unrecorded steps before them, no device sync in between): the host gaps of the compute stream
 (``benchmarks.gpu_overlap.timeline``), kept when over 10 us; the model alone is profiled the same way, and
-scripts/gpu_goals.py judges acco's gaps against the threshold or the model alone's longest gap.
+scripts/gpu/goals.py judges acco's gaps against the threshold or the model alone's longest gap.
 
     python -m benchmarks.gpu_overlap --out benchmarks/results/gpu_overlap    # ~1-2 min on an H100
     python -m benchmarks.gpu_overlap --out "$OUT" --quick

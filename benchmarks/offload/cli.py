@@ -151,7 +151,7 @@ def kill_tree(pid: int) -> None:
 def run_worker(args: list, label: str, env: dict, timeout: float | None) -> tuple:
     """(result dict, exit note): the worker's output echoed line by line with the label in front (a reader thread);
     a worker that died, or that was stopped at ``timeout`` with what it started, leaves a result saying so with its
-    last lines. The worker stays in this process's group: a step stopped from outside (scripts/gpu_checks.sh's
+    last lines. The worker stays in this process's group: a step stopped from outside (scripts/gpu/checks.sh's
     timeout signals the group) stops it too."""
     import threading
 

@@ -1,6 +1,6 @@
 """The offload benchmark's goals, judged from its results JSON alone (``offload.json``).
 
-Standard library only and no import of the project: scripts/gpu_goals.py loads this file by its path on the GPU
+Standard library only and no import of the project: scripts/gpu/goals.py loads this file by its path on the GPU
 machine, and ``python -m benchmarks.offload --from-json`` re-judges a saved run anywhere. ``judge(data)`` returns one
 row per goal: ``{"goal", "figure", "met"}`` with ``met`` True, False, or None where a figure the goal needs is
 missing (a contender that failed or did not run, a CPU run's GPU memory): a missing figure is never met.

@@ -1,8 +1,8 @@
 """benchmarks.offload on a machine without a GPU: its pure parts (the contenders' DeepSpeed configs, the sizing, the
-goals judged from a planted JSON, the compute stream's idle fraction on a synthetic trace, scripts/gpu_goals.py's
+goals judged from a planted JSON, the compute stream's idle fraction on a synthetic trace, scripts/gpu/goals.py's
 rows), its arguments and its exits, and the whole flow end to end in --tiny mode (CPU, gloo, a tiny Llama: every
 contender in its own process, the JSON, the table rendered from it, the goals). The measurement itself runs on a GPU
-(scripts/gpu_checks.sh, step bench_offload)."""
+(scripts/gpu/checks.sh, step bench_offload)."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _gpu_goals():
-    spec = importlib.util.spec_from_file_location("gpu_goals", ROOT / "scripts" / "gpu_goals.py")
+    spec = importlib.util.spec_from_file_location("gpu_goals", ROOT / "scripts" / "gpu" / "goals.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules.setdefault("gpu_goals", module)
     spec.loader.exec_module(module)
@@ -39,7 +39,7 @@ def test_import_touches_neither_torch_nor_transformers():
 
 
 def test_goals_module_is_stdlib_only():
-    """scripts/gpu_goals.py loads it by path on the GPU machine: no import of the project or of torch."""
+    """scripts/gpu/goals.py loads it by path on the GPU machine: no import of the project or of torch."""
     text = (ROOT / "benchmarks" / "offload" / "goals.py").read_text()
     imports = [line.split()[1] for line in text.splitlines() if line.startswith(("import ", "from "))]
     assert set(imports) <= {"__future__", "math"}, imports
@@ -292,7 +292,7 @@ def test_tiny_end_to_end(tmp_path):
     again = tmp_path / "again"
     assert _run(["--from-json", str(out / cli.JSON_NAME), "--out", str(again)], 120).returncode == 0
     assert (again / cli.MD_NAME).read_text() == md
-    # scripts/gpu_goals.py judges the same rows from the file
+    # scripts/gpu/goals.py judges the same rows from the file
     (out / "steps.tsv").write_text("bench_offload\t300\tok\t0\t100\n")
     gg_rows = _gpu_goals().offload_goals(out)
     assert [r.endswith("| met |") for r in gg_rows] == [row["met"] is True for row in rows]

@@ -1,4 +1,4 @@
-"""The offline wheel bundle for the lent GPU machine (scripts/gpu_bundle.sh -> .gpu_bundle/), when it exists.
+"""The offline wheel bundle for the lent GPU machine (scripts/gpu/bundle.sh -> .gpu_bundle/), when it exists.
 
 - every wheel installs on CPython 3.12 x86-64 Linux (tags cp312 / abi3 / py3, manylinux x86_64 or any), one
   version per project, the checksums match, and requirements.txt names wheels that are there;
@@ -39,7 +39,7 @@ def _python312():
 
 
 PY312 = _python312() if BUNDLE.is_dir() else None
-pytestmark = pytest.mark.skipif(not BUNDLE.is_dir(), reason="no .gpu_bundle (run scripts/gpu_bundle.sh)")
+pytestmark = pytest.mark.skipif(not BUNDLE.is_dir(), reason="no .gpu_bundle (run scripts/gpu/bundle.sh)")
 
 
 def wheels():

@@ -1,7 +1,8 @@
-"""scripts/gpu_checks.sh, scripts/gpu_steps.py, scripts/gpu_goals.py and scripts/gpu_results.py on a machine
-without a GPU: the script is valid bash, stops at once saying why and packs its run into a folder of its own; the
-step limits fit the budget and are no shorter than the measured times; the goals never call a timed-out, skipped
-or missing step, a collected test without a result, or a missing result met; the JUnit files merge."""
+"""scripts/gpu/checks.sh, steps.py, goals.py and results.py, and the entry points scripts/gpu_checks.sh and
+scripts/gpu_bundle.sh that run checks.sh and bundle.sh, on a machine without a GPU: the script is valid bash,
+stops at once saying why and packs its run into a folder of its own; the step limits fit the budget and are no
+shorter than the measured times; the goals never call a timed-out, skipped or missing step, a collected test
+without a result, or a missing result met; the JUnit files merge."""
 
 from __future__ import annotations
 
@@ -19,27 +20,39 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
+GPU_SCRIPTS = ROOT / "scripts" / "gpu"
 
 
-def _load_script_module(name: str):
-    """A module of scripts/ (not a package: the GPU machine runs it as ``python scripts/NAME.py``)."""
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+def _load_script_module(stem: str):
+    """scripts/gpu/STEM.py as the module ``gpu_STEM`` (no package: the GPU machine runs ``python
+    scripts/gpu/STEM.py``), the name its siblings load it under."""
+    name = f"gpu_{stem}"
+    spec = importlib.util.spec_from_file_location(name, GPU_SCRIPTS / f"{stem}.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules.setdefault(name, module)
     spec.loader.exec_module(module)
     return module
 
 
-gpu_goals = _load_script_module("gpu_goals")
-gpu_steps = _load_script_module("gpu_steps")
-gpu_results = _load_script_module("gpu_results")
-SCRIPT = (ROOT / "scripts" / "gpu_checks.sh").read_text()
+gpu_goals = _load_script_module("goals")
+gpu_steps = _load_script_module("steps")
+gpu_results = _load_script_module("results")
+SCRIPT = (GPU_SCRIPTS / "checks.sh").read_text()
 
 
 def test_scripts_are_valid_bash():
-    for name in ("gpu_checks.sh", "gpu_bundle.sh"):
-        r = subprocess.run(["bash", "-n", str(ROOT / "scripts" / name)], capture_output=True, text=True)
+    for path in ("gpu/checks.sh", "gpu/bundle.sh", "gpu_checks.sh", "gpu_bundle.sh"):
+        r = subprocess.run(["bash", "-n", str(ROOT / "scripts" / path)], capture_output=True, text=True)
         assert r.returncode == 0, r.stderr
+
+
+def test_the_entry_points_run_the_scripts_of_scripts_gpu():
+    """scripts/gpu_checks.sh and scripts/gpu_bundle.sh (their first paths, kept as entry points) exec their namesakes
+    of scripts/gpu/ with the same arguments; ``make gpu-checks`` runs scripts/gpu/checks.sh."""
+    for name in ("checks", "bundle"):
+        text = (ROOT / "scripts" / f"gpu_{name}.sh").read_text()
+        assert f'exec bash "$(dirname "$0")/gpu/{name}.sh" "$@"' in text, text
+    assert "\tbash scripts/gpu/checks.sh\n" in (ROOT / "Makefile").read_text()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the behaviour without a GPU")
@@ -66,8 +79,8 @@ def test_gpu_checks_without_a_gpu_stops_and_says_why(tmp_path):
         meta = json.load(t.extractfile("run.json"))
     assert {"run.json", "steps.tsv", "freshness.md"} <= names
     assert meta["name"] == run.name and meta["exit_status"] == 3 and meta["device"] == "no GPU"
-    # a second run of the same day and commit gets a folder of its own
-    r = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_checks.sh")], env=env, capture_output=True,
+    # a second run of the same day and commit gets a folder of its own (this one through scripts/gpu/checks.sh)
+    r = subprocess.run(["bash", str(GPU_SCRIPTS / "checks.sh")], env=env, capture_output=True,
                        text=True, timeout=240)  # fmt: skip
     assert r.returncode == 3 and (tmp_path / f"{run.name}_2" / "summary.md").is_file()
     # imported here: unpacked into a folder of its own, never over another
@@ -82,7 +95,7 @@ def test_gpu_checks_without_a_gpu_stops_and_says_why(tmp_path):
 
 
 def test_script_steps_are_the_tables():
-    """Every step of gpu_steps.STEPS names a function of gpu_checks.sh; every GPU test file is one step's."""
+    """Every step of steps.py's STEPS names a function of checks.sh; every GPU test file is one step's."""
     for s in gpu_steps.STEPS:
         assert re.search(rf"^{s.fn}\(\) \{{", SCRIPT, re.M), (s.fn, "is not a function of the script")
         assert s.limit >= 10 and s.basis
@@ -190,7 +203,7 @@ def _junit(path: Path, name: str, tests: int, failures: int = 0, skipped: int = 
 
 
 def _plant_run(d: Path, steps: dict, collected: dict, ran: dict, failed: dict | None = None) -> None:
-    """A run folder as gpu_checks.sh leaves it: steps.tsv, collected_STEP.txt, junit_STEP.xml."""
+    """A run folder as checks.sh leaves it: steps.tsv, collected_STEP.txt, junit_STEP.xml."""
     d.mkdir(parents=True, exist_ok=True)
     with open(d / "steps.tsv", "w") as f:
         for name, (result, seconds) in steps.items():
@@ -280,12 +293,23 @@ def test_planted_missing_step_is_not_met(tmp_path):
     assert "adamw_difference: missing" in gpu_goals.tests_goal(tmp_path)
 
 
+def test_the_readme_lists_every_step_with_its_limit_and_every_file():
+    """scripts/gpu/README.md's step table is steps.py's in the default run order, each with its limit; its file
+    table names every file of scripts/gpu/."""
+    text = (GPU_SCRIPTS / "README.md").read_text()
+    rows = re.findall(r"^\| (\w+) \| (\d+) s \|", text, re.M)
+    assert rows == [(s.name, str(s.limit)) for s in gpu_steps.run_order()], rows
+    files = {p.name for p in GPU_SCRIPTS.iterdir() if p.is_file() and p.name != "README.md"}
+    listed = set(re.findall(r"^\| `([\w.]+)` \|", text, re.M))
+    assert files <= listed, sorted(files - listed)
+
+
 def test_benchmark_steps_that_did_not_end_ok_are_not_met(tmp_path):
     _plant_run(tmp_path, {"bench_kernels": ("timeout", 30), "overlap": ("ok", 40)}, {}, {})
     text = gpu_goals.goals(tmp_path)
     assert "bench_kernels: timeout" in text and "gpu_overlap.json missing" in text
     assert "**Verdict: NOT MET**" in text and "| met |" not in text
-    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_goals.py"), "goals", str(tmp_path)],
+    r = subprocess.run([sys.executable, str(GPU_SCRIPTS / "goals.py"), "goals", str(tmp_path)],
                        capture_output=True, text=True)  # fmt: skip
     assert r.returncode == 1 and "NOT MET" in r.stdout
 

@@ -1,4 +1,4 @@
-"""scripts/gpu_freshness.py on a planted history (a temporary git repository with two commits and a run folder):
+"""scripts/gpu/freshness.py on a planted history (a temporary git repository with two commits and a run folder):
 the GPU-path sources are the .cu files, the headers they include (through other headers) and the Triton and core
 files; a test file's last GPU pass is the commit of the newest run where all its collected tests passed; a change
 since that commit, committed or not, flags it, and the units that hold it run first. CPU only."""
@@ -13,17 +13,19 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+def _load(stem: str):
+    """scripts/gpu/STEM.py as the module ``gpu_STEM``, the name its siblings load it under."""
+    name = f"gpu_{stem}"
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / "gpu" / f"{stem}.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules.setdefault(name, module)
     spec.loader.exec_module(module)
     return sys.modules[name]
 
 
-gpu_freshness = _load("gpu_freshness")
-gpu_results = _load("gpu_results")
-gpu_steps = _load("gpu_steps")
+gpu_freshness = _load("freshness")
+gpu_results = _load("results")
+gpu_steps = _load("steps")
 
 
 def _git(repo: Path, *args) -> str:

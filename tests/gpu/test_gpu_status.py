@@ -1,4 +1,4 @@
-"""docs/GPU.md's status section against the committed GPU results: it is what scripts/gpu_status.py renders from
+"""docs/GPU.md's status section against the committed GPU results: it is what scripts/gpu/status.py renders from
 them, and every figure in it is in the files of the run its row cites (the run's summary, logs, Markdown tables,
 JSON: a figure matches a number there at the precision shown, or a count of its JUnit files' tests). acco-plan's
 GPU note quotes the range of one run's quantize rows. CPU only."""
@@ -15,16 +15,18 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+def _load(stem: str):
+    """scripts/gpu/STEM.py as the module ``gpu_STEM``, the name its siblings load it under."""
+    name = f"gpu_{stem}"
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / "gpu" / f"{stem}.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules.setdefault(name, module)
     spec.loader.exec_module(module)
     return sys.modules[name]
 
 
-gpu_status = _load("gpu_status")
-gpu_results = _load("gpu_results")
+gpu_status = _load("status")
+gpu_results = _load("results")
 NUMBER = re.compile(r"\d+(?:\.\d+)?")
 
 
@@ -33,7 +35,7 @@ def _section() -> str:
 
 
 def test_the_section_is_what_the_results_give():
-    assert _section() == gpu_status.render(), "run: python scripts/gpu_status.py --write docs/GPU.md"
+    assert _section() == gpu_status.render(), "run: python scripts/gpu/status.py --write docs/GPU.md"
 
 
 def _pool(run) -> str:

@@ -1,14 +1,14 @@
 """docs/GPU.md's status section, rendered from the committed GPU results alone.
 
-    python scripts/gpu_status.py                        # the section on stdout
-    python scripts/gpu_status.py --write docs/GPU.md    # replaces the text between BEGIN and END
-    python scripts/gpu_status.py --check docs/GPU.md    # exit 1 when the section is not what the results give
+    python scripts/gpu/status.py                        # the section on stdout
+    python scripts/gpu/status.py --write docs/GPU.md    # replaces the text between BEGIN and END
+    python scripts/gpu/status.py --check docs/GPU.md    # exit 1 when the section is not what the results give
 
-Every run of scripts/gpu_results.load_runs (benchmarks/results/gpu_checks: legacy_runs.json and each run.json
+Every run of scripts/gpu/results.py's load_runs (benchmarks/results/gpu_checks: legacy_runs.json and each run.json
 folder) is listed under its own commit, with what it ran, its test files' results (ran, passed, complete), and
-its goal figures computed by scripts/gpu_goals.py from its own JSON: the kernel figures as % of the copy probe of
+its goal figures computed by scripts/gpu/goals.py from its own JSON: the kernel figures as % of the copy probe of
 the same run (bytes read + written) and no other denominator, acco's overlap efficiency per stand-in, acco's and
-the model alone's largest host gap. A run passes every GPU test only when each test file of scripts/gpu_steps.py
+the model alone's largest host gap. A run passes every GPU test only when each test file of scripts/gpu/steps.py
 ran completely in it and every test passed: results from several runs are never added up.
 """
 
@@ -20,21 +20,24 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-BEGIN = "<!-- gpu-status: begin (scripts/gpu_status.py --write docs/GPU.md renders this; do not edit) -->"
+BEGIN = "<!-- gpu-status: begin (scripts/gpu/status.py --write docs/GPU.md renders this; do not edit) -->"
 END = "<!-- gpu-status: end -->"
 
 
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, HERE / f"{name}.py")
+def _load(stem: str):
+    """scripts/gpu/STEM.py as the module ``gpu_STEM`` (the folder is no package: the GPU machine runs each file
+    as ``python scripts/gpu/STEM.py``); registered first, its dataclasses look their module up there."""
+    name = f"gpu_{stem}"
+    spec = importlib.util.spec_from_file_location(name, HERE / f"{stem}.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules.setdefault(name, module)
     spec.loader.exec_module(module)
     return module
 
 
-gpu_steps = _load("gpu_steps")
-gpu_results = _load("gpu_results")
-gpu_goals = _load("gpu_goals")
+gpu_steps = _load("steps")
+gpu_results = _load("results")
+gpu_goals = _load("goals")
 BIG = gpu_goals.BIG
 
 
@@ -101,7 +104,7 @@ def run_tests(run) -> tuple:
 def render(results: Path = gpu_steps.RESULTS) -> str:
     runs = gpu_results.load_runs(results)
     lines = [
-        "Rendered by `python scripts/gpu_status.py --write docs/GPU.md` from the committed results "
+        "Rendered by `python scripts/gpu/status.py --write docs/GPU.md` from the committed results "
         "(`benchmarks/results/gpu_checks/`: `legacy_runs.json` and each run folder's `run.json`); "
         "`tests/gpu/test_gpu_status.py` fails when a figure here is not in the cited run's files. Commit: the HEAD "
         "the run's log printed (tree: what else the run carried, where known). Kernel figures: % of the "
@@ -114,12 +117,14 @@ def render(results: Path = gpu_steps.RESULTS) -> str:
                      + ", ".join(f"`{r.name}`" for r in full) + ".")  # fmt: skip
     else:
         lines.append("**No run has yet passed every GPU test of the checks in one invocation** (each test file of "
-                     "`scripts/gpu_steps.py` run to its end, every test passed; tests passed in different runs "
+                     "`scripts/gpu/steps.py` run to its end, every test passed; tests passed in different runs "
                      "are not added up).")  # fmt: skip
     lines += ["", "| run | device | commit (tree) | what ran | steps (s) | test files: passed/ran |",
               "|---|---|---|---|---|---|"]  # fmt: skip
     for r in runs:
-        steps = ", ".join(f"{n} {res} ({s})" for n, _, res, s in r.steps) or "not through gpu_checks.sh"
+        steps = (
+            ", ".join(f"{n} {res} ({s})" for n, _, res, s in r.steps) or "not through scripts/gpu/checks.sh"
+        )
         tree = r.tree if r.tree and r.tree != r.commit else r.commit
         cmd = r.command.replace("|", "\\|")
         lines.append(f"| `{r.name}` | {r.device} | {tree} | `{cmd}` | {steps} | {run_tests(r)[0]} |")

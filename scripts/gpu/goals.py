@@ -1,14 +1,14 @@
-"""The results of scripts/gpu_checks.sh against the GPU goals of docs/GPU.md, and its JUnit files merged into one.
+"""The results of scripts/gpu/checks.sh against the GPU goals of docs/GPU.md, and its JUnit files merged into one.
 
-    python scripts/gpu_goals.py merge-junit OUT.xml IN.xml ...   # one <testsuites> file (missing inputs skipped)
-    python scripts/gpu_goals.py goals RUN_DIR                    # Markdown on stdout; exit 0 only if all met
+    python scripts/gpu/goals.py merge-junit OUT.xml IN.xml ...   # one <testsuites> file (missing inputs skipped)
+    python scripts/gpu/goals.py goals RUN_DIR                    # Markdown on stdout; exit 0 only if all met
 
-``goals`` reads what scripts/gpu_checks.sh wrote into RUN_DIR (steps.tsv: each step's limit, result and seconds;
+``goals`` reads what scripts/gpu/checks.sh wrote into RUN_DIR (steps.tsv: each step's limit, result and seconds;
 collected_STEP.txt: the node ids each test step collected; junit_STEP.xml; kernels_cuda.json from
 python -m benchmarks.kernels; gpu_overlap.json from python -m benchmarks.gpu_overlap; offload.json from
 python -m benchmarks.offload) and states, per goal, the
 measured figure and whether it meets the goal, then one verdict: ALL MET only when every row is met. A result that
-is missing is never met: a step of scripts/gpu_steps.py's table that is not in steps.tsv, was not selected, was
+is missing is never met: a step of scripts/gpu/steps.py's table that is not in steps.tsv, was not selected, was
 skipped or timed out, a test collected but without a result, a benchmark whose step did not end ok, are NOT met.
 
 - every GPU test passes: every test step of the table ran to its end (ok or failed, not stopped), and each of the
@@ -168,7 +168,7 @@ def test_step_verdicts(results: Path, test_steps) -> list:
 
 
 def tests_goal(results: Path, test_steps=None) -> str:
-    """The goal "every GPU test passes" over ``test_steps`` (default: the test steps of scripts/gpu_steps.py)."""
+    """The goal "every GPU test passes" over ``test_steps`` (default: the test steps of scripts/gpu/steps.py)."""
     if test_steps is None:
         test_steps = [s.name for s in _steps_module().STEPS if s.tests]
     if read_steps(results) is None:
@@ -182,7 +182,7 @@ def tests_goal(results: Path, test_steps=None) -> str:
 def _steps_module():
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("gpu_steps", Path(__file__).with_name("gpu_steps.py"))
+    spec = importlib.util.spec_from_file_location("gpu_steps", Path(__file__).with_name("steps.py"))
     module = importlib.util.module_from_spec(spec)
     sys.modules.setdefault("gpu_steps", module)  # its dataclasses look their module up there
     spec.loader.exec_module(module)
@@ -292,7 +292,7 @@ def overlap_goals(results: Path) -> list:
 def _offload_goals_module():
     import importlib.util
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "offload" / "goals.py"
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "offload" / "goals.py"
     spec = importlib.util.spec_from_file_location("offload_goals", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

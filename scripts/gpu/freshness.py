@@ -1,20 +1,20 @@
 """Which GPU-path sources and GPU tests changed since their last GPU pass.
 
-    python scripts/gpu_freshness.py                    # the table (Markdown) on stdout
-    python scripts/gpu_freshness.py --markdown FILE    # ... into FILE
-    python scripts/gpu_freshness.py --stale-units      # the units of scripts/gpu_steps.py to run first
+    python scripts/gpu/freshness.py                    # the table (Markdown) on stdout
+    python scripts/gpu/freshness.py --markdown FILE    # ... into FILE
+    python scripts/gpu/freshness.py --stale-units      # the units of scripts/gpu/steps.py to run first
 
 GPU-path sources (:func:`gpu_sources`): csrc/**/*.cu and every header they include (``#include "..."``, followed
 through the headers, from csrc/), acco_ds/ops/triton_kernels/*.py, and the CUDA parts of acco_ds/core
 (gpu_steps.CORE_GPU). GPU tests: the test files of gpu_steps.STEPS (tests/gpu/*_gpu.py).
 
-A test file's last GPU pass: the commit of the newest run (scripts/gpu_results.py: the committed results) in which
+A test file's last GPU pass: the commit of the newest run (scripts/gpu/results.py: the committed results) in which
 it ran completely and every one of its tests passed. A source's: the oldest of the last passes of the GPU test
 files of the steps whose ``code`` names it (all of them had passed by then), "never" when one never passed; a
 source no step names is listed as "no GPU test". Changed since: the working tree differs from that commit for the
 file (``git diff --quiet COMMIT -- FILE``: committed and uncommitted changes), or the file did not exist there.
 A unit is stale when a step of it has a test file or a named source never passed or changed since; the set-up
-steps are never stale. Runs where git is absent fail with exit status 2 (gpu_checks.sh then keeps the table's
+steps are never stale. Runs where git is absent fail with exit status 2 (checks.sh then keeps the table's
 order).
 """
 
@@ -29,16 +29,19 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 
 
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, HERE / f"{name}.py")
+def _load(stem: str):
+    """scripts/gpu/STEM.py as the module ``gpu_STEM`` (the folder is no package: the GPU machine runs each file
+    as ``python scripts/gpu/STEM.py``); registered first, its dataclasses look their module up there."""
+    name = f"gpu_{stem}"
+    spec = importlib.util.spec_from_file_location(name, HERE / f"{stem}.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules.setdefault(name, module)
     spec.loader.exec_module(module)
     return module
 
 
-gpu_steps = _load("gpu_steps")
-gpu_results = _load("gpu_results")
+gpu_steps = _load("steps")
+gpu_results = _load("results")
 INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.M)
 
 
@@ -126,7 +129,7 @@ def freshness(root: Path, runs, steps=gpu_steps.STEPS) -> list:
 
 
 def stale_units(rows, steps=gpu_steps.STEPS) -> list:
-    """The units (gpu_steps) with a test file or named source never passed or changed since, in table order."""
+    """The units (steps.py) with a test file or named source never passed or changed since, in table order."""
     stale_paths = {path for _, path, commit, _, changed in rows if commit == "never" or changed}
     out = []
     for s in steps:
@@ -155,7 +158,7 @@ def main(argv) -> int:
     try:
         gpu_results._git("rev-parse", "HEAD", cwd=root)
     except (OSError, subprocess.CalledProcessError):
-        sys.stderr.write("gpu_freshness: no git history here\n")
+        sys.stderr.write("freshness: no git history here\n")
         return 2
     rows = freshness(root, gpu_results.load_runs(gpu_steps.RESULTS))
     units = stale_units(rows)

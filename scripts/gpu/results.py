@@ -1,12 +1,12 @@
 """The GPU runs' results in benchmarks/results/gpu_checks: which commit each run ran, which steps it ran and which
 of its tests passed; the run's manifest (run.json) on the GPU machine; a returned run's folder imported here.
 
-    python scripts/gpu_results.py manifest RUN_DIR start BUDGET_S   # run.json: name, device, date, commit, tree
-    python scripts/gpu_results.py manifest RUN_DIR end EXIT_STATUS  # ... and the end
-    python scripts/gpu_results.py import RETURNED_RUN_DIR [DEST_ROOT] # unpacks details.tar.gz into DEST_ROOT/NAME
-    python scripts/gpu_results.py list                              # every run, its commit and its test files
+    python scripts/gpu/results.py manifest RUN_DIR start BUDGET_S   # run.json: name, device, date, commit, tree
+    python scripts/gpu/results.py manifest RUN_DIR end EXIT_STATUS  # ... and the end
+    python scripts/gpu/results.py import RETURNED_RUN_DIR [DEST_ROOT] # unpacks details.tar.gz into DEST_ROOT/NAME
+    python scripts/gpu/results.py list                              # every run, its commit and its test files
 
-A run is a folder with a run.json (written by scripts/gpu_checks.sh), or an entry of legacy_runs.json (the runs
+A run is a folder with a run.json (written by scripts/gpu/checks.sh), or an entry of legacy_runs.json (the runs
 made before). :func:`file_outcomes` says, per GPU test file, how many tests ran, passed, failed or were skipped,
 and whether the file ran completely: for a run.json run, when the tests its step collected (collected_STEP.txt)
 all have a result; for a legacy run, when its step ended ok or a later test file of the same JUnit suite has
@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results" / "gpu_checks"
 STEP_LINE = __import__("re").compile(r"^=== (\w+): (ok|FAILED|TIMEOUT|SKIPPED)\b.*?(?:\((\d+)s\))?$")
 RESULT_WORD = {"ok": "ok", "FAILED": "failed", "TIMEOUT": "timeout", "SKIPPED": "skipped"}
@@ -205,7 +205,7 @@ def manifest(run_dir: Path, phase: str, value: str) -> dict:
                 "command": " ".join([*(f"{k}={os.environ[k]!r}" for k in
                                        ("GPU_CHECKS_ONLY", "GPU_CHECKS_ORDER", "GPU_CHECKS_SERIAL",
                                         "GPU_CHECKS_BUDGET_S", "BENCH_KERNELS_ARGS", "BENCH_OVERLAP_ARGS")
-                                       if os.environ.get(k)), "bash scripts/gpu_checks.sh"])}  # fmt: skip
+                                       if os.environ.get(k)), "bash scripts/gpu/checks.sh"])}  # fmt: skip
     else:
         meta = json.loads(path.read_text())
         meta.update(end=now.isoformat(timespec="seconds"), exit_status=int(value))
@@ -237,7 +237,7 @@ def import_run(src: Path, dest_root: Path = RESULTS) -> Path:
     if not (tmp / "run.json").is_file():
         shutil.rmtree(tmp)
         raise FileNotFoundError(
-            f"{src}: no run.json (in details.tar.gz or beside it): not a gpu_checks.sh run"
+            f"{src}: no run.json (in details.tar.gz or beside it): not a scripts/gpu/checks.sh run"
         )
     tmp.rename(dest)
     return dest

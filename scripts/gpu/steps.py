@@ -1,9 +1,9 @@
-"""The steps of scripts/gpu_checks.sh: one table, read by the checks (their run order), the goals (which steps a
+"""The steps of scripts/gpu/checks.sh: one table, read by the checks (their run order), the goals (which steps a
 full run must hold), the freshness listing (which GPU-path sources and GPU tests each step exercises) and the
 limits' own test.
 
-    python scripts/gpu_steps.py table [STALE_UNIT ...]   # "name limit function group" lines in run order
-    python scripts/gpu_steps.py estimate                 # each test step's limit against its measured rate
+    python scripts/gpu/steps.py table [STALE_UNIT ...]   # "name limit function group" lines in run order
+    python scripts/gpu/steps.py estimate                 # each test step's limit against its measured rate
 
 Run order (:func:`run_order`): the set-up steps, then the units (a group of steps that run at once, or one step
 alone) whose code or tests changed since their last GPU pass, then the others, each part in the table's order.
@@ -35,10 +35,10 @@ import xml.etree.ElementTree as ET
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results" / "gpu_checks"
 BUDGET_S = 540
-"""gpu_checks.sh's default total: one device call of at most 540 s on a fresh machine, the bundle's install
+"""checks.sh's default total: one device call of at most 540 s on a fresh machine, the bundle's install
 included (the device tool's 600 s limit minus start and transfer margin)."""
 BUDGET_MARGIN_S = 30
 """Kept out of the limits: the goals, the packing, and the SIGKILL grace of a step stopped at its limit."""
@@ -52,7 +52,7 @@ budget."""
 
 TRITON = "acco_ds/ops/triton_kernels/"
 CUDA_ADAMW = "csrc/"
-"""The CUDA module: csrc/**/*.cu and the headers they include (gpu_freshness lists no other csrc file)."""
+"""The CUDA module: csrc/**/*.cu and the headers they include (freshness.py lists no other csrc file)."""
 CORE_GPU = (
     "acco_ds/core/comm.py",
     "acco_ds/core/pipeline.py",

@@ -1,8 +1,8 @@
-"""A pytest plugin for scripts/gpu_checks.sh: writes the node ids pytest collected, one a line, to the file named
+"""A pytest plugin for scripts/gpu/checks.sh: writes the node ids pytest collected, one a line, to the file named
 by $ACCO_GPU_COLLECTED, as soon as the collection ends (before any test runs), so that a step stopped at its limit
-still says what it should have run; scripts/gpu_goals.py counts a collected test without a result as not run.
+still says what it should have run; scripts/gpu/goals.py counts a collected test without a result as not run.
 
-    PYTHONPATH=scripts ACCO_GPU_COLLECTED=FILE python -m pytest -p gpu_collected ...
+    PYTHONPATH=scripts/gpu ACCO_GPU_COLLECTED=FILE python -m pytest -p collected ...
 """
 
 from __future__ import annotations
