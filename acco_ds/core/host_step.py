@@ -10,8 +10,8 @@ without offload (reduce-scatter, g~, norm, clipping coefficient), then:
 2. then per group, in order, :meth:`HostStep.step` waits on the HOST for that group's copies alone (the executor's
    worker thread waits, at most ``timeout_s``; the compute stream never does), runs the same step function the
    device would have run (``ops.adamw``, ``ops.adamw_difference``, ``ops.quantized_sum_step``) on host tensors: the
-   project's C++ kernels, OpenMP over ``torch.get_num_threads()`` threads (``step``; the CPU and CUDA kernels share
-   one math, so the bits are those of the step on the device), and copies the new parameter shard (and a
+   project's C++ kernels, OpenMP over ``ops.adamw.host_threads()`` threads (the ``host_threads`` option; ``step``;
+   the CPU and CUDA kernels share one math, so the bits are those of the step on the device), and copies the new parameter shard (and a
    compressed all-gather's quantized difference) back into the job's device buffers (``to_device``); the caller
    then issues that group's all-gather. Group i+1's inputs are on the host before group i's all-gather is issued,
    so its step runs on the worker thread while group i's all-gather runs (on CUDA on the side stream; on gloo ranks

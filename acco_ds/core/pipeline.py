@@ -288,10 +288,6 @@ class ACCOPipeline:
             # first collective, which would otherwise be a job's norm while the compute side runs tensor-parallel
             # collectives on DeepSpeed's group
             dist.all_reduce(torch.zeros(1, device=self.device), group=self.tp_norm_group)
-            # its first collective here, on the job's device: NCCL creates a group's communicator lazily, at its
-            # first collective, which would otherwise be a job's norm while the compute side runs tensor-parallel
-            # collectives on DeepSpeed's group
-            dist.all_reduce(torch.zeros(1, device=self.device), group=self.tp_norm_group)
             self.tp_control_group = make_control_group(tp_group, cfg.comm_timeout_s)
             tp_rank = dist.get_rank(tp_group)
             for b, flags in zip(self.groups, tp_sharded or [[True] * len(b.params) for b in self.groups]):

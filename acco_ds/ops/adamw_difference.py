@@ -41,7 +41,7 @@ import torch
 
 from acco_ds.ops import _build
 from acco_ds.ops._dtypes import DTYPE_CODE
-from acco_ds.ops.adamw import _bind, _ext_args, _overlaps, _same, adamw_step, hyper_tensor
+from acco_ds.ops.adamw import _bind, _ext_args, _overlaps, _same, adamw_step, host_threads, hyper_tensor
 from acco_ds.ops.quantize import (
     QMAX_OF,
     _check_bits,
@@ -180,6 +180,6 @@ def adamw_step_difference(
             q.data_ptr(),
             scales.data_ptr(),
             block_size,
-            torch.get_num_threads(),
+            host_threads(),
         )
     return q, scales

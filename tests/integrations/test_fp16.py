@@ -1,5 +1,5 @@
 """fp16 with dynamic loss scaling under the Hugging Face Trainer (``--fp16``) and under accelerate's own loop
-(``mixed_precision="fp16"``, ``sync_each_batch=True``: see tests/ranks/hf_fp16_worker.py), the DeepSpeed config's ``"fp16": {"enabled": "auto"}`` (the HF recipes' section) filled
+(``mixed_precision="fp16"``, ``no_sync()`` between boundaries: see tests/ranks/hf_fp16_worker.py), the DeepSpeed config's ``"fp16": {"enabled": "auto"}`` (the HF recipes' section) filled
 in by them: ACCO sync and acco against DeepSpeed's ZeRO-1 + AdamW, 2 CPU ranks, 2 epochs of 22 micro-batches per
 rank, gradient_accumulation_steps 4: 12 optimizer steps (each epoch's last one short).
 

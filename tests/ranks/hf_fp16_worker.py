@@ -1,5 +1,5 @@
 """fp16 with dynamic loss scaling under the Hugging Face Trainer (``--fp16``) and accelerate's own loop
-(``Accelerator(mixed_precision="fp16")``, ``sync_each_batch``), each DeepSpeed config's ``"fp16": {"enabled": "auto"}`` filled in by
+(``Accelerator(mixed_precision="fp16")``, its default ``no_sync()`` between boundaries), each DeepSpeed config's ``"fp16": {"enabled": "auto"}`` filled in by
 them, the only ACCO-specific line being ``import acco_ds``. Started by the ``deepspeed`` launcher; runs every config
 of ``--configs`` (JSON ``{"trainer": {name: config}, "accelerate": {name: config}}``) one after the other in this
 process, ``--epochs`` epochs over ``--samples`` samples each. On CPU ranks DeepSpeed's refusal of fp16 is lifted by
@@ -71,9 +71,8 @@ def train(name: str, config: dict, args) -> dict:
 
 def accelerate_loop(config: dict, args) -> dict:
     """accelerate's documented loop over ``args.epochs`` epochs of a prepared data loader, in fp16."""
-    # sync_each_batch: no engine.no_sync() between boundaries (accelerate enters it for ZeRO stage 1, and ACCO ends no
-    # round inside it: an acco step would be committed alone); ZeRO-1 reduces at the boundary either way
-    plugin = GradientAccumulationPlugin(num_steps=args.gradient_accumulation_steps, sync_each_batch=True)
+    # accelerate's default: engine.no_sync() between boundaries (for ZeRO stage 1), where acco's peek still ends by count
+    plugin = GradientAccumulationPlugin(num_steps=args.gradient_accumulation_steps)
     accelerator = Accelerator(
         mixed_precision="fp16" if args.fp16 else "no",
         deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=config),
