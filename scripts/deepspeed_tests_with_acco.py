@@ -52,6 +52,12 @@ TESTS = [
     f"{_COALESCE}::TestCoalesceCorrectness::test_gradient_clipping[1]",
     "unit/v1/zero/test_zero.py::TestZeroAdamOptimizerStepCount::test[1]",
     *(f"{_UNIVERSAL}::test_dp_world_size_{w}[-1-True-False-1-dtype2]" for w in ("2to2", "4to2")),
+    # several engines in one process, each called through engine.module(...) (the wrapped module directly), bf16
+    *(
+        f"unit/runtime/test_multiple_models.py::TestMultipleModels::test_bf16_optimizer[{shared}-{n}]"
+        for shared in ("False", "True")
+        for n in (1, 2, 3)
+    ),
 ]
 # fp16 tests, selected with --with-fp16 only, for an ACCO that takes fp16 models: TestSaveTensorClone builds its
 # engine from a .half() model ("type": "AdamW", no "fp16" section, which DeepSpeed's ZeRO-1 accepts) and compares

@@ -544,6 +544,45 @@ MUTANTS = [
         ),
     ),
     Mutant(
+        "M57",
+        "the optimizer's step answers overflow before reading the commits swapped in: with the summaries read one "
+        "job late (CUDA), a skip reaches the engine one step late in sync and dpu",
+        "acco_ds/deepspeed/optimizer.py",
+        "        self.pipeline.read_swapped_commits()\n",
+        "",
+        (
+            "tests/reliability/test_nonfinite.py::test_late_host_reads_change_nothing_of_the_math",
+            "tests/core/test_cuda_paths_on_cpu.py::test_deepspeed_sees_the_same_run",
+        ),
+    ),
+    Mutant(
+        "M58",
+        "inside no_sync() no round ends (accelerate's accumulate() then runs one acco round per step)",
+        "acco_ds/core/pipeline.py",
+        "            if (self.adaptive or not boundary) and self._may_end():\n",
+        "            if False:\n",
+        ("tests/deepspeed/test_engine_boundary.py::test_held_micro_batches_run_the_bare_loops_rounds",),
+    ),
+    Mutant(
+        "M59",
+        "the first fold of a round writes the residual after its deadline without the job's release",
+        "acco_ds/core/fused_round_end.py",
+        "            if time.monotonic() > deadline:\n                raise RuntimeError(",
+        "            if time.monotonic() > deadline:\n                return\n                raise RuntimeError(",
+        (
+            "tests/core/test_fused_round_end.py::test_a_job_that_never_releases_the_residual_is_an_error_not_a_race",
+        ),
+    ),
+    Mutant(
+        "M60",
+        "a backward run by torch without the engine (a shared loss over several engines' modules) leaves its "
+        "gradients in fresh .grad tensors outside ACCO's buffer",
+        "acco_ds/deepspeed/optimizer.py",
+        "            self.pipeline.adopt_grads()\n",
+        "            pass\n",
+        ("tests/deepspeed/test_module_direct.py::test_shared_loss_with_bare_backward",),
+    ),
+    Mutant(
         "M45",
         "every parameter group stepped with the first group's AdamW settings (per-group lr, betas and weight "
         "decay ignored: the HF Trainer's no-decay group decayed)",

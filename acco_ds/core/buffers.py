@@ -222,6 +222,20 @@ class GroupBuffers:
             if g is None or g.data_ptr() != ptr:
                 p.grad = view
 
+    def adopt_grads(self) -> None:
+        """Same dtypes, after a backward that started with ``.grad`` not pointed at the ACC buffer: a ``.grad`` that
+        is another tensor holds that backward's gradient (autograd created it where ``.grad`` was None); add it
+        into the parameter's view of the ACC buffer and make ``.grad`` the view again. A ``.grad`` that is the view
+        already accumulated in place. Mixed dtypes: nothing to do (the fold hooks ran in that backward too)."""
+        if not self.shared:
+            return
+        views, ptrs = self._views(self.acc_flat)
+        for p, view, ptr in zip(self.params, views, ptrs):
+            g = p.grad
+            if g is not None and g.data_ptr() != ptr:
+                view.add_(g.reshape(view.shape))
+                p.grad = view
+
     def check_grads(self) -> None:
         """After a backward (same dtypes): every ``.grad`` must still be ACCO's view (or None, when
         the parameter got no gradient and user code reset it). Raises GradReplacedError otherwise."""

@@ -376,6 +376,22 @@ class ACCOPipeline:
         if boundary is not UNDECLARED:
             self._begin_fused_round_end(boundary, hold)
 
+    def adopt_grads(self) -> None:
+        """A backward ran without :meth:`on_backward_start` (a bare ``loss.backward()`` through a module called
+        directly, no engine hook on its loss): where a ``.grad`` was None at its start, autograd created a fresh
+        tensor holding this backward's gradient; it joins the round's buffer and ``.grad`` is ACCO's view again
+        (``GroupBuffers.adopt_grads``), as if the start had pointed it there. Compute side, before
+        :meth:`on_micro_batch_end`. A deferred sync boundary has no engine.step() yet: its step cannot take
+        gradients of the next micro-batch, so that is an error naming the fix."""
+        if self.boundary_pending:
+            raise RuntimeError(
+                "acco_ds: a backward without engine.backward() after the accumulation boundary's backward and "
+                "before engine.step(): its gradients would join the finished step. Call engine.step() after the "
+                "boundary's backward, or run backward through engine.backward(loss)."
+            )
+        for b in self.groups:
+            b.adopt_grads()
+
     def _predicted_round_end(self, boundary, hold: bool) -> schedule.RoundEnd | None:
         """The round end :meth:`on_micro_batch_end` will make after this micro-batch, given what the caller
         declared; None where it ends no round or is not known before the backward (adaptive accumulation)."""

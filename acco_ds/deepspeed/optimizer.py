@@ -277,12 +277,15 @@ class ACCOZeroOptimizer(ZeROOptimizer):
         """After a micro-batch backward: hand the pipeline the engine's word on it (see the module
         docstring); without an engine (a bare optimizer) every gradient_accumulation_steps-th
         micro-batch is a boundary."""
+        prologue_ran = self._prologue_task is not None
         self._prologue_task = None
         self._since_step += 1
         engine = self.engine
         if engine is None:
             self.pipeline.on_micro_batch_end()
             return
+        if not prologue_ran:  # a bare loss.backward() through the module called directly, then the epilogue
+            self.pipeline.adopt_grads()
         rounds = self.pipeline.stats.rounds
         boundary, hold = self._engine_word(engine)
         self.pipeline.on_micro_batch_end(boundary=boundary, hold=hold)

@@ -6,7 +6,8 @@ every scenario of a JSON list.
 
 A scenario: ``name``, ``configs`` (one DeepSpeed config per engine), ``seeds`` (engine e is the toy model built with
 seed ``seeds[e]`` and fed the micro-batches ``toy.micro_batch(rank, 1000 * seeds[e] + i)``: two engines of one seed
-see the same model and data), ``call`` ("module" or "engine"), ``steps`` (optimizer steps per engine), ``poison``
+see the same model and data), ``call`` ("module", "engine", or "shared": the modules' losses summed and run
+backward by torch, then each engine's ``_backward_epilogue()`` and ``step()``), ``steps`` (optimizer steps per engine), ``poison``
 (steps whose first micro-batch has its loss multiplied by inf on rank 0, in every engine: a planted fp16 overflow,
 which every rank sees). The engines take turns micro-batch by micro-batch.
 
@@ -72,6 +73,21 @@ def committed(engine) -> dict:
     return out
 
 
+def shared_loss_micro_batch(engines, seeds, step: int, j: int, gas: int, rank: int) -> None:
+    """One micro-batch of every engine under one loss, as programs training several models on a shared objective do
+    (and DeepSpeed's own multiple-models test): the modules called directly, the sum of their losses run backward
+    by torch (no ``engine.backward``), then each engine's backward epilogue and optimizer step."""
+    losses = []
+    for e, engine in enumerate(engines):
+        x, y = toy.micro_batch(rank, 1000 * seeds[e] + step * gas + j)
+        losses.append(engine.module(x.to(engine.device), y.to(engine.device)))
+    sum(losses).backward()
+    for engine in engines:
+        engine._backward_epilogue()
+    for engine in engines:
+        engine.step()
+
+
 def run_scenario(sc: dict, rank: int) -> dict:
     engines = []
     seeds = sc["seeds"]
@@ -85,6 +101,9 @@ def run_scenario(sc: dict, rank: int) -> dict:
     steps = [[] for _ in engines]
     for step in range(sc["steps"]):
         for j in range(max(gas)):
+            if sc["call"] == "shared":
+                shared_loss_micro_batch(engines, seeds, step, j, gas[0], rank)
+                continue
             for e, engine in enumerate(engines):
                 if j >= gas[e]:
                     continue
