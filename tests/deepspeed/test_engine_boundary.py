@@ -46,6 +46,21 @@ RUNS = [
 PROBED = {"zero1", "sync", "acco"}  # their manual runs also read optimizer.state (and, ACCO, refuse a step)
 
 
+def _variant(**params) -> dict:
+    cfg = config("acco")
+    cfg["optimizer"]["params"].update(params.pop("acco", {}))
+    cfg.update(params)
+    return cfg
+
+
+def variants() -> dict:
+    return {
+        "acco_bf16": _variant(bf16={"enabled": True}),
+        "acco_int8": _variant(acco={"compression": {"commit": "int8", "peek": "int8", "block_size": 16}}),
+        "acco_adaptive": _variant(acco={"accumulation": "adaptive", "max_micro_batches_per_round": GAS // 2}),
+    }
+
+
 def config(mode: str) -> dict:
     if mode == "zero1":
         optimizer = {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD}}
@@ -80,6 +95,11 @@ def results(tmp_path_factory):
         }
         for mode, style in RUNS
     ]
+    # acco variants whose held micro-batches must run the marked loop's rounds too: bf16, int8 rounds, and adaptive
+    # accumulation with rounds capped at their share (so where they end does not depend on timing)
+    for variant, cfg in variants().items():
+        for style in ("manual", "no_sync", "coalesce"):
+            scenarios.append({"name": f"{variant}_{style}", "config": cfg, "sizes": SIZES, "style": style})
     # every step ends at its peek round's share: acco commits each alone, one round per step (the notice's case)
     scenarios.append(
         {"name": "acco_short", "config": config("acco"), "sizes": [GAS // 2] * 6, "style": "manual"}
@@ -196,6 +216,20 @@ def test_nothing_moves_before_the_boundary(results, name):
     """In sync and dpu (and DeepSpeed's ZeRO-1) no backward before the engine's boundary changes the weights,
     inside no_sync() or not (acco's peek round end changes them mid-step by design, inside no_sync() too)."""
     assert results[name]["moved_before_boundary"] == 0
+
+
+@pytest.mark.parametrize("held", ["no_sync", "coalesce"])
+@pytest.mark.parametrize("variant", ["acco_bf16", "acco_int8", "acco_adaptive"])
+def test_held_variants_run_the_bare_loops_rounds(results, variant, held):
+    """bf16, int8 rounds (fused round ends declared inside no_sync() too) and capped adaptive rounds: held in
+    no_sync() or a coalesced reduction, the run is the marked loop's, bit for bit, with the same rounds."""
+    got, bare = results[f"{variant}_{held}"], results[f"{variant}_manual"]
+    assert got["stats"]["rounds"] == bare["stats"]["rounds"] and got["stats"]["rounds"] > len(SIZES)
+    assert got["stats"]["micro_batches_held"] > 0 and bare["stats"]["micro_batches_held"] == 0
+    for t, (a, b) in enumerate(zip(got["steps"], bare["steps"])):
+        for key in ("params", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(a[key], b[key]), f"{variant}_{held} step {t + 1}: {key} differs"
+    assert got["norms"] == bare["norms"]
 
 
 @pytest.mark.parametrize("held", ["no_sync", "coalesce"])
