@@ -15,19 +15,11 @@ after ``finish()``), the fp16 section DeepSpeed ran with, and ACCO's stats.
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-
-import torch
-from accelerate import Accelerator  # noqa: E402
-from accelerate.state import AcceleratorState, GradientState, PartialState  # noqa: E402
-from accelerate.utils import DeepSpeedPlugin, DummyOptim, GradientAccumulationPlugin  # noqa: E402
-from transformers import Trainer, TrainerCallback  # noqa: E402
+from accelerate.utils import GradientAccumulationPlugin  # noqa: E402
+from transformers import TrainerCallback  # noqa: E402
 
 import acco_ds  # noqa: E402,F401  (the only change a user makes)
-from tests.ranks import cpu_accelerate_shim  # noqa: E402
-from tests.ranks.hf_worker import Tokens, tiny_llama, trainer_args  # noqa: E402
+from tests.ranks.hf_epochs import accelerate_epochs, epochs_trainer, release, run_configs  # noqa: E402
 
 
 def step_record(accelerator, engine) -> dict:
@@ -51,15 +43,7 @@ class StepRecords(TrainerCallback):
 
 
 def train(name: str, config: dict, args) -> dict:
-    training_args = trainer_args(
-        args,
-        output_dir=os.path.join(args.output_dir, name),
-        deepspeed=config,
-        num_train_epochs=args.epochs,
-        save_strategy="no",
-        fp16=args.fp16,
-    )
-    trainer = Trainer(model=tiny_llama(), args=training_args, train_dataset=Tokens(samples=args.samples))
+    trainer = epochs_trainer(name, config, args, fp16=args.fp16)
     records = StepRecords()
     records.trainer = trainer
     trainer.add_callback(records)
@@ -73,26 +57,14 @@ def accelerate_loop(config: dict, args) -> dict:
     """accelerate's documented loop over ``args.epochs`` epochs of a prepared data loader, in fp16."""
     # accelerate's default: engine.no_sync() between boundaries (for ZeRO stage 1), where acco's peek still ends by count
     plugin = GradientAccumulationPlugin(num_steps=args.gradient_accumulation_steps)
-    accelerator = Accelerator(
+    steps = []
+    model, losses, _ = accelerate_epochs(
+        config,
+        args,
+        on_sync=lambda accelerator, engine: steps.append(step_record(accelerator, engine)),
         mixed_precision="fp16" if args.fp16 else "no",
-        deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=config),
         gradient_accumulation_plugin=plugin,
     )
-    model = tiny_llama()
-    optimizer = DummyOptim(model.parameters())
-    loader = torch.utils.data.DataLoader(Tokens(samples=args.samples), batch_size=2)
-    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
-    losses, steps = [], []
-    for _ in range(args.epochs):
-        for batch in loader:
-            with accelerator.accumulate(model):
-                loss = model(**batch).loss
-                accelerator.backward(loss)
-                optimizer.step()
-                optimizer.zero_grad()
-            losses.append(loss.item())
-            if accelerator.sync_gradients:
-                steps.append(step_record(accelerator, model))
     return finish(model, {"global_step": model.global_steps, "losses": losses, "steps": steps})
 
 
@@ -107,39 +79,18 @@ def finish(engine, out: dict) -> dict:
     out["fp16_enabled"] = bool(engine.fp16_enabled())
     out["loss_scale_args"] = engine.dynamic_loss_scale_args() if engine.dynamic_loss_scale() else None
     out["optimizer_type"] = type(engine.optimizer).__name__
-    if hasattr(engine.optimizer, "pipeline"):
-        engine.optimizer.pipeline.close()
-    engine.destroy()
-    AcceleratorState._reset_state(True)  # the next run builds its own accelerate/DeepSpeed state
-    PartialState._reset_state()
-    GradientState._reset_state()
+    release(engine)
     return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--output_dir", required=True)
-    ap.add_argument(
-        "--configs", required=True, help='JSON file: {"trainer": {name: config}, "accelerate": {...}}'
-    )
-    ap.add_argument("--samples", type=int, default=88)
-    ap.add_argument("--epochs", type=int, default=2)
-    ap.add_argument("--gradient_accumulation_steps", type=int, default=4)
+def add_fp16(ap) -> None:
     ap.add_argument(
         "--fp16", action="store_true", help="TrainingArguments(fp16=True) / mixed_precision='fp16'"
     )
-    ap.add_argument("--local_rank", type=int, default=-1)
-    args = ap.parse_args()
-    torch.set_num_threads(1)
-    cpu_accelerate_shim.apply()  # CPU-only test machines; a no-op on GPU
-    with open(args.configs) as f:
-        configs = json.load(f)
-    results = {f"trainer_{name}": train(name, cfg, args) for name, cfg in configs["trainer"].items()}
-    results.update(
-        {f"accelerate_{name}": accelerate_loop(cfg, args) for name, cfg in configs["accelerate"].items()}
-    )
-    if torch.distributed.get_rank() == 0:
-        torch.save(results, os.path.join(args.output_dir, "result.pt"))
+
+
+def main() -> None:
+    run_configs(train, accelerate_loop, add_fp16)
 
 
 if __name__ == "__main__":
