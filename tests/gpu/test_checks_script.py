@@ -6,7 +6,6 @@ without a result, or a missing result met; the JUnit files merge."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -19,24 +18,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.gpu.gpu_scripts import GPU_SCRIPTS, load
+
 ROOT = Path(__file__).resolve().parents[2]
-GPU_SCRIPTS = ROOT / "scripts" / "gpu"
 
 
-def _load_script_module(stem: str):
-    """scripts/gpu/STEM.py as the module ``gpu_STEM`` (no package: the GPU machine runs ``python
-    scripts/gpu/STEM.py``), the name its siblings load it under."""
-    name = f"gpu_{stem}"
-    spec = importlib.util.spec_from_file_location(name, GPU_SCRIPTS / f"{stem}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault(name, module)
-    spec.loader.exec_module(module)
-    return module
-
-
-gpu_goals = _load_script_module("goals")
-gpu_steps = _load_script_module("steps")
-gpu_results = _load_script_module("results")
+gpu_goals = load("goals")
+gpu_steps = load("steps")
+gpu_results = load("results")
 SCRIPT = (GPU_SCRIPTS / "checks.sh").read_text()
 
 

@@ -5,27 +5,17 @@ since that commit, committed or not, flags it, and the units that hold it run fi
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
-import sys
 from pathlib import Path
+
+from tests.gpu.gpu_scripts import load
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _load(stem: str):
-    """scripts/gpu/STEM.py as the module ``gpu_STEM``, the name its siblings load it under."""
-    name = f"gpu_{stem}"
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / "gpu" / f"{stem}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault(name, module)
-    spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-gpu_freshness = _load("freshness")
-gpu_results = _load("results")
-gpu_steps = _load("steps")
+gpu_freshness = load("freshness")
+gpu_results = load("results")
+gpu_steps = load("steps")
 
 
 def _git(repo: Path, *args) -> str:

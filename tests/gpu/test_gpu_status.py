@@ -5,28 +5,18 @@ GPU note quotes the range of one run's quantize rows. CPU only."""
 
 from __future__ import annotations
 
-import importlib.util
 import re
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.gpu.gpu_scripts import load
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _load(stem: str):
-    """scripts/gpu/STEM.py as the module ``gpu_STEM``, the name its siblings load it under."""
-    name = f"gpu_{stem}"
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / "gpu" / f"{stem}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault(name, module)
-    spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-gpu_status = _load("status")
-gpu_results = _load("results")
+gpu_status = load("status")
+gpu_results = load("results")
 NUMBER = re.compile(r"\d+(?:\.\d+)?")
 
 
