@@ -82,8 +82,6 @@ def config(mode: str) -> dict:
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    import json
-
     tmp = tmp_path_factory.mktemp("boundary")
     scenarios = [
         {
@@ -104,23 +102,33 @@ def results(tmp_path_factory):
     scenarios.append(
         {"name": "acco_short", "config": config("acco"), "sizes": [GAS // 2] * 6, "style": "manual"}
     )
+    return launch(tmp, scenarios)
+
+
+def launch(tmp, scenarios: list) -> dict:
+    """One launch of tests/ranks/boundary_worker.py over ``scenarios`` (written to ``tmp``): its results."""
+    import json
+
     (tmp / "scenarios.json").write_text(json.dumps(scenarios))
     args = ["--scenarios", tmp / "scenarios.json", "--out", tmp]
     run_local(REPO / "tests" / "ranks" / "boundary_worker.py", WORLD, args, env=rank_env())
     return torch.load(tmp / "results.pt", weights_only=False)
 
 
-def reference(mode: str, lrs, k: int):
-    theta0 = toy.flat(toy.trainable(toy.build()))
+def reference(mode: str, lrs, k: int, fp16: bool = False):
+    """The single-process reference of SIZES' steps at the LRs ``lrs``, ``k`` micro-batches a round; ``fp16``:
+    from the toy's fp16 parameters, computed in fp16."""
+    model = toy.build().half() if fp16 else toy.build()
     return reference_run(
         mode,
-        [theta0],
+        [toy.flat(toy.trainable(model))],
         toy.make_grad_fn(torch.float32),
         world_size=WORLD,
         micro_batches_per_round=k,
         steps=len(SIZES),
         hypers=lambda t: [RefHyper(lrs[t], (0.9, 0.999), 1e-8, WD)],
         step_sizes=SIZES,
+        **({"compute_dtype": torch.float16} if fp16 else {}),
     )
 
 
@@ -130,16 +138,57 @@ def max_rel(got: torch.Tensor, want: torch.Tensor) -> float:
     return (got - want).abs().max().item() / scale
 
 
-def assert_steps_equal(got: list, params, exp_avg, exp_avg_sq, where: str, moment_tol=MOMENT_TOL) -> None:
+def assert_steps_equal(
+    got: list, params, exp_avg, exp_avg_sq, where: str, moment_tol=MOMENT_TOL, tol=TOL
+) -> None:
     assert len(got) == len(SIZES)
     for t, step in enumerate(got):
         diff = (step["params"] - params[t]).abs().max().item()
-        assert diff <= TOL, f"{where} step {t + 1} ({SIZES[t]} micro-batches): parameters |diff| {diff:.3e}"
+        assert diff <= tol, f"{where} step {t + 1} ({SIZES[t]} micro-batches): parameters |diff| {diff:.3e}"
         for key, want in (("exp_avg", exp_avg[t]), ("exp_avg_sq", exp_avg_sq[t])):
             rel = max_rel(step[key], want)
             assert rel <= moment_tol, (
                 f"{where} step {t + 1} ({SIZES[t]} micro-batches): {key} rel diff {rel:.3e}"
             )
+
+
+def assert_equals_zero1(results, where: str, moment_tol=ZERO1_MOMENT_TOL, norm_tol=NORM_TOL, tol=TOL) -> None:
+    """The marked sync run's LRs, parameters, moments and gradient norms are ZeRO-1's, step by step."""
+    ours, zero1 = results["sync_manual"], results["zero1_manual"]
+    assert ours["lrs"] == pytest.approx(zero1["lrs"])
+    want = zero1["steps"]
+    assert_steps_equal(
+        ours["steps"],
+        [s["params"] for s in want],
+        [s["exp_avg"] for s in want],
+        [s["exp_avg_sq"] for s in want],
+        where,
+        moment_tol,
+        tol,
+    )
+    for t, (got, ref) in enumerate(zip(ours["norms"], zero1["norms"])):
+        assert got == pytest.approx(ref, rel=norm_tol), f"step {t + 1}: grad norm {got} vs ZeRO-1 {ref}"
+
+
+def assert_equals_reference(res: dict, ref, name: str, moment_tol=MOMENT_TOL, tol=TOL) -> None:
+    """The run's parameters and moments are the reference's (``reference()``), step by step."""
+    assert_steps_equal(
+        res["steps"],
+        [p[0] for p in ref.params],
+        [m[0] for m in ref.exp_avg],
+        [v[0] for v in ref.exp_avg_sq],
+        name,
+        moment_tol,
+        tol,
+    )
+
+
+def assert_runs_identical(got: dict, bare: dict, name: str) -> None:
+    """The run's weights, moments and gradient norms are the marked loop's (``bare``), bit for bit."""
+    for t, (a, b) in enumerate(zip(got["steps"], bare["steps"])):
+        for key in ("params", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(a[key], b[key]), f"{name} step {t + 1}: {key} differs from the marked loop's"
+    assert got["norms"] == bare["norms"]
 
 
 def test_reference_sees_short_steps():
@@ -163,19 +212,7 @@ def test_reference_sees_short_steps():
 def test_sync_equals_deepspeed_zero1(results):
     """sync with steps of 1-5 micro-batches marked by the loop ends at DeepSpeed ZeRO-1 + AdamW's parameters,
     moments and gradient norms, step by step."""
-    ours, zero1 = results["sync_manual"], results["zero1_manual"]
-    assert ours["lrs"] == pytest.approx(zero1["lrs"])
-    want = zero1["steps"]
-    assert_steps_equal(
-        ours["steps"],
-        [s["params"] for s in want],
-        [s["exp_avg"] for s in want],
-        [s["exp_avg_sq"] for s in want],
-        "sync vs ZeRO-1",
-        ZERO1_MOMENT_TOL,
-    )
-    for t, (got, ref) in enumerate(zip(ours["norms"], zero1["norms"])):
-        assert got == pytest.approx(ref, rel=NORM_TOL), f"step {t + 1}: grad norm {got} vs ZeRO-1 {ref}"
+    assert_equals_zero1(results, "sync vs ZeRO-1")
 
 
 @pytest.mark.parametrize(
@@ -198,13 +235,7 @@ def test_sync_equals_deepspeed_zero1(results):
 def test_matches_reference(results, name, mode, k):
     res = results[name]
     ref = reference(mode, res["lrs"], k)
-    assert_steps_equal(
-        res["steps"],
-        [p[0] for p in ref.params],
-        [m[0] for m in ref.exp_avg],
-        [v[0] for v in ref.exp_avg_sq],
-        name,
-    )
+    assert_equals_reference(res, ref, name)
     if mode == "sync":
         for t, (got, want) in enumerate(zip(res["norms"], ref.norms)):
             assert got == pytest.approx(want, rel=NORM_TOL), f"{name} step {t + 1}: grad norm {got} vs {want}"
@@ -226,10 +257,7 @@ def test_held_variants_run_the_bare_loops_rounds(results, variant, held):
     got, bare = results[f"{variant}_{held}"], results[f"{variant}_manual"]
     assert got["stats"]["rounds"] == bare["stats"]["rounds"] and got["stats"]["rounds"] > len(SIZES)
     assert got["stats"]["micro_batches_held"] > 0 and bare["stats"]["micro_batches_held"] == 0
-    for t, (a, b) in enumerate(zip(got["steps"], bare["steps"])):
-        for key in ("params", "exp_avg", "exp_avg_sq"):
-            assert torch.equal(a[key], b[key]), f"{variant}_{held} step {t + 1}: {key} differs"
-    assert got["norms"] == bare["norms"]
+    assert_runs_identical(got, bare, f"{variant}_{held}")
 
 
 @pytest.mark.parametrize("held", ["no_sync", "coalesce"])
@@ -242,10 +270,7 @@ def test_held_micro_batches_run_the_bare_loops_rounds(results, mode, held):
     got, bare = results[name], results[f"{mode}_manual"]
     short = sum(1 for s in SIZES if s <= GAS // 2)  # an acco step this short is committed alone: one round
     assert got["stats"]["rounds"] == (2 * len(SIZES) - short if mode == "acco" else len(SIZES))
-    for t, (a, b) in enumerate(zip(got["steps"], bare["steps"])):
-        for key in ("params", "exp_avg", "exp_avg_sq"):
-            assert torch.equal(a[key], b[key]), f"{name} step {t + 1}: {key} differs from the marked loop's"
-    assert got["norms"] == bare["norms"]
+    assert_runs_identical(got, bare, name)
 
 
 def test_no_overlap_is_said_once_with_its_cause(results):

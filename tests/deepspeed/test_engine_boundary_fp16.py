@@ -10,15 +10,18 @@ tests/core/test_fp16_trajectories.py's)."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
-import torch
 
-from acco_ds.core.reference import RefHyper, reference_run
-from tests.deepspeed.test_engine_boundary import GAS, SIZES, WD, WORLD, config, max_rel
-from tests.ranks import toy
-from tests.ranks.launch import REPO, rank_env, run_local
+from tests.deepspeed.test_engine_boundary import (
+    GAS,
+    SIZES,
+    assert_equals_reference,
+    assert_equals_zero1,
+    assert_runs_identical,
+    config,
+    launch,
+    reference,
+)
 
 pytestmark = pytest.mark.launcher
 
@@ -47,50 +50,11 @@ def results(tmp_path_factory):
         }
         for mode, style in RUNS
     ]
-    (tmp / "scenarios.json").write_text(json.dumps(scenarios))
-    args = ["--scenarios", tmp / "scenarios.json", "--out", tmp]
-    run_local(REPO / "tests" / "ranks" / "boundary_worker.py", WORLD, args, env=rank_env())
-    return torch.load(tmp / "results.pt", weights_only=False)
-
-
-def reference(mode: str, lrs, k: int):
-    theta0 = toy.flat(toy.trainable(toy.build().half()))
-    return reference_run(
-        mode,
-        [theta0],
-        toy.make_grad_fn(torch.float32),
-        world_size=WORLD,
-        micro_batches_per_round=k,
-        steps=len(SIZES),
-        hypers=lambda t: [RefHyper(lrs[t], (0.9, 0.999), 1e-8, WD)],
-        step_sizes=SIZES,
-        compute_dtype=torch.float16,
-    )
-
-
-def assert_close(got: list, params, exp_avg, exp_avg_sq, where: str) -> None:
-    assert len(got) == len(SIZES)
-    for t, step in enumerate(got):
-        diff = (step["params"] - params[t]).abs().max().item()
-        assert diff <= TOL, f"{where} step {t + 1} ({SIZES[t]} micro-batches): parameters |diff| {diff:.3e}"
-        for key, want in (("exp_avg", exp_avg[t]), ("exp_avg_sq", exp_avg_sq[t])):
-            rel = max_rel(step[key], want)
-            assert rel <= MOMENT_TOL, f"{where} step {t + 1}: {key} rel diff {rel:.3e}"
+    return launch(tmp, scenarios)
 
 
 def test_sync_equals_deepspeed_zero1_fp16(results):
-    ours, zero1 = results["sync_manual"], results["zero1_manual"]
-    assert ours["lrs"] == pytest.approx(zero1["lrs"])
-    want = zero1["steps"]
-    assert_close(
-        ours["steps"],
-        [s["params"] for s in want],
-        [s["exp_avg"] for s in want],
-        [s["exp_avg_sq"] for s in want],
-        "sync vs ZeRO-1 fp16",
-    )
-    for t, (got, ref) in enumerate(zip(ours["norms"], zero1["norms"])):
-        assert got == pytest.approx(ref, rel=NORM_TOL), f"step {t + 1}: grad norm {got} vs ZeRO-1 {ref}"
+    assert_equals_zero1(results, "sync vs ZeRO-1 fp16", MOMENT_TOL, NORM_TOL, TOL)
 
 
 @pytest.mark.parametrize(
@@ -105,14 +69,8 @@ def test_sync_equals_deepspeed_zero1_fp16(results):
 )
 def test_matches_reference(results, name, mode, k):
     res = results[name]
-    ref = reference(mode, res["lrs"], k)
-    assert_close(
-        res["steps"],
-        [p[0] for p in ref.params],
-        [m[0] for m in ref.exp_avg],
-        [v[0] for v in ref.exp_avg_sq],
-        name,
-    )
+    ref = reference(mode, res["lrs"], k, fp16=True)
+    assert_equals_reference(res, ref, name, MOMENT_TOL, TOL)
     assert res["stats"]["skipped_steps"] == 0
     assert res["stats"]["micro_batches_local"] == sum(SIZES)
 
@@ -126,7 +84,4 @@ def test_no_sync_runs_the_bare_loops_rounds_fp16(results):
         == bare["stats"]["rounds"]
         == 2 * len(SIZES) - sum(s <= GAS // 2 for s in SIZES)
     )
-    for t, (a, b) in enumerate(zip(held["steps"], bare["steps"])):
-        for key in ("params", "exp_avg", "exp_avg_sq"):
-            assert torch.equal(a[key], b[key]), f"step {t + 1}: {key} differs from the marked loop's"
-    assert held["norms"] == bare["norms"]
+    assert_runs_identical(held, bare, "acco_no_sync")
