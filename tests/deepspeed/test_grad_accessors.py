@@ -18,17 +18,15 @@ allowed; between backwards inside a round they read this rank's sum.
 
 from __future__ import annotations
 
-import json
-
 import deepspeed
 import pytest
 import torch
 
 from acco_ds.config import ACCOConfigError
+from tests.deepspeed.grad_access_runs import runs_fixtures
 from tests.ranks import grad_access_worker as worker
 from tests.ranks import toy
 from tests.ranks.inproc import ensure_single_rank_group
-from tests.ranks.launch import REPO, rank_env, run_local
 
 STEPS, GAS = 5, 2
 EDITS = {1: "mask", 2: "nan", 3: "vectorized"}
@@ -74,27 +72,7 @@ def scenarios() -> list:
     return out
 
 
-@pytest.fixture(scope="module")
-def one_rank():
-    ensure_single_rank_group()
-    return {sc["name"]: worker.run_scenario(sc, 0) for sc in scenarios()}
-
-
-@pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("grad_access")
-    (tmp / "scenarios.json").write_text(json.dumps(scenarios()))
-    args = ["--scenarios", tmp / "scenarios.json", "--out", tmp]
-    run_local(REPO / "tests" / "ranks" / "grad_access_worker.py", 2, args, env=rank_env())
-    return torch.load(tmp / "results.pt", weights_only=False)
-
-
-WORLDS = [1, pytest.param(2, marks=pytest.mark.launcher)]
-
-
-@pytest.fixture(params=WORLDS, ids=lambda w: f"W{w}")
-def runs(request):
-    return request.getfixturevalue("one_rank" if request.param == 1 else "two_ranks")
+one_rank, two_ranks, runs = runs_fixtures(scenarios, "grad_access")
 
 
 def max_diff(a: list, b: list) -> float:

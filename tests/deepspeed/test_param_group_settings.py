@@ -7,14 +7,9 @@ group's settings ends far outside the tolerance."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
-import torch
 
-from tests.ranks import grad_access_worker as worker
-from tests.ranks.inproc import ensure_single_rank_group
-from tests.ranks.launch import REPO, rank_env, run_local
+from tests.deepspeed.grad_access_runs import runs_fixtures
 
 STEPS, GAS = 4, 2
 # toy.trainable: emb.weight (tied to out.weight), fc1.weight | fc1.bias, fc2.weight | fc2.bias, out.bias
@@ -37,24 +32,7 @@ def scenarios() -> list:
     ]
 
 
-@pytest.fixture(scope="module")
-def one_rank():
-    ensure_single_rank_group()
-    return {sc["name"]: worker.run_scenario(sc, 0) for sc in scenarios()}
-
-
-@pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("param_groups")
-    (tmp / "scenarios.json").write_text(json.dumps(scenarios()))
-    args = ["--scenarios", tmp / "scenarios.json", "--out", tmp]
-    run_local(REPO / "tests" / "ranks" / "grad_access_worker.py", 2, args, env=rank_env())
-    return torch.load(tmp / "results.pt", weights_only=False)
-
-
-@pytest.fixture(params=[1, pytest.param(2, marks=pytest.mark.launcher)], ids=lambda w: f"W{w}")
-def runs(request):
-    return request.getfixturevalue("one_rank" if request.param == 1 else "two_ranks")
+one_rank, two_ranks, runs = runs_fixtures(scenarios, "param_groups")
 
 
 def test_group_lrs_follow_the_schedule(runs):
