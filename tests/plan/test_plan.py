@@ -290,11 +290,9 @@ def test_memory_is_bench_memorys_analytic_bytes_per_parameter():
     assert bench_mm.buffers("zero2", 2, 2) == memory_model.buffers("zero2", 2, 2, bucket_frac=0.25)
 
 
-@pytest.mark.parametrize("mode", ["sync", "dpu", "acco"])
-@pytest.mark.parametrize("param_dtype,comm", [(torch.bfloat16, "bf16"), (torch.bfloat16, "fp32")])
-def test_held_memory_is_what_a_real_pipeline_holds(mode, param_dtype, comm):
-    """GroupBuffers.held_bytes() of a one-rank pipeline over a small model, per parameter, is the
-    plan's held bytes per parameter at W = 1 (within the padding to a multiple of 16 elements)."""
+def _real_pipeline_held(mode: str, param_dtype: torch.dtype, comm: str, **pipeline_kw):
+    """A one-rank pipeline over a small model in ``param_dtype`` (``pipeline_kw``: its further settings): the bytes
+    its GroupBuffers hold, the elements they pad to, the model's parameter count and the plan's row at W = 1."""
     from acco_ds.config import ACCOConfig
     from acco_ds.core.pipeline import ACCOPipeline
     from acco_ds.core.round_job import Hyper
@@ -307,7 +305,12 @@ def test_held_memory_is_what_a_real_pipeline_holds(mode, param_dtype, comm):
     params = list(model.parameters())
     n = sum(p.numel() for p in params)
     pipe = ACCOPipeline(
-        [params], lambda: [Hyper(1e-3, 0.9, 0.999, 1e-8, 0.0)], ACCOConfig(mode=mode, comm_dtype=comm), 2, 0.0
+        [params],
+        lambda: [Hyper(1e-3, 0.9, 0.999, 1e-8, 0.0)],
+        ACCOConfig(mode=mode, comm_dtype=comm),
+        2,
+        0.0,
+        **pipeline_kw,
     )
     try:
         held = sum(sum(g.held_bytes().values()) for g in pipe.groups)
@@ -320,10 +323,18 @@ def test_held_memory_is_what_a_real_pipeline_holds(mode, param_dtype, comm):
         micro_batch=1,
         gas=2,
         gpus_per_node=1,
-        param_dtype="bf16",
+        param_dtype={torch.bfloat16: "bf16", torch.float16: "fp16"}[param_dtype],
         comm_dtype=comm,
     )
-    row = predict(i).row(mode)
+    return held, padded, n, predict(i).row(mode)
+
+
+@pytest.mark.parametrize("mode", ["sync", "dpu", "acco"])
+@pytest.mark.parametrize("param_dtype,comm", [(torch.bfloat16, "bf16"), (torch.bfloat16, "fp32")])
+def test_held_memory_is_what_a_real_pipeline_holds(mode, param_dtype, comm):
+    """GroupBuffers.held_bytes() of a one-rank pipeline over a small model, per parameter, is the
+    plan's held bytes per parameter at W = 1 (within the padding to a multiple of 16 elements)."""
+    held, padded, n, row = _real_pipeline_held(mode, param_dtype, comm)
     assert held == pytest.approx(row.memory_held_bytes_per_param * padded)
     assert held / n == pytest.approx(row.memory_held_bytes_per_param, rel=16 / n)
 
@@ -412,42 +423,11 @@ def test_plan_inputs_refuse_fp16_with_bf16():
 def test_fp16_held_memory_is_what_a_real_pipeline_holds(mode, comm):
     """GroupBuffers.held_bytes() of a one-rank fp16 pipeline (with its loss scaler) is the plan's fp16 held bytes
     per parameter at W = 1 (within the padding to a multiple of 16 elements)."""
-    from acco_ds.config import ACCOConfig
     from acco_ds.core.loss_scale import LossScaleSpec
-    from acco_ds.core.pipeline import ACCOPipeline
-    from acco_ds.core.round_job import Hyper
-    from tests.ranks.inproc import ensure_single_rank_group
 
-    ensure_single_rank_group()
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(
-        torch.nn.Linear(64, 96), torch.nn.LayerNorm(96), torch.nn.Linear(96, 48)
-    ).half()
-    params = list(model.parameters())
-    n = sum(p.numel() for p in params)
-    pipe = ACCOPipeline(
-        [params],
-        lambda: [Hyper(1e-3, 0.9, 0.999, 1e-8, 0.0)],
-        ACCOConfig(mode=mode, comm_dtype=comm),
-        2,
-        0.0,
-        loss_scale=LossScaleSpec(dynamic=True, init_scale=2.0**16),
-    )
-    try:
-        held = sum(sum(g.held_bytes().values()) for g in pipe.groups)
-        padded = sum(g.layout.padded_numel for g in pipe.groups)
-    finally:
-        pipe.close()
-    i = PlanInputs(
-        params=n,
-        t_micro_batch=0.1,
-        micro_batch=1,
-        gas=2,
-        gpus_per_node=1,
-        param_dtype="fp16",
-        comm_dtype=comm,
-    )
-    assert held == pytest.approx(predict(i).row(mode).memory_held_bytes_per_param * padded)
+    loss_scale = LossScaleSpec(dynamic=True, init_scale=2.0**16)
+    held, padded, _, row = _real_pipeline_held(mode, torch.float16, comm, loss_scale=loss_scale)
+    assert held == pytest.approx(row.memory_held_bytes_per_param * padded)
 
 
 # -- model configs ---------------------------------------------------------------------------------
