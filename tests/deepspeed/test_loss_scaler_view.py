@@ -18,21 +18,7 @@ from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
 
 from acco_ds.core.loss_scale import DeviceLossScaler, LossScaleSpec
 from acco_ds.deepspeed.loss_scaler_view import LossScalerReadOnlyError, loss_scaler_view
-
-FIELDS = (
-    "cur_scale",
-    "loss_scale",
-    "cur_iter",
-    "last_overflow_iter",
-    "cur_hysteresis",
-    "scale_factor",
-    "scale_window",
-    "min_scale",
-    "delayed_shift",
-    "consecutive_hysteresis",
-    "raise_error_at_min_scale",
-    "dynamic",
-)
+from tests.ranks.module_direct_worker import DYNAMIC_FIELDS
 
 
 def pipeline_of(spec: LossScaleSpec | None):
@@ -68,7 +54,9 @@ def test_dynamic_view_reads_deepspeeds_fields(spec, monkeypatch):
     rng = random.Random(0)
     moved = set()
     for _ in range(40):
-        assert {k: getattr(view, k) for k in FIELDS} == {k: getattr(theirs, k) for k in FIELDS}
+        assert {k: getattr(view, k) for k in DYNAMIC_FIELDS} == {
+            k: getattr(theirs, k) for k in DYNAMIC_FIELDS
+        }
         assert view.repr() == {k: getattr(theirs, k) for k in view._FIELDS}
         overflow = rng.random() < 0.3 and theirs.cur_scale > spec.min_scale
         theirs.update_scale(overflow)
@@ -81,7 +69,9 @@ def test_dynamic_view_reads_deepspeeds_fields(spec, monkeypatch):
     assert view.scale_loss(loss).item() == 3.0 * theirs.cur_scale
     snapshot = pickle.loads(pickle.dumps(view))
     assert type(snapshot) is DynamicLossScaler
-    assert {k: getattr(snapshot, k) for k in FIELDS} == {k: getattr(theirs, k) for k in FIELDS}
+    assert {k: getattr(snapshot, k) for k in DYNAMIC_FIELDS} == {
+        k: getattr(theirs, k) for k in DYNAMIC_FIELDS
+    }
 
 
 @pytest.mark.parametrize("spec", [LossScaleSpec(False, 128.0), None], ids=["static128", "no_fp16"])
