@@ -9,8 +9,6 @@ import random
 
 import pytest
 import torch
-from deepspeed.runtime.fp16 import loss_scaler
-from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
 
 from acco_ds.core.loss_scale import (
     AT_MIN,
@@ -26,6 +24,7 @@ from acco_ds.core.loss_scale import (
     updated_state,
 )
 from acco_ds.core.reference import RefLossScaler
+from tests.core.deepspeed_scaler import deepspeeds_scaler
 
 SPECS = [
     LossScaleSpec(True, 2.0**16, window=3, hysteresis=2, min_scale=1.0),
@@ -44,17 +43,8 @@ def flag(v: bool) -> torch.Tensor:
 )
 @pytest.mark.parametrize("seed", range(4))
 def test_rule_is_deepspeeds(spec, seed, monkeypatch):
-    # DeepSpeed's scaler asks for the rank to log
-    monkeypatch.setattr(loss_scaler.dist, "get_rank", lambda: 0)
     rng = random.Random(seed)
-    theirs = DynamicLossScaler(
-        init_scale=spec.init_scale,
-        scale_window=spec.window,
-        min_scale=spec.min_scale,
-        delayed_shift=spec.hysteresis,
-        consecutive_hysteresis=spec.consecutive_hysteresis,
-        raise_error_at_min_scale=False,
-    )
+    theirs = deepspeeds_scaler(spec, monkeypatch, raise_error_at_min_scale=False)
     no_raise = LossScaleSpec(**{**spec.__dict__, "raise_at_min": False})
     ref = RefLossScaler(no_raise)
     state = torch.tensor(no_raise.initial_state(), dtype=torch.float64)

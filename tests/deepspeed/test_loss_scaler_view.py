@@ -13,11 +13,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from deepspeed.runtime.fp16 import loss_scaler
 from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
 
 from acco_ds.core.loss_scale import DeviceLossScaler, LossScaleSpec
 from acco_ds.deepspeed.loss_scaler_view import LossScalerReadOnlyError, loss_scaler_view
+from tests.core.deepspeed_scaler import deepspeeds_scaler
 from tests.ranks.module_direct_worker import DYNAMIC_FIELDS
 
 
@@ -38,16 +38,7 @@ def pipeline_of(spec: LossScaleSpec | None):
     ids=["h2", "h3c"],
 )
 def test_dynamic_view_reads_deepspeeds_fields(spec, monkeypatch):
-    monkeypatch.setattr(
-        loss_scaler.dist, "get_rank", lambda: 0
-    )  # DeepSpeed's scaler asks for the rank to log
-    theirs = DynamicLossScaler(
-        init_scale=spec.init_scale,
-        scale_window=spec.window,
-        min_scale=spec.min_scale,
-        delayed_shift=spec.hysteresis,
-        consecutive_hysteresis=spec.consecutive_hysteresis,
-    )
+    theirs = deepspeeds_scaler(spec, monkeypatch)
     pipeline = pipeline_of(spec)
     view = loss_scaler_view(pipeline)
     assert isinstance(view, DynamicLossScaler) and view.dynamic and view.dtype == torch.float16
