@@ -119,7 +119,7 @@ MUTANTS = [
     Mutant(
         "M09",
         "a job's bias corrections use the applied step count instead of the step it computes",
-        "acco_ds/core/pipeline.py",
+        "acco_ds/core/round_hypers.py",
         "h.hyper_scalars(applied + 1)",
         "h.hyper_scalars(max(applied, 1))",
         tuple(TRAJ),
@@ -163,7 +163,7 @@ MUTANTS = [
         # the history never holds a step the engine has not reached, so the lookup falls back to
         # the same entry; one step behind is not equivalent
         "the LR schedule is read one step behind (a commit uses the previous step's LR)",
-        "acco_ds/core/pipeline.py",
+        "acco_ds/core/round_hypers.py",
         "for h in self._hypers_for(applied)]",
         "for h in self._hypers_for(max(applied - 1, 0))]",
         tuple(TRAJ),
@@ -412,7 +412,7 @@ MUTANTS = [
         "M41",
         "fp16: a round unscaled by another round's scale (the scaler's current scale instead of the one the round "
         "computed under)",
-        "acco_ds/core/pipeline.py",
+        "acco_ds/core/round_scale.py",
         '        args = {"loss_scale": self.scaler.job_scale(), "residual_scales": self.residual_scales}',
         '        args = {"loss_scale": self.scaler.state[[0, 4]].clone(), "residual_scales": self.residual_scales}',
         ("tests/core/test_fp16_trajectories.py::test_matches_reference",),
@@ -420,7 +420,7 @@ MUTANTS = [
     Mutant(
         "M42",
         "fp16: the loss scale updated per round (peeks too) instead of once per optimizer step",
-        "acco_ds/core/pipeline.py",
+        "acco_ds/core/round_scale.py",
         "        if self.scaler is None or result.job is not Job.COMMIT or result.loss_scale is None:",
         "        if self.scaler is None or result.loss_scale is None:",
         ("tests/core/test_fp16_trajectories.py::test_matches_reference",),
@@ -436,7 +436,7 @@ MUTANTS = [
     Mutant(
         "M44",
         "fp16: a skipped step still advances Adam's step count (bias corrections)",
-        "acco_ds/core/pipeline.py",
+        "acco_ds/core/in_flight.py",
         "                self.stats.skipped_steps += 1\n",
         "                self.stats.skipped_steps += 1\n                self.state_step += 1\n",
         ("tests/core/test_fp16_trajectories.py::test_matches_reference",),
@@ -470,7 +470,7 @@ MUTANTS = [
         "M49",
         "fp16: the minimum-scale check reads the scaler's device state on the host at every commit (a host wait for "
         "the compute stream inside a round) instead of the count the job's summary carries",
-        "acco_ds/core/pipeline.py",
+        "acco_ds/core/in_flight.py",
         "self.scaler.check(None if result.at_min is None else result.at_min.tolist()[0])",
         "self.scaler.check(None)",
         ("tests/core/test_round_end_host_work.py",),
@@ -478,7 +478,7 @@ MUTANTS = [
     Mutant(
         "M50",
         "fp16: the scaler's next state computed on the compute stream at every swap-in (the job's state not adopted)",
-        "acco_ds/core/pipeline.py",
+        "acco_ds/core/round_scale.py",
         "            if self.scaler.adopt(result.scaler_state, result.next_scaler_state):",
         "            if False:",
         ("tests/core/test_round_end_host_work.py",),
@@ -558,7 +558,7 @@ MUTANTS = [
     Mutant(
         "M58",
         "inside no_sync() no round ends (accelerate's accumulate() then runs one acco round per step)",
-        "acco_ds/core/pipeline.py",
+        "acco_ds/core/round_schedule.py",
         "            if (self.adaptive or not boundary) and self._may_end():\n",
         "            if False:\n",
         ("tests/deepspeed/test_engine_boundary.py::test_held_micro_batches_run_the_bare_loops_rounds",),
