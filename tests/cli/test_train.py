@@ -5,11 +5,8 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,8 +17,7 @@ from acco_ds.cli.metrics import merge_ranks, smoothed_loss, summarize, time_to_l
 from acco_ds.data import load_corpus, micro_batch, stream, val_windows
 from acco_ds.data.corpus import split_blocks
 from acco_ds.models import GPTConfig, TinyGPT
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.cli.train_run import TINY, run_train
 
 
 def test_corpus_is_the_stdlib_split_deterministically():
@@ -162,41 +158,7 @@ def test_acco_train_tiny_run(tmp_path):
     """A real 2-rank run of every default mode with tiny settings (about a minute on 2 CPU cores)."""
     out = tmp_path / "out"
     modes = ["acco", "zero1"] if _acco_works() else ["zero1"]
-    cmd = [
-        sys.executable,
-        "-m",
-        "acco_ds.train",
-        "--mode",
-        *modes,
-        "--steps",
-        "16",
-        "--n-layer",
-        "1",
-        "--d-model",
-        "64",
-        "--n-head",
-        "2",
-        "--context",
-        "64",
-        "--micro-batch",
-        "4",
-        "--grad-accum",
-        "2",
-        "--warmup-steps",
-        "2",
-        "--lr",
-        "3e-3",
-        "--eval-windows",
-        "16",
-        "--out",
-        str(out),
-        "--no-progress",
-    ]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    summary = json.loads((out / "summary.json").read_text())
-    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    _, summary, lines = run_train(tmp_path, ["--mode", *modes, "--steps", "16", *TINY])
     assert (out / "loss_vs_samples.png").stat().st_size > 1000 and (
         out / "loss_vs_time.png"
     ).stat().st_size > 1000

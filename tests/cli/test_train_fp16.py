@@ -5,12 +5,7 @@ they skip steps while the scale comes down, and still train; sync beside them ta
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -19,8 +14,7 @@ from acco_ds.cli.args import parse
 from acco_ds.cli.job import table_rows
 from acco_ds.cli.metrics import merge_ranks, summarize
 from acco_ds.cli.steplog import StepLog
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.cli.train_run import TINY, run_train
 
 
 def test_fp16_options_fill_deepspeed_defaults_and_are_checked(capsys):
@@ -131,38 +125,11 @@ def test_acco_train_fp16_run_skips_overflowing_steps_and_trains(tmp_path):
     skips the steps whose gradients overflow (hysteresis 2: the first overflow keeps the scale, each one after
     halves it), reports them and the final scale per run and per step, and trains (the loss falls); sync takes
     ZeRO-1's decisions step for step, with its losses within fp16 rounding."""
-    out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "acco_ds.train", "--mode", "acco", "sync", "zero1", "--dtype", "fp16"]
-    cmd += [
-        "--initial-scale-power",
-        str(INITIAL_SCALE_POWER),
-        "--steps",
-        "24",
-        "--n-layer",
-        "1",
-        "--d-model",
-        "64",
-    ]
-    cmd += [
-        "--n-head",
-        "2",
-        "--context",
-        "64",
-        "--micro-batch",
-        "4",
-        "--grad-accum",
-        "2",
-        "--warmup-steps",
-        "2",
-    ]
-    cmd += ["--lr", "3e-3", "--eval-windows", "16", "--out", str(out), "--no-progress"]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    options = ["--mode", "acco", "sync", "zero1", "--dtype", "fp16"]
+    options += ["--initial-scale-power", str(INITIAL_SCALE_POWER), "--steps", "24", *TINY]
+    proc, summary, lines = run_train(tmp_path, options, timeout=900)
     assert "fp16 (dynamic loss scale from 2^20, window 1000)" in proc.stdout
     assert "fp16 on CPU ranks" in proc.stderr  # the ranks said they lifted DeepSpeed's CPU refusal
-    summary = json.loads((out / "summary.json").read_text())
-    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     header = next(line for line in proc.stdout.splitlines() if line.strip().startswith("mode"))
     assert header.split()[-3:] == ["skipped", "loss", "scale"]
     for mode in ("acco", "sync", "zero1"):
