@@ -7,9 +7,9 @@ Contracts:
 - ``train_adaptive``: ACCO with adaptive accumulation: pulls micro-batches from the endless
   per-rank iterator while ``engine.optimizer.committed_steps < steps``, so a fast rank computes
   more micro-batches than a slow one (and every rank computes while the link is busy).
-Every loop calls ``spinner.spin()`` after each micro-batch (the controlled slowdown), feeds the
-``StepLog`` and the progress bar, calls ``on_step(step)`` (when given) each time an optimizer step
-completes, and returns the seconds since ``start`` (a perf_counter value taken by the caller right after
+Both are ``train`` (``adaptive`` or not). Every loop calls ``spinner.spin()`` after each micro-batch
+(the controlled slowdown), feeds the ``StepLog`` and the progress bar, calls ``on_step(step)`` (when
+given) each time an optimizer step completes, and returns the seconds since ``start`` (a perf_counter value taken by the caller right after
 the ranks' barrier). A resumed run passes ``done``, the steps its checkpoint holds: the loops run the
 ``steps - done`` steps left.
 """
@@ -48,7 +48,7 @@ def _micro(engine, batch, device) -> float:
     return float(loss.detach().float().item())
 
 
-def train_fixed(
+def train(
     engine,
     batches: Iterator,
     steps: int,
@@ -61,44 +61,19 @@ def train_fixed(
     start: float,
     done: int = 0,
     on_step: Callable[[int], None] | None = None,
+    adaptive: bool = False,
 ) -> float:
+    """The loop of both accumulations: fixed, exactly ``(steps - done) * grad_accum`` micro-batches; ``adaptive``,
+    micro-batches until ``steps`` optimizer steps are done. A step is reported once the count passes the last one
+    reported (fixed: the log's last step; adaptive: the loop's own, from ``done``)."""
     count = step_counter(engine)
-    for _ in range((steps - done) * grad_accum):
-        log.micro(_micro(engine, next(batches), engine.device))
-        spinner.spin()
-        step = count()
-        if step > log.last_step:
-            now = time.perf_counter() - start
-            log.step(step, now)
-            bar.update(
-                step, log.recent_loss(), committed_samples(engine, micro_batch, world, grad_accum, step), now
-            )
-            if on_step is not None:
-                on_step(step)
-    return time.perf_counter() - start
-
-
-def train_adaptive(
-    engine,
-    batches: Iterator,
-    steps: int,
-    grad_accum: int,
-    micro_batch: int,
-    world: int,
-    log: StepLog,
-    bar: Progress,
-    spinner: Spinner,
-    start: float,
-    done: int = 0,
-    on_step: Callable[[int], None] | None = None,
-) -> float:
-    count = step_counter(engine)
-    step = done
-    while step < steps:
+    step, left = done, (steps - done) * grad_accum
+    while step < steps if adaptive else left > 0:
+        left -= 1
         log.micro(_micro(engine, next(batches), engine.device))
         spinner.spin()
         new = count()
-        if new > step:
+        if new > (step if adaptive else log.last_step):
             step = new
             now = time.perf_counter() - start
             samples = committed_samples(engine, micro_batch, world, grad_accum, step)
@@ -107,3 +82,13 @@ def train_adaptive(
             if on_step is not None:
                 on_step(step)
     return time.perf_counter() - start
+
+
+def train_fixed(engine, batches: Iterator, **kw) -> float:
+    """``train`` with fixed accumulation (``kw``: its settings)."""
+    return train(engine, batches, adaptive=False, **kw)
+
+
+def train_adaptive(engine, batches: Iterator, **kw) -> float:
+    """``train`` with ACCO's adaptive accumulation (``kw``: its settings)."""
+    return train(engine, batches, adaptive=True, **kw)
