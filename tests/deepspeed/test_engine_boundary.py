@@ -18,6 +18,7 @@ import torch
 from acco_ds.core.reference import RefHyper, reference_run
 from tests.ranks import toy
 from tests.ranks.launch import REPO, rank_env, run_local
+from tests.ranks.toy_config import optimizer, toy_config
 
 pytestmark = pytest.mark.launcher  # starts ranks through a launcher (left out by make test-fast)
 
@@ -44,6 +45,8 @@ RUNS = [
     ("acco", "late"),
 ]
 PROBED = {"zero1", "sync", "acco"}  # their manual runs also read optimizer.state (and, ACCO, refuse a step)
+# the micro-batches of a mode's rounds: acco's peek round ends at GAS/2, the others' one round at the boundary
+ROUND = {"sync": GAS, "dpu": GAS, "acco": GAS // 2}
 
 
 def _variant(**params) -> dict:
@@ -62,22 +65,7 @@ def variants() -> dict:
 
 
 def config(mode: str) -> dict:
-    if mode == "zero1":
-        optimizer = {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD}}
-    else:
-        optimizer = {"type": "ACCO", "params": {"lr": LR, "weight_decay": WD, "mode": mode}}
-    return {
-        "train_micro_batch_size_per_gpu": toy.MICRO_BATCH,
-        "gradient_accumulation_steps": GAS,
-        "optimizer": optimizer,
-        "scheduler": {
-            "type": "WarmupLR",
-            "params": {"warmup_min_lr": LR / 4, "warmup_max_lr": LR, "warmup_num_steps": 4},
-        },
-        "zero_optimization": {"stage": 1},
-        "gradient_clipping": 0.0,
-        "steps_per_print": 10**9,
-    }
+    return toy_config(optimizer(mode, lr=LR, weight_decay=WD), GAS, warmup=(LR / 4, LR, 4))
 
 
 @pytest.fixture(scope="module")
@@ -195,7 +183,7 @@ def test_reference_sees_short_steps():
     """The step lengths matter: the reference with SIZES differs from one with every step full, in every mode,
     by far more than the tolerance (so a run that ignored the engine's boundaries could not pass)."""
     lrs = [LR] * len(SIZES)
-    for mode, k in (("sync", GAS), ("dpu", GAS), ("acco", GAS // 2)):
+    for mode, k in ROUND.items():
         sized = reference(mode, lrs, k).params[-1][0]
         full = reference_run(
             mode,
@@ -215,22 +203,18 @@ def test_sync_equals_deepspeed_zero1(results):
     assert_equals_zero1(results, "sync vs ZeRO-1")
 
 
+def reference_cases(names: list) -> list:
+    """``(name, mode, k)`` of the runs ``names`` (``<mode>_<style>``): ``k``, the micro-batches of the mode's rounds."""
+    return [(name, name.split("_")[0], ROUND[name.split("_")[0]]) for name in names]
+
+
 @pytest.mark.parametrize(
     ("name", "mode", "k"),
-    [
-        ("sync_manual", "sync", GAS),
-        ("dpu_manual", "dpu", GAS),
-        ("acco_manual", "acco", GAS // 2),
-        ("dpu_late", "dpu", GAS),
-        ("acco_late", "acco", GAS // 2),
-        ("sync_no_sync", "sync", GAS),
-        ("sync_coalesce", "sync", GAS),
+    reference_cases(
+        ["sync_manual", "dpu_manual", "acco_manual", "dpu_late", "acco_late", "sync_no_sync", "sync_coalesce"]
         # held to its boundary, an acco step runs the rounds of the marked loop: its peek round ends by count
-        ("acco_no_sync", "acco", GAS // 2),
-        ("dpu_no_sync", "dpu", GAS),
-        ("acco_coalesce", "acco", GAS // 2),
-        ("dpu_coalesce", "dpu", GAS),
-    ],
+        + ["acco_no_sync", "dpu_no_sync", "acco_coalesce", "dpu_coalesce"]
+    ),
 )
 def test_matches_reference(results, name, mode, k):
     res = results[name]

@@ -21,6 +21,7 @@ from tests.deepspeed.test_engine_boundary import (
     config,
     launch,
     reference,
+    reference_cases,
 )
 
 pytestmark = pytest.mark.launcher
@@ -59,13 +60,7 @@ def test_sync_equals_deepspeed_zero1_fp16(results):
 
 @pytest.mark.parametrize(
     ("name", "mode", "k"),
-    [
-        ("sync_manual", "sync", GAS),
-        ("acco_manual", "acco", GAS // 2),
-        ("dpu_late", "dpu", GAS),
-        ("acco_no_sync", "acco", GAS // 2),
-        ("sync_coalesce", "sync", GAS),
-    ],
+    reference_cases(["sync_manual", "acco_manual", "dpu_late", "acco_no_sync", "sync_coalesce"]),
 )
 def test_matches_reference(results, name, mode, k):
     res = results[name]

@@ -23,6 +23,7 @@ import torch
 
 from tests.ranks import toy
 from tests.ranks.launch import REPO, rank_env, run_local
+from tests.ranks.toy_config import optimizer, toy_config
 
 pytestmark = pytest.mark.launcher  # starts ranks through a launcher (left out by make test-fast)
 
@@ -52,19 +53,7 @@ NORM_REL = {"fp32": 1e-5, "bf16": 1e-3, "fp16": 1e-2}
 
 
 def config(mode: str, precision: dict) -> dict:
-    if mode == "zero1":
-        optimizer = {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD}}
-    else:
-        optimizer = {"type": "ACCO", "params": {"lr": LR, "weight_decay": WD, "mode": mode}}
-    return {
-        "train_micro_batch_size_per_gpu": toy.MICRO_BATCH,
-        "gradient_accumulation_steps": GAS,
-        "optimizer": optimizer,
-        "zero_optimization": {"stage": 1},
-        "gradient_clipping": 0.0,
-        "steps_per_print": 10**9,
-        **precision,
-    }
+    return toy_config(optimizer(mode, lr=LR, weight_decay=WD), GAS, **precision)
 
 
 def scenarios() -> list:
@@ -160,11 +149,8 @@ def test_module_direct_equals_engine_call(results, precision, mode):
         assert direct["steps"][-1]["skipped_steps"] >= 1, "no planted overflow was skipped"
 
 
-@pytest.mark.parametrize("precision", PRECISIONS)
-def test_sync_module_direct_equals_zero1(results, precision):
-    """sync, module-direct with other engines in the process, follows DeepSpeed's ZeRO-1 AdamW trained the same way
-    (the same model and data): weights, moments and norms within the project's tolerances, the same skips."""
-    ours, theirs = (results[f"{precision}_module"]["engines"][i] for i in (0, len(MODES)))
+def assert_steps_close(ours: dict, theirs: dict, precision: str) -> None:
+    """Step by step, one engine's parameters and moments are the other's within the precision's tolerances."""
     for t, (a, b) in enumerate(zip(ours["steps"], theirs["steps"])):
         diff = (a["params"] - b["params"]).abs().max().item()
         assert diff <= TOL[precision], f"step {t + 1}: parameters max |diff| {diff:.3e}"
@@ -172,6 +158,15 @@ def test_sync_module_direct_equals_zero1(results, precision):
             assert max_rel(a[key], b[key]) <= rel, (
                 f"step {t + 1}: {key} rel diff {max_rel(a[key], b[key]):.3e}"
             )
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_sync_module_direct_equals_zero1(results, precision):
+    """sync, module-direct with other engines in the process, follows DeepSpeed's ZeRO-1 AdamW trained the same way
+    (the same model and data): weights, moments and norms within the project's tolerances, the same skips."""
+    ours, theirs = (results[f"{precision}_module"]["engines"][i] for i in (0, len(MODES)))
+    assert_steps_close(ours, theirs, precision)
+    for t, (a, b) in enumerate(zip(ours["steps"], theirs["steps"])):
         assert same_norm(a["norm"], b["norm"], NORM_REL[precision]), (
             f"step {t + 1}: {a['norm']} vs {b['norm']}"
         )
@@ -220,14 +215,7 @@ def test_shared_loss_with_bare_backward(results, precision):
     ``step()`` (DeepSpeed's own multiple-models loop): ACCO adopts the gradients autograd left in fresh ``.grad``
     tensors; sync follows ZeRO-1 trained the same way, and every mode trains (finite weights that moved)."""
     engines = results[f"{precision}_shared"]["engines"]
-    ours, theirs = engines[0], engines[len(MODES)]
-    for t, (a, b) in enumerate(zip(ours["steps"], theirs["steps"])):
-        diff = (a["params"] - b["params"]).abs().max().item()
-        assert diff <= TOL[precision], f"step {t + 1}: parameters max |diff| {diff:.3e}"
-        for key, rel in MOMENT_RELS[precision].items():
-            assert max_rel(a[key], b[key]) <= rel, (
-                f"step {t + 1}: {key} rel diff {max_rel(a[key], b[key]):.3e}"
-            )
+    assert_steps_close(engines[0], engines[len(MODES)], precision)
     for e, engine in enumerate(engines[: len(MODES)]):
         first, last = engine["steps"][0]["params"], engine["steps"][-1]["params"]
         assert torch.isfinite(last).all() and (last - first).abs().max() > 10 * TOL[precision], MODES[e]
