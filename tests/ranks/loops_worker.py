@@ -34,13 +34,13 @@ from types import SimpleNamespace
 import deepspeed
 import torch
 from accelerate import Accelerator  # noqa: E402
-from accelerate.state import AcceleratorState, GradientState, PartialState  # noqa: E402
 from accelerate.utils import DeepSpeedPlugin, DummyOptim, GradientAccumulationPlugin  # noqa: E402
 from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state  # noqa: E402
 from transformers import Trainer, TrainerCallback  # noqa: E402
 
 import acco_ds  # noqa: E402,F401  (the only change a user makes)
 from tests.ranks import cpu_accelerate_shim  # noqa: E402
+from tests.ranks.hf_epochs import release  # noqa: E402
 from tests.ranks.hf_worker import Tokens, tiny_llama, trainer_args  # noqa: E402
 
 MICRO = 2
@@ -64,18 +64,28 @@ def step_record(engine) -> dict:
     }
 
 
-def bare_loop(run: dict, gas: int) -> dict:
+def engine_and_batches(run: dict):
+    """A run's engine over the tiny Llama (``run["config"]``), this rank's count of micro-batches of
+    ``run["samples"]`` samples, and its micro-batch ``j`` on the engine's device: ``batch(j)``."""
     model = tiny_llama()
     engine, _, _, _ = deepspeed.initialize(
         model=model, config=run["config"], model_parameters=model.parameters()
     )
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    data, steps = Tokens(samples=run["samples"]), []
-    batches = run["samples"] // (MICRO * world)
+    data = Tokens(samples=run["samples"])
+
+    def batch(j: int) -> dict:
+        return {k: v.to(engine.device) for k, v in micro_batch(data, rank, world, j).items()}
+
+    return engine, run["samples"] // (MICRO * world), batch
+
+
+def bare_loop(run: dict, gas: int) -> dict:
+    engine, batches, batch = engine_and_batches(run)
+    steps = []
     short_from = batches - batches % gas  # the micro-batches of a shorter last step, marked by the loop
     for j in range(batches):
-        batch = {k: v.to(engine.device) for k, v in micro_batch(data, rank, world, j).items()}
-        loss = engine(**batch).loss
+        loss = engine(**batch(j)).loss
         if j >= short_from:
             engine.set_gradient_accumulation_boundary(j == batches - 1)
         engine.backward(loss)
@@ -87,19 +97,13 @@ def bare_loop(run: dict, gas: int) -> dict:
 
 
 def coalesce_loop(run: dict, gas: int) -> dict:
-    model = tiny_llama()
-    engine, _, _, _ = deepspeed.initialize(
-        model=model, config=run["config"], model_parameters=model.parameters()
-    )
-    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    data, steps = Tokens(samples=run["samples"]), []
-    batches = run["samples"] // (MICRO * world)
+    engine, batches, batch = engine_and_batches(run)
+    steps = []
     for first in range(0, batches, gas):
         size = min(gas, batches - first)
         with engine.coalesce_grad_reduction():  # one block per optimizer step
             for j in range(first, first + size):
-                batch = {k: v.to(engine.device) for k, v in micro_batch(data, rank, world, j).items()}
-                loss = engine(**batch).loss
+                loss = engine(**batch(j)).loss
                 engine.set_gradient_accumulation_boundary(j == first + size - 1)
                 engine.backward(loss)
         engine.set_gradient_accumulation_boundary(True)
@@ -227,11 +231,7 @@ def finish(engine, out: dict) -> dict:
     out["engine_gas"] = engine.gradient_accumulation_steps()
     if acco:
         out["stats"] = engine.optimizer.stats()
-        engine.optimizer.pipeline.close()
-    engine.destroy()
-    AcceleratorState._reset_state(True)  # the next run builds its own accelerate/DeepSpeed state
-    PartialState._reset_state()
-    GradientState._reset_state()
+    release(engine)
     return out
 
 
