@@ -316,9 +316,10 @@ def test_unaligned_slices(dtype):
         assert_same(a, b, what)
 
 
-def test_the_exact_edge_cases():
+def check_edge_cases(backend: str) -> None:
     """Ties to even, the smallest subnormal scale, an all-zero block of negative zeros (its residual keeps
-    them), a residual that overflows v, and the NaN bits of a non-finite block's scale."""
+    them), a residual that overflows v, and the NaN bits of a non-finite block's scale: ``backend``'s kernel
+    against the reference."""
     tiny = 2.0**-149
     fmax = torch.finfo(torch.float32).max
     x = torch.tensor(
@@ -326,14 +327,19 @@ def test_the_exact_edge_cases():
     )
     residual = torch.tensor([0.0] * 8 + [-0.0] * 4 + [fmax, 0.25, 0.0, 0.0])
     residual_ref = residual.clone()
-    q, s = quantize_with_residual(x, residual, 4, backend="cpp")
+    q, s = quantize_with_residual(x, residual, 4, backend=backend)
     q_ref, s_ref = quantize_with_residual_ref(x, residual_ref, 4)
-    assert q.tolist() == [127, 2, 4, -2, 1, -1, 0, 3, 0, 0, 0, 0, 0, 0, 0, 0]
+    assert q.tolist() == [127, 2, 4, -2, 1, -1, 0, 3, 0, 0, 0, 0, 0, 0, 0, 0], q.tolist()
     assert s[:3].tolist() == [1.0, tiny, 0.0] and s[3].isnan()
     assert residual[8:12].signbit().all() and residual[12:].tolist() == [0.0] * 4
     assert_same(q, q_ref, "q")
     assert_same(s, s_ref, "scales")
     assert_same(residual, residual_ref, "residual")
+
+
+def test_the_exact_edge_cases():
+    """The CPU kernel on ``check_edge_cases``."""
+    check_edge_cases("cpp")
 
 
 def test_auto_dispatch_takes_the_kernel_and_falls_back():

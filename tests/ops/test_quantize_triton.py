@@ -39,6 +39,7 @@ from acco_ds.ops.quantize import (
 from tests.ops.test_quantize_kernel import (
     DTYPES,
     assert_same,
+    check_edge_cases,
     deq_case,
     diff_case,
     gen,
@@ -184,23 +185,8 @@ def _rounds(dtype: torch.dtype, rdtype: torch.dtype) -> int:
 
 def _edge_cases() -> int:
     """Ties to even, the smallest subnormal scale, negative zeros kept in the residual, a residual that overflows
-    v, and the NaN bits of a non-finite block's scale."""
-
-    tiny = 2.0**-149
-    fmax = torch.finfo(torch.float32).max
-    x = torch.tensor(
-        [127.0, 2.5, 3.5, -2.5, tiny, -tiny, 0.0, 3 * tiny, -0.0, -0.0, -0.0, -0.0, fmax, 1.0, 0, 0]
-    )
-    residual = torch.tensor([0.0] * 8 + [-0.0] * 4 + [fmax, 0.25, 0.0, 0.0])
-    residual_ref = residual.clone()
-    q, s = quantize_with_residual(x, residual, 4, backend="triton")
-    q_ref, s_ref = quantize_with_residual_ref(x, residual_ref, 4)
-    assert q.tolist() == [127, 2, 4, -2, 1, -1, 0, 3, 0, 0, 0, 0, 0, 0, 0, 0], q.tolist()
-    assert s[:3].tolist() == [1.0, tiny, 0.0] and s[3].isnan()
-    assert residual[8:12].signbit().all() and residual[12:].tolist() == [0.0] * 4
-    assert_same(q, q_ref, "q")
-    assert_same(s, s_ref, "scales")
-    assert_same(residual, residual_ref, "residual")
+    v, and the NaN bits of a non-finite block's scale (``check_edge_cases``)."""
+    check_edge_cases("triton")
     return 1
 
 
