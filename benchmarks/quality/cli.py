@@ -39,20 +39,43 @@ from benchmarks.harness import seeds as sd
 from benchmarks.harness.cli import parser
 from benchmarks.harness.records import load_results, write_report
 from benchmarks.harness.sweep import seeds_arg
-from benchmarks.quality import study
+from benchmarks.quality import study, variants
 
 BASE_LR = 2e-3  # acco-train's --lr
-# name: (group, steps or None for --base-steps, LR factor, GAS, micro-batch)
+# name: (group, steps or None for --base-steps, LR factor, GAS, micro-batch[, {world_size, warmup_steps}])
 GRID = {
     "base": ("base", None, 1.0, 4, 8),
     "lr_x0.5": ("lr", None, 0.5, 4, 8),
+    "lr_x0.75": ("lr", None, 0.75, 4, 8),
+    "lr_x1.5": ("lr", None, 1.5, 4, 8),
     "lr_x2": ("lr", None, 2.0, 4, 8),
+    "warmup5": ("warmup", None, 1.0, 4, 8, {"warmup_steps": 5}),
+    "warmup50": ("warmup", None, 1.0, 4, 8, {"warmup_steps": 50}),
     "gas2": ("gas", None, 1.0, 2, 8),
     "gas8": ("gas", None, 1.0, 8, 8),
     "gas8_mb4": ("gas", None, 1.0, 8, 4),
+    "mb16": ("tokens", None, 1.0, 4, 16),
+    "ranks4": ("tokens", None, 1.0, 4, 8, {"world_size": 4}),
     "steps100": ("length", 100, 1.0, 4, 8),
     "steps300": ("length", 300, 1.0, 4, 8),
     "steps600": ("length", 600, 1.0, 4, 8),
+    "steps2000": ("length", 2000, 1.0, 4, 8),
+}
+# acco with one thing changed (benchmarks.quality.variants): probes of the gap's cause and candidate remedies
+VARIANTS = {
+    "est_x0": dict(est_scale=0.0),
+    "est_x0.5": dict(est_scale=0.5),
+    "est_x1.5": dict(est_scale=1.5),
+    "probe": dict(probe_every=5),
+    "peek_m0.5": dict(peek_momentum=0.5),
+    "peek_lr_x0.5": dict(peek_lr_scale=0.5),
+    "peek_lr_x1.5": dict(peek_lr_scale=1.5),
+    "peek_lr_x2": dict(peek_lr_scale=2.0),
+    "commit_w0.5": dict(commit_weight=0.5),
+    "split_1": dict(estimate_micro_batches=1),
+    "split_q": dict(estimate_micro_batches="quarter"),  # GAS / 4, at least 1
+    "curv_1e6": dict(curvature_lambda=1e6),
+    "adaptive_1_0": dict(rank_extra=(1, 0)),
 }
 SETUP_KNOBS = ("n_layer", "n_head", "d_model", "context", "world_size", "warmup_steps", "eval_windows")
 
@@ -62,6 +85,14 @@ def parse(argv=None) -> argparse.Namespace:
     ap.add_argument("--settings", default=",".join(GRID), help=f"comma-separated, from {', '.join(GRID)}")
     ap.add_argument("--modes", default=",".join(study.MODES), help="comma-separated, sync among them")
     ap.add_argument(
+        "--variants",
+        default="",
+        help=f"comma-separated acco variants to run beside the modes: {', '.join(VARIANTS)}",
+    )
+    ap.add_argument(
+        "--arch", default="tiny", choices=("tiny", "gpt2", "llama"), help="the model (default tiny)"
+    )
+    ap.add_argument(
         "--seeds", type=seeds_arg, default=[0, 1, 2], help="comma-separated seeds (default 0,1,2)"
     )
     ap.add_argument(
@@ -70,6 +101,18 @@ def parse(argv=None) -> argparse.Namespace:
         default=[],
         metavar="NAME=SEEDS",
         help="the seeds of one setting instead of --seeds (repeatable), e.g. steps300=0",
+    )
+    ap.add_argument(
+        "--setting-variants",
+        action="append",
+        default=[],
+        metavar="NAME=VARIANTS",
+        help="the variants of one setting instead of --variants (repeatable; '-' for none), e.g. steps2000=split_1",
+    )
+    ap.add_argument(
+        "--no-new-runs",
+        action="store_true",
+        help="render from the records already in --work and start no run (a missing record is left out)",
     )
     ap.add_argument("--base-steps", type=int, default=150, help="steps of the settings without their own")
     ap.add_argument("--eval-every", type=int, default=10, help="validation loss every this many steps")
@@ -83,6 +126,10 @@ def parse(argv=None) -> argparse.Namespace:
     ap.add_argument("--from-json", default=None, help="re-render the files from a saved raw JSON, beside it")
     a = ap.parse_args(argv)
     a.settings, a.modes = a.settings.split(","), a.modes.split(",")
+    a.variants = [v for v in a.variants.split(",") if v]
+    for v in a.variants:
+        if v not in VARIANTS:
+            ap.error(f"--variants: unknown variant {v!r}; allowed: {', '.join(VARIANTS)}")
     for s in a.settings:
         if s not in GRID:
             ap.error(f"--settings: unknown setting {s!r}; allowed: {', '.join(GRID)}")
@@ -96,6 +143,17 @@ def parse(argv=None) -> argparse.Namespace:
             ap.error(f"--setting-seeds {item!r}: NAME=SEEDS with NAME among {', '.join(GRID)}")
         per[name] = seeds_arg(seeds)
     a.setting_seeds = per
+    per_var = {}
+    for item in a.setting_variants:
+        name, _, names = item.partition("=")
+        chosen = [v for v in names.split(",") if v and v != "-"]
+        if name not in GRID or not names or any(v not in VARIANTS for v in chosen):
+            ap.error(
+                f"--setting-variants {item!r}: NAME=VARIANTS with NAME among {', '.join(GRID)} and VARIANTS "
+                f"among {', '.join(VARIANTS)} (or '-')"
+            )
+        per_var[name] = chosen
+    a.setting_variants = per_var
     if "sync" not in a.modes:
         ap.error("--modes: sync (the reference of every gap) must be among them")
     if a.from_json:
@@ -106,18 +164,33 @@ def parse(argv=None) -> argparse.Namespace:
         ap.error("--out is required: a new folder (e.g. benchmarks/results/quality/run2)")
     if (Path(a.out) / f"{a.prefix}.json").exists():
         ap.error(f"--out {a.out} already holds {a.prefix}.json: give a new folder or --prefix")
+    if a.no_new_runs and not a.work:
+        ap.error("--no-new-runs renders from --work: give the folder of the records")
     if min(a.base_steps, a.eval_every, a.threads) < 1:
         ap.error("--base-steps, --eval-every and --threads must be >= 1")
     return a
 
 
 def make_setting(name: str, base_steps: int) -> study.Setting:
-    group, steps, factor, gas, mb = GRID[name]
-    return study.Setting(name, group, steps or base_steps, BASE_LR * factor, gas, mb)
+    group, steps, factor, gas, mb, *more = GRID[name]
+    return study.Setting(
+        name, group, steps or base_steps, BASE_LR * factor, gas, mb, **(more[0] if more else {})
+    )
 
 
 def make_setup(a) -> study.Setup:
-    return replace(study.Setup(), **{k: getattr(a, k) for k in SETUP_KNOBS})
+    return replace(study.Setup(), arch=getattr(a, "arch", "tiny"), **{k: getattr(a, k) for k in SETUP_KNOBS})
+
+
+def make_variant(name: str, setting: study.Setting) -> variants.Variant:
+    """``VARIANTS[name]`` for ``setting`` ("quarter": GAS / 4 micro-batches in the estimate's round, at least 1)."""
+    knobs = dict(VARIANTS[name])
+    if knobs.get("estimate_micro_batches") == "quarter":
+        knobs["estimate_micro_batches"] = max(1, setting.grad_accum // 4)
+    if "rank_extra" in knobs:
+        world = setting.world_size or study.Setup().world_size
+        knobs["rank_extra"] = tuple(knobs["rank_extra"]) + (0,) * (world - len(knobs["rank_extra"]))
+    return variants.Variant(name, **knobs)
 
 
 def run_all(a) -> dict:
@@ -133,14 +206,23 @@ def run_all(a) -> dict:
         for seed in a.setting_seeds.get(name, a.seeds):
             runs = block["seeds"][str(seed)] = {}
             problem = None
-            for mode in a.modes:
+            for mode in [*a.modes, *a.setting_variants.get(name, a.variants)]:
                 path = work / f"{name}.seed{seed}.{mode}.json"
                 if path.exists():
                     runs[mode] = json.loads(path.read_text())
                     continue
+                if a.no_new_runs:
+                    continue
+                if mode in VARIANTS and (
+                    setting.grad_accum < 2 or (mode.startswith("split") and setting.grad_accum < 4)
+                ):
+                    continue
                 problem = problem or study.Problem(setup, setting, seed)
                 t0 = time.time()
-                rec = study.run(problem, mode, a.eval_every)
+                if mode in VARIANTS:
+                    rec = variants.variant_run(problem, make_variant(mode, setting), a.eval_every)
+                else:
+                    rec = study.run(problem, mode, a.eval_every)
                 rec["wall_s"] = time.time() - t0
                 path.write_text(json.dumps(rec))
                 runs[mode] = rec
@@ -170,18 +252,19 @@ def _window_mean(values: list, lo: float, hi: float, steps: list) -> float | Non
     return statistics.mean(picked) if picked else None
 
 
-def estimate_summary(block: dict) -> dict | None:
-    """acco's estimate distance and one-step distance, per seed, averaged over the run's thirds (by step)."""
+def estimate_summary(block: dict, name: str = "acco") -> dict | None:
+    """The estimate distance, one-step distance, their ratio and (where recorded) how far along the committed step
+    the estimate lies, of run ``name`` (acco or a variant), per seed, averaged over the run's thirds (by step)."""
     per_seed = {}
     for seed, runs in block["seeds"].items():
-        est = runs.get("acco", {}).get("estimate")
+        est = runs.get(name, {}).get("estimate")
         if not est or not est["step"]:
             continue
         n = block["setting"]["steps"]
         thirds = [(1, n / 3), (n / 3, 2 * n / 3), (2 * n / 3, n)]
+        keys = [k for k in ("est_dist", "step_dist", "along") if k in est]
         per_seed[seed] = {
-            key: [_window_mean(est[key], lo, hi, est["step"]) for lo, hi in thirds]
-            for key in ("est_dist", "step_dist")
+            key: [_window_mean(est[key], lo, hi, est["step"]) for lo, hi in thirds] for key in keys
         }
         per_seed[seed]["ratio"] = [
             e / s if e is not None and s else None
@@ -189,23 +272,48 @@ def estimate_summary(block: dict) -> dict | None:
         ]
     if not per_seed:
         return None
+    keys = set.intersection(*(set(v) for v in per_seed.values()))
     return {
-        key: [sd.spread(v[key][i] for v in per_seed.values()) for i in range(3)]
-        for key in ("est_dist", "step_dist", "ratio")
+        key: [sd.spread(v[key][i] for v in per_seed.values() if v[key][i] is not None) for i in range(3)]
+        for key in keys
     }
+
+
+def run_names(setup: dict) -> list:
+    """The modes, then the variants, of a study's setup (older results have no variants)."""
+    return [*setup["modes"], *setup.get("variants", [])]
+
+
+def probe_summary(block: dict) -> dict | None:
+    """The mismatch probe's thirds (``variants.probe_summary``), mean [min, max] over the seeds that ran it."""
+    per_seed = [
+        variants.probe_summary(runs["probe"]["probe"], block["setting"]["steps"])
+        for runs in block["seeds"].values()
+        if "probe" in runs.get("probe", {})
+    ]
+    if not per_seed:
+        return None
+    keys = [k for k in per_seed[0][0]]
+    return {k: [sd.spread(p[i][k] for p in per_seed if p[i][k] is not None) for i in range(3)] for k in keys}
 
 
 def analyse(res: dict) -> dict:
     out = {}
     for name, block in res["settings"].items():
         an = {"final_val": {}, "final_gap": {}}
-        for mode in res["setup"]["modes"]:
+        for mode in run_names(res["setup"]):
             vals = [r[mode]["val_loss"][-1] for r in block["seeds"].values() if mode in r]
             an["final_val"][mode] = sd.spread(vals)
             if mode != "sync":
                 g = gaps(block, mode)
                 an["final_gap"][mode] = sd.spread(v[-1] for v in g["by_seed"].values())
         an["estimate"] = estimate_summary(block)
+        an["estimate_by_run"] = {
+            v: e
+            for v in run_names(res["setup"])
+            if v not in ("sync", "dpu") and (e := estimate_summary(block, v))
+        }
+        an["probe"] = probe_summary(block)
         out[name] = an
     return out
 
@@ -227,6 +335,13 @@ def _ratio(s: dict | None) -> str:
     return "-" if not s else f"{s['mean']:.2f} [{s['min']:.2f}, {s['max']:.2f}]"
 
 
+def _model_name(setup: dict) -> str:
+    arch = setup.get("arch", "tiny")
+    return {"tiny": "the job's tiny GPT", "gpt2": "GPT-2 (transformers)", "llama": "Llama (transformers)"}[
+        arch
+    ]
+
+
 def render(res: dict) -> str:
     m, s = res["machine"], res["setup"]
     an = res["analysis"]
@@ -239,7 +354,7 @@ def render(res: dict) -> str:
         f"torch {m.get('torch', '-')}, deepspeed {m.get('deepspeed', '-')}, acco_ds {m.get('acco_ds', '-')}",
         f"- Command: `{res['command']}`; raw results: `{res['prefix']}.json` beside this file; "
         f"{res.get('total_s', 0) / 60:.1f} min of runs (their wall times summed), {s['threads']} torch thread(s)",
-        f"- Model: the job's tiny GPT, {s['n_layer']} layers, {s['n_head']} heads, d_model {s['d_model']}, context "
+        f"- Model: {_model_name(s)}, {s['n_layer']} layers, {s['n_head']} heads, d_model {s['d_model']}, context "
         f"{s['context']} bytes, {res['model_params'] / 1e6:.2f}M parameters; fp32; {s['world_size']} simulated ranks; "
         "AdamW betas (0.9, 0.95), eps 1e-8, weight decay 0.1, clipping 1.0; DeepSpeed's WarmupCosineLR "
         f"(warm-up {s['warmup_steps']} steps, cosine to {s['min_lr_ratio']:g} x the peak at the run's last step)",
@@ -249,19 +364,61 @@ def render(res: dict) -> str:
         "",
         "## Final validation loss and gap to sync",
         "",
-        "| setting | steps | peak LR | GAS x micro-batch | sync val loss | "
+        "| setting | steps | peak LR | warm-up | ranks x GAS x micro-batch | tokens / step | sync val loss | "
         + " | ".join(f"{x} gap" for x in others)
         + " |",
-        "|---|---|---|---|---|" + "---|" * len(others),
+        "|---|---|---|---|---|---|---|" + "---|" * len(others),
     ]
     for name, block in res["settings"].items():
         st, a = block["setting"], an[name]
+        world = st.get("world_size") or s["world_size"]
+        warm = s["warmup_steps"] if st.get("warmup_steps") is None else st["warmup_steps"]
         lines.append(
-            f"| {name} | {st['steps']} | {st['lr']:g} | {st['grad_accum']} x {st['micro_batch']} | "
+            f"| {name} | {st['steps']} | {st['lr']:g} | {warm} | {world} x {st['grad_accum']} x {st['micro_batch']} | "
+            f"{world * st['grad_accum'] * st['micro_batch'] * s['context']} | "
             f"{sd.fmt(a['final_val'].get('sync'))} | "
             + " | ".join(_pct(a["final_gap"].get(x)) for x in others)
             + " |"
         )
+    var = s.get("variants", [])
+    if var:
+        ran = [n for n in res["settings"] if any(an[n]["final_gap"].get(v) for v in var)]
+        lines += [
+            "",
+            "## acco's variants: final gap to sync",
+            "",
+            "Each variant is acco with one thing changed (`benchmarks/quality/variants.py`); acco's own gap is the first "
+            "row. Paired by seed with the same sync runs.",
+            "",
+            "| variant | knobs | " + " | ".join(ran) + " |",
+            "|---|---|" + "---|" * len(ran),
+        ]
+        knobs = s.get("variant_knobs", {})
+        rows = (["acco"] if "acco" in modes else []) + var
+        for v in rows:
+            kn = ", ".join(f"{k}={x}" for k, x in knobs.get(v, {}).items()) or "(as specified)"
+            lines.append(f"| {v} | {kn} | " + " | ".join(_pct(an[n]["final_gap"].get(v)) for n in ran) + " |")
+    probes = [n for n in res["settings"] if an[n].get("probe")]
+    if probes:
+        lines += [
+            "",
+            "## acco: the g~ half's gradient error (the probe)",
+            "",
+            "mismatch = ||g(theta~) - g(theta)|| / ||g(theta)|| for the g~ half's micro-batches (its error), half-batch "
+            "noise = ||g~(theta) - g(theta)|| / ||g(theta)|| between the two halves' data at the same parameters, cos = "
+            "the cosine of the error with the committed gradient; each averaged over a third of the run, mean [min, max] "
+            "over the seeds.",
+            "",
+            "| setting | mismatch, 1st third | mismatch, last third | half-batch noise, 1st third | "
+            "half-batch noise, last third | cos, last third |",
+            "|---|---|---|---|---|---|",
+        ]
+        for n in probes:
+            p = an[n]["probe"]
+            lines.append(
+                f"| {n} | {_sci(p['mismatch'][0])} | {_sci(p['mismatch'][2])} | {_ratio(p['half_noise'][0])} | "
+                f"{_ratio(p['half_noise'][2])} | {_ratio(p['cos'][2])} |"
+            )
     if "acco" in modes:
         lines += [
             "",
@@ -269,20 +426,25 @@ def render(res: dict) -> str:
             "",
             "est = ||theta~^t - theta^t|| / ||theta^t|| (where the g~^t half of step t's gradient was computed), "
             "one-step = ||theta^t - theta^(t-1)|| / ||theta^t|| (the parameters one step older), each averaged over "
-            "the steps of a third of the run, then mean [min, max] over the seeds; ratio = est / one-step.",
+            "the steps of a third of the run, then mean [min, max] over the seeds; ratio = est / one-step; along = "
+            "how far along the committed step theta^t - theta^(t-1) the estimate lies (1: on theta^t; < 1: behind it; "
+            "recorded by the variants' runs, `benchmarks/quality/variants.py`).",
             "",
-            "| setting | est, 1st third | est, 2nd third | est, last third | one-step, last third | "
-            "ratio, 1st third | ratio, last third |",
-            "|---|---|---|---|---|---|---|",
+            "| setting | run | est, 1st third | est, last third | one-step, last third | "
+            "ratio, 1st third | ratio, last third | along, 1st third | along, last third |",
+            "|---|---|---|---|---|---|---|---|---|",
         ]
         for name in res["settings"]:
-            e = an[name]["estimate"]
-            if not e:
-                continue
-            lines.append(
-                f"| {name} | {_sci(e['est_dist'][0])} | {_sci(e['est_dist'][1])} | {_sci(e['est_dist'][2])} | "
-                f"{_sci(e['step_dist'][2])} | {_ratio(e['ratio'][0])} | {_ratio(e['ratio'][2])} |"
-            )
+            runs = {"acco": an[name]["estimate"], **an[name].get("estimate_by_run", {})}
+            for run, e in runs.items():
+                if not e:
+                    continue
+                along = e.get("along") or [None] * 3
+                lines.append(
+                    f"| {name} | {run} | {_sci(e['est_dist'][0])} | {_sci(e['est_dist'][2])} | "
+                    f"{_sci(e['step_dist'][2])} | {_ratio(e['ratio'][0])} | {_ratio(e['ratio'][2])} | "
+                    f"{_ratio(along[0])} | {_ratio(along[2])} |"
+                )
     lines += ["", "## The gap over the steps", ""]
     for name, block in res["settings"].items():
         per = {x: gaps(block, x) for x in others}
@@ -395,6 +557,12 @@ def main(argv=None) -> int:
             "setup": {
                 **setup.to_dict(),
                 "modes": a.modes,
+                "variants": sorted(
+                    {v for n in a.settings for v in a.setting_variants.get(n, a.variants)},
+                    key=list(VARIANTS).index,
+                ),
+                "setting_variants": a.setting_variants,
+                "variant_knobs": {v: dict(VARIANTS[v]) for v in VARIANTS},
                 "seeds": a.seeds,
                 "setting_seeds": a.setting_seeds,
                 "eval_every": a.eval_every,

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Callable, List
 from unittest import mock
 
@@ -48,6 +48,7 @@ MODES = ("sync", "dpu", "acco")
 class Setup:
     """What every run of a study shares."""
 
+    arch: str = "tiny"  # or gpt2 / llama: acco_ds.models' transformers decoders of the same sizes
     n_layer: int = 2
     n_head: int = 4
     d_model: int = 64
@@ -62,8 +63,10 @@ class Setup:
     eval_windows: int = 256
 
     def model_cfg(self) -> dict:
-        cfg = GPTConfig(n_layer=self.n_layer, n_head=self.n_head, d_model=self.d_model, context=self.context)
-        return dict(arch="tiny", **cfg.to_dict())
+        sizes = dict(n_layer=self.n_layer, n_head=self.n_head, d_model=self.d_model, context=self.context)
+        if self.arch == "tiny":
+            return dict(arch="tiny", **GPTConfig(**sizes).to_dict())
+        return dict(arch=self.arch, **sizes)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -71,7 +74,8 @@ class Setup:
 
 @dataclass(frozen=True)
 class Setting:
-    """What one run varies: ``group`` names the question it answers (base, lr, gas, length)."""
+    """What one run varies: ``group`` names the question it answers (base, lr, gas, length, ...);
+    ``world_size`` and ``warmup_steps``, where set, replace the ``Setup``'s for this setting."""
 
     name: str
     group: str
@@ -79,6 +83,21 @@ class Setting:
     lr: float
     grad_accum: int
     micro_batch: int
+    world_size: int | None = None
+    warmup_steps: int | None = None
+
+    def tokens_per_step(self, setup: Setup) -> int:
+        """Tokens one optimizer step trains on: micro-batch x GAS x ranks x context."""
+        world = self.world_size or setup.world_size
+        return self.micro_batch * self.grad_accum * world * setup.context
+
+    def applied_to(self, setup: Setup) -> Setup:
+        """``setup`` with this setting's world size and warm-up where it sets them."""
+        return replace(
+            setup,
+            world_size=self.world_size or setup.world_size,
+            warmup_steps=setup.warmup_steps if self.warmup_steps is None else self.warmup_steps,
+        )
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -119,7 +138,8 @@ class Problem:
     """The model, data and validation windows of one seed (module docstring)."""
 
     def __init__(self, setup: Setup, setting: Setting, seed: int):
-        self.setup, self.setting, self.seed = setup, setting, seed
+        self.setup, self.setting, self.seed = setting.applied_to(setup), setting, seed
+        setup = self.setup
         self.data = corpus()
         torch.manual_seed(seed)
         self.model = build_model(setup.model_cfg())
