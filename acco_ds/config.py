@@ -30,6 +30,9 @@ MIN_TIMEOUT_S = 1.0
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
 """Longest comm_timeout_s accepted (a week); larger values overflow the backends' millisecond timers."""
 
+MAX_PEEK_LR_SCALE = 4.0
+"""Largest peek_lr_scale accepted: an estimate further than four steps ahead is no estimate of the next parameters."""
+
 MAX_HOST_THREADS = 1024
 """Largest host_threads accepted: more OpenMP threads than any host has CPUs would only oversubscribe it."""
 
@@ -44,6 +47,7 @@ ALLOWED = {
     "max_micro_batches_per_round": "null (no bound) or an integer >= 1, with accumulation='adaptive'",
     "comm_timeout_s": f"a number of seconds in [{MIN_TIMEOUT_S:g}, {MAX_TIMEOUT_S:g}]",
     "host_threads": f"'auto' or an integer in [1, {MAX_HOST_THREADS}]",
+    "peek_lr_scale": f"a finite number in (0, {MAX_PEEK_LR_SCALE:g}], other than 1 with mode='acco' only",
     "compression": "an object with keys among commit, peek, block_size, error_feedback, all_gather, fuse_round_end, e.g. "
     '{"commit": "int8", "peek": "int8", "block_size": 256, "error_feedback": true}',
     "compression.commit": "'none', 'int8' or 'int4'",
@@ -227,6 +231,12 @@ class ACCOConfig(BaseModel):
     give each rank its share of the cores, and its training thread computes on the same threads). The kernels' bits
     do not depend on the count. The training thread's own kernels keep ``torch.get_num_threads()``."""
 
+    peek_lr_scale: float = 1.0
+    """acco: the factor on the learning rate of the PEEK, the step that computes the estimate theta~^{t+1} (1.0: the
+    paper's estimate, Opt_peek with the commit's settings). A factor s > 1 places the estimate (s - 1) steps beyond the
+    next committed parameters along the half-batch step, so the g~ half of every commit is a gradient computed ahead
+    (docs/ALGORITHM.md, "The estimate's step"); the commits themselves keep the schedule's LR."""
+
     compression: CompressionConfig = Field(default_factory=CompressionConfig)
     """Compressed gradient exchange with error feedback (CPU/gloo ranks; ``CompressionConfig``). Off by default."""
 
@@ -293,6 +303,14 @@ class ACCOConfig(BaseModel):
             raise ValueError(f"must be in [1, {MAX_HOST_THREADS}]")
         return int(v)
 
+    @field_validator("peek_lr_scale", mode="before")
+    @classmethod
+    def _peek_lr_scale(cls, v):
+        v = _number(v)
+        if not 0.0 < v <= MAX_PEEK_LR_SCALE:
+            raise ValueError(f"must be in (0, {MAX_PEEK_LR_SCALE:g}]")
+        return v
+
     _choice = field_validator("mode", "accumulation", "comm_dtype", mode="before")(classmethod(_string))
 
     @model_validator(mode="after")
@@ -310,6 +328,13 @@ class ACCOConfig(BaseModel):
                 self.compression.peek,
                 f"mode={self.mode!r} has no peek round to compress. Allowed: 'none' with mode='dpu' or 'sync' "
                 "(compression.commit compresses their rounds); 'int8' or 'int4' with mode='acco'.",
+            )
+        if self.peek_lr_scale != 1.0 and self.mode != "acco":
+            raise _ComboError(
+                "peek_lr_scale",
+                self.peek_lr_scale,
+                f"mode={self.mode!r} has no peek (its rounds commit). Allowed: 1.0 with mode='dpu' or 'sync'; any "
+                f"value in (0, {MAX_PEEK_LR_SCALE:g}] with mode='acco'.",
             )
         if self.accumulation == "fixed" and self.max_micro_batches_per_round is not None:
             raise _ComboError(

@@ -164,8 +164,8 @@ MUTANTS = [
         # the same entry; one step behind is not equivalent
         "the LR schedule is read one step behind (a commit uses the previous step's LR)",
         "acco_ds/core/round_hypers.py",
-        "for h in self._hypers_for(applied)]",
-        "for h in self._hypers_for(max(applied - 1, 0))]",
+        "settings = self._hypers_for(applied)\n",
+        "settings = self._hypers_for(max(applied - 1, 0))\n",
         tuple(TRAJ),
     ),
     Mutant(
@@ -581,6 +581,22 @@ MUTANTS = [
         "            self.pipeline.adopt_grads()\n",
         "            pass\n",
         ("tests/deepspeed/test_module_direct.py::test_shared_loss_with_bare_backward",),
+    ),
+    Mutant(
+        "M61",
+        "peek_lr_scale ignored: the peeks step with the commit's LR whatever the factor",
+        "acco_ds/core/round_hypers.py",
+        "            if job is Job.PEEK and self._peek_lr_scale != 1.0:\n",
+        "            if False:\n",
+        ("tests/core/test_trajectories.py::test_peek_lr_scale_matches_reference",),
+    ),
+    Mutant(
+        "M62",
+        "peek_lr_scale applied to every job: the commits step with the scaled LR too",
+        "acco_ds/core/round_hypers.py",
+        "            if job is Job.PEEK and self._peek_lr_scale != 1.0:\n",
+        "            if self._peek_lr_scale != 1.0:\n",
+        ("tests/core/test_trajectories.py::test_peek_lr_scale_matches_reference",),
     ),
     Mutant(
         "M45",

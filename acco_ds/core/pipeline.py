@@ -215,7 +215,7 @@ class ACCOPipeline(RoundSchedule, RoundScale, InFlight, RoundHypers, Draining):
         self.dp_group = dp_group
         self.world_size = dist.get_world_size(dp_group)
         self.rank = dist.get_rank(dp_group)
-        self._init_hypers(hypers)
+        self._init_hypers(hypers, cfg.peek_lr_scale)
         self._init_schedule(
             schedule.micro_batches_per_round(self.mode, self.gas), cfg.max_micro_batches_per_round
         )
@@ -485,7 +485,7 @@ class ACCOPipeline(RoundSchedule, RoundScale, InFlight, RoundHypers, Draining):
             commit_index=commit_index,
             groups=self.groups,
             roles=roles,
-            hyper_table=self._hyper_table(),
+            hyper_table=self._hyper_table(plan.job),
             base_applied=self.state_step,
             applied=self.applied_dev,
             local_count=self.counter.count,

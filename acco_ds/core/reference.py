@@ -24,7 +24,7 @@ difference to the replicas' previous values, chunk by chunk; the fp32 master wei
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, List, Sequence
 
 import torch
@@ -156,7 +156,14 @@ class _Exchange:
 class _Adam:
     """AdamW over flat fp32 master vectors, one torch param group per ACCO group."""
 
-    def __init__(self, theta0: Sequence[torch.Tensor], clip: float, state: RefState | None = None):
+    def __init__(
+        self,
+        theta0: Sequence[torch.Tensor],
+        clip: float,
+        state: RefState | None = None,
+        peek_lr_scale: float = 1.0,
+    ):
+        self.peek_lr_scale = float(peek_lr_scale)
         self.params = [torch.nn.Parameter(t.detach().float().clone()) for t in theta0]
         self.opt = torch.optim.AdamW([{"params": [p]} for p in self.params], foreach=False)
         self.clip = clip
@@ -188,6 +195,8 @@ class _Adam:
         self._apply(avg, hyper)
 
     def peek(self, avg, hyper) -> List[torch.Tensor]:
+        if self.peek_lr_scale != 1.0:
+            hyper = [replace(h, lr=h.lr * self.peek_lr_scale) for h in hyper]
         saved_params = [p.detach().clone() for p in self.params]
         saved_state = copy.deepcopy(self.opt.state_dict())
         self._apply(avg, hyper)
@@ -249,6 +258,7 @@ def reference_run(
     step_sizes: Sequence[int] | None = None,
     compression: RefCompression | None = None,
     loss_scale: LossScaleSpec | None = None,
+    peek_lr_scale: float = 1.0,
 ) -> RefRun:
     """The committed parameters, moments and gradient norms after each of ``steps`` steps (``RefRun``).
 
@@ -274,10 +284,13 @@ def reference_run(
     rule in plain Python), with or without ``compression``. ``grad_fn`` then returns the unscaled gradients (a non-finite one where an overflow is
     planted); ``hypers(a)`` is called with ``a``, the commits APPLIED before this one (a skipped commit does not
     advance the LR schedule); the run records the scale after every commit and which commits were skipped.
+
+    ``peek_lr_scale``: acco's peeks step with the commit's settings but this factor on the LR
+    (``ACCOConfig.peek_lr_scale``; docs/ALGORITHM.md, "The estimate's step").
     """
     if mode not in ("acco", "dpu", "sync"):
         raise ValueError(f"mode must be acco, dpu or sync; got {mode!r}")
-    adam = _Adam(theta0, clip, initial_state)
+    adam = _Adam(theta0, clip, initial_state, peek_lr_scale)
     k, W = micro_batches_per_round, world_size
     next_mb = [first_micro_batch] * W
     if loss_scale is not None and step_sizes is not None:
@@ -504,6 +517,7 @@ def reference_rounds(
     *,
     hyper: Sequence[AdamWSettings],
     clip: float = 0.0,
+    peek_lr_scale: float = 1.0,
 ) -> RoundsRun:
     """docs/ALGORITHM.md's equations for rounds of ANY membership (adaptive accumulation), when each
     micro-batch's gradient is known beforehand (it does not depend on the parameters, e.g. a linear
@@ -513,10 +527,11 @@ def reference_rounds(
 
     acco: round 0 is the prologue; round 2t+2 computes at theta~^{t+1} = peek(state^t, avg(round 2t)),
     round 2t+1 at theta^t, and commit t uses rounds 2t and 2t+1 together. dpu: commit r uses round r,
-    which computed at theta^{r-1} (theta^0 for r = 0). A commit with no member is a no-op."""
+    which computed at theta^{r-1} (theta^0 for r = 0). A commit with no member is a no-op. ``peek_lr_scale``: as
+    :func:`reference_run`'s."""
     if mode not in ("acco", "dpu"):
         raise ValueError(f"mode must be acco or dpu; got {mode!r}")
-    adam = _Adam(theta0, clip)
+    adam = _Adam(theta0, clip, peek_lr_scale=peek_lr_scale)
     out = RoundsRun()
 
     def avg(members):

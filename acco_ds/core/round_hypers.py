@@ -9,6 +9,7 @@ into a table at each round end (:meth:`_hyper_table`), one row per applied-commi
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Callable, Dict, List
 
 from acco_ds.core.schedule import Job
@@ -19,9 +20,11 @@ class RoundHypers:
     """Mixin of ``ACCOPipeline`` (see the module docstring). Reads ``state_step``, ``_unread``, ``in_flight`` and
     ``groups``."""
 
-    def _init_hypers(self, hypers: Callable[[], List[AdamWSettings]]) -> None:
-        """``hypers``: called on the compute side at each micro-batch end and round end (never by the job)."""
+    def _init_hypers(self, hypers: Callable[[], List[AdamWSettings]], peek_lr_scale: float = 1.0) -> None:
+        """``hypers``: called on the compute side at each micro-batch end and round end (never by the job).
+        ``peek_lr_scale``: the factor on the LR of a PEEK's settings (``ACCOConfig.peek_lr_scale``)."""
         self._hypers = hypers
+        self._peek_lr_scale = float(peek_lr_scale)
         self.engine_steps = 0  # LR-schedule steps: engine steps whose scheduler step ran (no overflow)
         self._hyper_history: Dict[int, List[AdamWSettings]] = {}
 
@@ -48,15 +51,19 @@ class RoundHypers:
             hyp = self._hyper_history[max(older) if older else min(self._hyper_history)]
         return hyp
 
-    def _hyper_table(self) -> List[List[tuple]]:
+    def _hyper_table(self, job: Job = Job.COMMIT) -> List[List[tuple]]:
         """Per group, the AdamW scalars (``hyper_scalars``) of the next job for every applied count it
-        may find on the device: ``state_step`` (read) plus 0 .. the commits whose summary is unread."""
+        may find on the device: ``state_step`` (read) plus 0 .. the commits whose summary is unread. A PEEK's
+        LR is the commit's times ``peek_lr_scale``."""
         unknown = sum(1 for r in self._unread if r.job is Job.COMMIT)
         if self.in_flight is not None and self.in_flight[1].job is Job.COMMIT:
             unknown += 1
         rows = []
         for applied in range(self.state_step, self.state_step + unknown + 1):
-            rows.append([h.hyper_scalars(applied + 1) for h in self._hypers_for(applied)])
+            settings = self._hypers_for(applied)
+            if job is Job.PEEK and self._peek_lr_scale != 1.0:
+                settings = [replace(h, lr=h.lr * self._peek_lr_scale) for h in settings]
+            rows.append([h.hyper_scalars(applied + 1) for h in settings])
         for k in [k for k in self._hyper_history if k < self.state_step]:
             del self._hyper_history[k]
         return [[row[g] for row in rows] for g in range(len(self.groups))]

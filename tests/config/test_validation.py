@@ -119,6 +119,12 @@ BAD_PARAMS = [
         "'int8'",
         "'int4' with mode='acco'",
     ),
+    ({"peek_lr_scale": 0}, "peek_lr_scale", "0", ALLOWED["peek_lr_scale"]),
+    ({"peek_lr_scale": 4.5}, "peek_lr_scale", "4.5", ALLOWED["peek_lr_scale"]),
+    ({"peek_lr_scale": float("nan")}, "peek_lr_scale", "nan", ALLOWED["peek_lr_scale"]),
+    ({"peek_lr_scale": "fast"}, "peek_lr_scale", "'fast'", ALLOWED["peek_lr_scale"]),
+    ({"mode": "sync", "peek_lr_scale": 1.5}, "peek_lr_scale", "1.5", "any value in (0, 4] with mode='acco'"),
+    ({"mode": "dpu", "peek_lr_scale": 2}, "peek_lr_scale", "2", "1.0 with mode='dpu' or 'sync'"),
     ({"momentum": 0.9}, "momentum", "0.9", "Allowed keys: accumulation, betas"),
     ({"adam_w_mode": True}, "adam_w_mode", "True", "Allowed keys: accumulation, betas"),
 ]
@@ -159,6 +165,9 @@ def test_valid_options_pass():
         }
     )
     assert cfg.lr == 3e-4 and cfg.betas == (0.0, 0.95) and cfg.max_micro_batches_per_round == 8
+    assert cfg.peek_lr_scale == 1.0
+    assert ACCOConfig.from_params({"peek_lr_scale": "1.5"}).peek_lr_scale == 1.5
+    assert ACCOConfig.from_params({"mode": "sync", "peek_lr_scale": 1}).peek_lr_scale == 1.0
 
 
 def test_compression_defaults_off_and_valid_values_pass():

@@ -155,6 +155,9 @@ UNFUSED_TWINS = {
     "acco_fp32_int4_peek_and_all_gather_unfused": "acco_fp32_int4_peek_and_all_gather",
     "acco_fp32_int8_peek_only_unfused": "acco_fp32_int8_peek_only",
 }
+# acco's estimate a longer step ahead (optimizer.params.peek_lr_scale): the peeks' LR times the factor, the commits'
+# as scheduled; clipping acting, so the peek's clip coefficient is the one that scales with it
+PEEK_LR = {f"acco_{d}_clip_peek_lr_x1.5": (d, 1.5) for d in DTYPES}
 LONG_STEPS = 40  # the replicas after many compressed steps
 LONG = (
     "acco_bf16_int8_long",
@@ -227,6 +230,10 @@ def scenarios(world: int) -> list:
         opt = acco_opt(m)
         opt["params"]["compression"] = {**comp, "fuse_round_end": False}
         out.append({"name": name, "steps": STEPS, "config": ds_config(opt, d, "noclip")})
+    for name, (d, scale) in PEEK_LR.items():
+        opt = acco_opt("acco")
+        opt["params"]["peek_lr_scale"] = scale
+        out.append({"name": name, "steps": STEPS, "config": ds_config(opt, d, "clip")})
     name, m, d, comp = LONG
     opt = acco_opt(m)
     opt["params"]["compression"] = comp
@@ -249,7 +256,13 @@ def run(request, tmp_path_factory):
 
 @cache
 def reference(
-    mode: str, dtype: str, world: int, clip: str, lrs: tuple, compression: RefCompression | None = None
+    mode: str,
+    dtype: str,
+    world: int,
+    clip: str,
+    lrs: tuple,
+    compression: RefCompression | None = None,
+    peek_lr_scale: float = 1.0,
 ) -> RefRun:
     compute = DTYPES[model_dtype(dtype)]
     theta0 = toy.flat(toy.trainable(toy.build().to(compute)))
@@ -264,6 +277,7 @@ def reference(
         clip=CLIPS[clip],
         compute_dtype=compute,
         compression=compression,
+        peek_lr_scale=peek_lr_scale,
     )
 
 
@@ -320,11 +334,12 @@ def assert_matches_reference(
     moment_tol: float,
     norm_tol: float,
     compression: RefCompression | None = None,
+    peek_lr_scale: float = 1.0,
 ) -> None:
     """Every step of the run is within tolerance of the reference: parameters (max abs ``tol``), both
     Adam moments (max abs relative to the moment's scale, ``moment_tol``) and the reported global
     gradient norm (relative, ``norm_tol``)."""
-    ref = reference(mode, dtype, world, clip, tuple(res["lrs"]), compression)
+    ref = reference(mode, dtype, world, clip, tuple(res["lrs"]), compression, peek_lr_scale)
     where = f"{mode}/{dtype}/{clip} W={world}" + ("" if compression is None else f" {compression}")
     assert len(res["traj"]) == STEPS
     for t, (got, (want,)) in enumerate(zip(res["traj"], ref.params)):
@@ -350,6 +365,21 @@ def test_matches_reference(run, mode, dtype, clip):
     assert_matches_reference(res, mode, dtype, world, clip, TOL[t], MOMENT_TOL[t], NORM_TOL[t])
     # the run moved: a comparison of two frozen trajectories would prove nothing
     assert (res["traj"][-1] - res["traj"][0]).abs().max() > 10 * TOL[t]
+
+
+@pytest.mark.parametrize("name", PEEK_LR)
+def test_peek_lr_scale_matches_reference(run, name):
+    """peek_lr_scale: every step equals the reference whose peeks step with the scaled LR, and the run is not acco's
+    (the factor reached the peeks: the estimates, hence the g~ halves and the commits, moved)."""
+    world, results = run
+    dtype, scale = PEEK_LR[name]
+    res, t = results[name], tol_class(dtype)
+    assert_matches_reference(
+        res, "acco", dtype, world, "clip", TOL[t], MOMENT_TOL[t], NORM_TOL[t], None, scale
+    )
+    plain = results[name_of("acco", dtype, "clip")]
+    moved = max((a - b).abs().max().item() for a, b in zip(res["traj"], plain["traj"]))
+    assert moved > 3 * TOL[t], f"{name}: within {moved:.2e} of acco's run: the factor did not reach the peeks"
 
 
 @pytest.mark.parametrize("clip", CLIPS)
