@@ -123,8 +123,14 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument(
         "--corpus", default=None, help="a directory of *.py files (default: the stdlib of this Python)"
     )
+    out.add_argument("--eval-windows", type=int, default=256, help="validation sequences of each evaluation")
     out.add_argument(
-        "--eval-windows", type=int, default=256, help="validation sequences evaluated at the end"
+        "--eval-every",
+        type=int,
+        default=None,
+        help="evaluate the validation loss (on the committed parameters) at the start and every N optimizer "
+        "steps too, for the summary's time to the baseline's final loss; their time is left out of the training "
+        "clock (default: steps / 10, at least 1; 0: at the end only)",
     )
     out.add_argument("--out", default=None, help="output folder (default: ./acco_out/<timestamp>)")
     out.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -293,5 +299,9 @@ def parse(argv=None) -> argparse.Namespace:
     _check_tp(ap, a)
     if len(set(a.mode)) != len(a.mode):
         ap.error(f"--mode lists a mode twice: {' '.join(a.mode)}")
+    if a.eval_every is None:
+        a.eval_every = max(1, a.steps // 10)
+    if a.eval_every < 0:
+        ap.error(f"--eval-every must be >= 0 (0: the validation loss at the end only), got {a.eval_every}")
     a.out = a.out or os.path.join("acco_out", time.strftime("%Y%m%d-%H%M%S"))
     return a

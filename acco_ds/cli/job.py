@@ -6,7 +6,9 @@ Contract: ``run_job(args)`` (args from ``acco_ds.cli.args.parse``) writes into `
   samples_per_s, and with fp16 loss_scale and skipped_steps (the engine's so far);
 - ``summary.json``: machine and versions, the options, the corpus, the model size and, per mode,
   the steady-state figures and the validation loss on the committed parameters (with fp16: the final
-  loss scale and the engine's skipped steps);
+  loss scale and the engine's skipped steps), its ``val_curve`` (the evaluations every ``--eval-every`` steps),
+  and ``time_to_loss``: when each run first reached the baseline's (zero1, else sync) final validation loss
+  (``time_to_baseline_loss``), printed after the table with a closing sentence (``time_to_loss_lines``);
 - ``loss_vs_samples.png`` and ``loss_vs_time.png``.
 It returns the summary dict. A failing run raises ``LaunchError`` with the end of its log.
 """
@@ -22,6 +24,7 @@ from acco_ds.cli.launch import free_port, launch_command, run_ranks
 from acco_ds.cli.metrics import FP16_KEYS, machine_info, merge_ranks, read_ranks, summarize
 from acco_ds.cli.plots import plot_losses
 from acco_ds.cli.spec import RunSpec
+from acco_ds.cli.time_to_loss import versus_baseline
 
 
 def acco_registered() -> tuple:
@@ -122,6 +125,7 @@ def make_spec(a, label: str, mode: str, acc: str, cfg: dict, model_cfg: dict, ru
         threads=a.threads,
         corpus=a.corpus,
         eval_windows=a.eval_windows,
+        eval_every=a.eval_every,
         progress=not a.no_progress,
         slow_rank=a.slow_rank,
         slow_factor=a.slow_factor,
@@ -190,6 +194,94 @@ def overlap_line(summary: dict) -> str | None:
         + ". Where communication is a small share, every mode runs at about the same speed; on a link that makes "
         "it a large share, ZeRO-1 waits for all of it and ACCO only for the part it did not hide."
     )
+
+
+BASELINES = ("zero1", "sync")
+"""The run the others are measured against, the first of these the job ran: DeepSpeed's ZeRO-1, else acco_ds's
+sync (ZeRO-1's math)."""
+
+
+def baseline_label(labels) -> str | None:
+    """The baseline among the runs' labels (``BASELINES``), None without one."""
+    return next((b for b in BASELINES if b in labels), None)
+
+
+def time_to_baseline_loss(summary: dict) -> dict | None:
+    """When every run's validation loss first reached the baseline's final one (``acco_ds.cli.time_to_loss``, on
+    the runs' ``val_curve``): ``{"baseline", "target", "eval_every", "baseline_crossing", "runs": {label:
+    {"crossing", "x_baseline"}}}`` (crossings as dicts), or ``{"baseline", "error"}`` when the baseline's final
+    loss is not finite; None without a baseline and another run to compare."""
+    runs = summary["runs"]
+    base = baseline_label(runs)
+    curves = {label: s.get("val_curve") for label, s in runs.items() if s.get("val_curve")}
+    if base is None or base not in curves or len(curves) < 2:
+        return None
+    try:
+        v = versus_baseline(curves, base)
+    except ValueError as err:
+        return {"baseline": base, "error": str(err)}
+    return {
+        "baseline": base,
+        "target": v["target"],
+        "eval_every": (summary.get("options") or {}).get("eval_every"),
+        "baseline_crossing": v["baseline_crossing"].to_dict(),
+        "runs": {
+            label: {"crossing": r["crossing"].to_dict(), "x_baseline": r["x_baseline"]}
+            for label, r in v["runs"].items()
+        },
+    }
+
+
+def _step(x: float) -> str:
+    return f"{x:.0f}" if float(x).is_integer() else f"{x:.1f}"
+
+
+def _reached(c: dict) -> str:
+    if c["reached"]:
+        return f"{c['time_s']:.1f} s, step {_step(c['step'])}"
+    best = (
+        "no finite loss" if c["best_loss"] is None else f"best {c['best_loss']:.4f} at step {c['best_step']}"
+    )
+    return f"never reached ({best})"
+
+
+def time_to_loss_lines(summary: dict) -> list:
+    """The summary's lines on the time to the baseline's final validation loss (``time_to_baseline_loss``), the
+    closing sentence last; [] without a comparison."""
+    t = summary.get("time_to_loss")
+    if not t:
+        return []
+    base = t["baseline"]
+    if "error" in t:
+        return [f"acco-train: no time to {base}'s final validation loss: {t['error']}"]
+    every = t.get("eval_every")
+    how = (
+        f"first crossing, linear between the evaluations every {every} steps"
+        if every
+        else "validation at the end only (--eval-every 0): each time is the run's whole training time"
+    )
+    lines = [
+        f"time to {base}'s final validation loss {t['target']:.4f} ({how}; training clock, evaluations left out):",
+        f"  {base} (the baseline): {_reached(t['baseline_crossing'])}",
+    ]
+    said = []
+    for label, r in t["runs"].items():
+        c, x = r["crossing"], r["x_baseline"]
+        ratio = f"; time to {base}'s loss {x:.2f}x {base}'s" if x is not None else ""
+        lines.append(f"  {label}: {_reached(c)}{ratio}")
+        steps = summary["runs"][label]["steps"]
+        if not c["reached"]:
+            said.append(f"{label} did not get there within its {steps} steps")
+        elif x is None:
+            said.append(f"{label} got there at step {_step(c['step'])} (no time to compare)")
+        else:
+            when = "sooner" if x < 1 else ("no sooner" if x == 1 else "later")
+            said.append(
+                f"{label} got there {when} in wall time than {base} ({c['time_s']:.1f} s against "
+                f"{t['baseline_crossing']['time_s']:.1f} s, {x:.2f}x)"
+            )
+    lines.append(f"acco-train: {base}'s final validation loss {t['target']:.4f}: " + "; ".join(said) + ".")
+    return lines
 
 
 def _print_table(summary: dict) -> None:
@@ -288,10 +380,13 @@ def run_job(a) -> dict:
             curves, out, title=f"{n_params / 1e6:.2f}M-param {MODEL_NAMES[model_cfg['arch']]}, stdlib bytes"
         )
     ]
+    summary["time_to_loss"] = time_to_baseline_loss(summary)
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
     _print_table(summary)
     said = overlap_line(summary)
     if said:
         print(said, flush=True)
+    for line in time_to_loss_lines(summary):
+        print(line, flush=True)
     print(f"acco-train: wrote {out / 'metrics.jsonl'}, {out / 'summary.json'} and the plots", flush=True)
     return summary

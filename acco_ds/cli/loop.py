@@ -9,9 +9,10 @@ Contracts:
   more micro-batches than a slow one (and every rank computes while the link is busy).
 Both are ``train`` (``adaptive`` or not). Every loop calls ``spinner.spin()`` after each micro-batch
 (the controlled slowdown), feeds the ``StepLog`` and the progress bar, calls ``on_step(step)`` (when
-given) each time an optimizer step completes, and returns the seconds since ``start`` (a perf_counter value taken by the caller right after
-the ranks' barrier). A resumed run passes ``done``, the steps its checkpoint holds: the loops run the
-``steps - done`` steps left.
+given) each time an optimizer step completes, and returns the seconds since ``start`` (a perf_counter value taken
+by the caller right after the ranks' barrier), less the seconds ``on_step`` returned (what it spent that is not
+training: acco-train's evaluations; None counts as 0); every time the loop records counts the same way. A resumed
+run passes ``done``, the steps its checkpoint holds: the loops run the ``steps - done`` steps left.
 """
 
 from __future__ import annotations
@@ -80,7 +81,8 @@ def train(
             log.step(step, now)
             bar.update(step, log.recent_loss(), samples, now)
             if on_step is not None:
-                on_step(step)
+                # the clock leaves out what on_step says it spent outside training
+                start += on_step(step) or 0.0
     return time.perf_counter() - start
 
 

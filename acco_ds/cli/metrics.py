@@ -10,8 +10,9 @@ Contracts:
 - ``summarize(records, ranks, warmup, micro_batch)`` gives the steady-state figures of a run:
   median time per optimizer step after ``warmup`` steps, samples/s over the steps after warm-up
   (overall and per rank), the final training loss (mean over the last ``tail`` of the samples),
-  the validation loss, the peak memory per rank and, with fp16, the final loss scale and the steps the
-  engine skipped (``engine.skipped_steps``; None without fp16 for the scale).
+  the validation loss and its curve (``val_curve``: the evaluations during the run), the peak memory per rank
+  and, with fp16, the final loss scale and the steps the engine skipped (``engine.skipped_steps``; None without
+  fp16 for the scale).
 - ``time_to_loss(records, target, window)`` is the first time the training loss averaged over the
   trailing ``window`` samples is at or below ``target`` (None when never).
 """
@@ -135,6 +136,7 @@ def summarize(
         "final_train_loss": final,
         "loss_window_samples": window,
         "val_loss": ranks[0].get("val_loss"),
+        "val_curve": val_curve(ranks),
         "peak_mem_mib": [s["peak_mem_mib"] for s in ranks],
         "rank_micro_batches": [s["micro_batches_local"] for s in ranks],
         "acco_stats": [s.get("stats", {}) for s in ranks],
@@ -156,6 +158,19 @@ def summarize(
         "loss_scale": ranks[0].get("loss_scale"),
         "skipped_steps": ranks[0].get("skipped_steps"),
         "fp16_allowed_on_cpu": bool(ranks[0].get("fp16_allowed_on_cpu", False)),
+    }
+
+
+def val_curve(ranks: List[dict]) -> dict | None:
+    """The run's validation-loss curve (``acco_ds.cli.val_curve``): rank 0's steps and losses (every rank's are the
+    same: the evaluation is a collective), each time the slowest rank's; None for ranks that recorded none."""
+    curves = [r.get("val_curve") for r in ranks]
+    if not curves or any(not c for c in curves) or len({len(c["step"]) for c in curves}) != 1:
+        return curves[0] if curves and curves[0] else None
+    return {
+        "step": list(curves[0]["step"]),
+        "time_s": [max(ts) for ts in zip(*(c["time_s"] for c in curves))],
+        "val_loss": list(curves[0]["val_loss"]),
     }
 
 

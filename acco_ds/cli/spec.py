@@ -29,6 +29,7 @@ class RunSpec:
     threads: int = 1  # torch intra-op threads per rank
     corpus: str | None = None  # directory of *.py files; None: the interpreter's stdlib
     eval_windows: int = 64  # validation windows (of context+1 bytes) over all ranks
+    eval_every: int = 0  # also evaluate at the start and every this many optimizer steps (0: at the end only)
     progress: bool = True  # rank 0 shows a progress bar
     slow_rank: int = -1  # this rank gets extra compute after each micro-batch (-1: none)
     slow_factor: float = 1.0  # ... calibrated so its micro-batches take slow_factor x as long

@@ -24,6 +24,7 @@ Threads: the calls may come from the communication thread; the counts are kept u
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 from typing import Sequence, Tuple
@@ -129,6 +130,16 @@ class WireCounter:
         for holder, attr, fn in self._originals.values():
             setattr(holder, attr, fn)
         self._originals = {}
+
+    @contextlib.contextmanager
+    def not_counted(self):
+        """Inside, the calls this thread makes are not counted (acco-train's evaluations); other threads' are."""
+        depth = getattr(self._inside, "depth", 0)
+        self._inside.depth = depth + 1
+        try:
+            yield
+        finally:
+            self._inside.depth = depth
 
     def _wrap(self, name: str, fn):
         @functools.wraps(fn)

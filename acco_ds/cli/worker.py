@@ -4,8 +4,10 @@ DeepSpeed launcher, one per rank; see ``acco_ds.cli.launch``), or ``acco-train``
 
 Contract: reads the RunSpec, builds the same model on every rank (seeded), trains it with the
 DeepSpeed engine of ``spec.ds_config``, then - for ACCO - calls ``engine.optimizer.finish()`` on
-every rank so the model holds the committed parameters, evaluates the validation loss on them, and
-writes ``rank<r>.jsonl`` and ``rank<r>.json`` into the run folder. With ``"fp16": {"enabled": true}`` in
+every rank so the model holds the committed parameters, evaluates the validation loss on them (with
+``spec.eval_every`` also at the start and every that many steps, ``acco_ds.cli.val_curve``: the rank summary's
+``val_curve``, the evaluations' time left out of the training clock), and writes ``rank<r>.jsonl`` and
+``rank<r>.json`` into the run folder. With ``"fp16": {"enabled": true}`` in
 ``spec.ds_config`` a CPU rank first lifts DeepSpeed's CPU-accelerator refusal of fp16
 (``acco_ds.deepspeed.cpu_fp16``; rank 0 says so on stderr), each step record holds the loss scale and the engine's
 skipped steps so far, and the rank summary the final ones. Rank r reads the micro-batches
@@ -96,6 +98,7 @@ def run(spec) -> dict:
     from acco_ds.cli.progress import Progress
     from acco_ds.cli.slowdown import Spinner, calibrate
     from acco_ds.cli.steplog import StepLog
+    from acco_ds.cli.val_curve import ValCurve
     from acco_ds.cli.wire_bytes import WireCounter
     from acco_ds.data import load_corpus, stream
     from acco_ds.deepspeed.bound_collectives import bound_collectives
@@ -142,18 +145,29 @@ def run(spec) -> dict:
     seed = checkpoints.data_seed(spec.seed, resumed_at)
     batches = stream(corpus.train, ctx, spec.micro_batch, seed, dp_rank + spec.data_offset)
     saver = checkpoints.Saver(engine, spec, start=resumed_at)
+    curve = ValCurve(
+        engine,
+        lambda: _evaluate(engine.module, spec, corpus, dp_rank, dp_world, device),
+        spec.eval_every,
+        start=resumed_at,
+    )
+    if spec.eval_every:
+        curve.at(resumed_at, 0.0)  # the start: before the clock runs
     dist.barrier()
     _wait_at_gate(spec, rank)
     marks["barrier"] = time.perf_counter()
     # the bytes this rank sends while it trains (not set-up, not evaluation), DeepSpeed's bound collectives too
     wire = WireCounter(ranks_per_node=spec.tp if spec.tp > 1 else None).install(bound_collectives())
+    curve.wire = wire
     bar = Progress(spec.steps, enabled=spec.progress and rank == 0, desc=spec.name)
     first_step_unix: list = []  # wall clock of this start's first optimizer step (a restart's recovery)
 
-    def on_step(step: int) -> None:
+    def on_step(step: int) -> float:
         if not first_step_unix:
             first_step_unix.append(time.time())
         saver(step)
+        # the evaluations every spec.eval_every steps; the loop leaves their seconds out of its clock
+        return curve.on_step(step, lambda: time.perf_counter() - common["start"] - curve.seconds)
 
     common = dict(
         steps=spec.steps,
@@ -181,13 +195,13 @@ def run(spec) -> dict:
         engine.optimizer.finish()  # collective: drains the round in flight, model <- theta
     finish_s = time.perf_counter() - t
     wire.uninstall()
-    train_s = t + finish_s - common["start"]
+    train_s = t + finish_s - common["start"] - curve.seconds
     log.step(loop.step_counter(engine)(), train_s)  # the commits the drain completed
     saver(loop.step_counter(engine)(), final=True)
     bar.update(log.last_step, log.recent_loss(), log.mb * spec.micro_batch * dp_world, train_s)
     if hasattr(engine.optimizer, "stats"):
         stats = engine.optimizer.stats()
-    val_loss = _evaluate(engine.module, spec, corpus, dp_rank, dp_world, device)
+    val_loss = curve.at(log.last_step, train_s)  # the end: on the committed parameters
     bar.close()
     marks["end"] = time.perf_counter()
     names = list(marks)
@@ -201,6 +215,8 @@ def run(spec) -> dict:
         "steps": log.last_step,
         "micro_batches_local": log.mb,
         "val_loss": val_loss,
+        "val_curve": curve.curve(),
+        "eval_s": curve.seconds,
         "peak_mem_mib": _peak_mem_mib(device),
         "slow_extra_s": extra,
         "spin_s": spinner.total_s,

@@ -100,6 +100,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--seq-len", type=int, help="tokens per sequence: tokens per micro-batch = micro-batch x this"
     )
     w.add_argument(
+        "--train-steps",
+        type=int,
+        help="optimizer steps of the run (with the tokens per step: picks the quality study's regime closest to it "
+        "for the time to ZeRO-1's loss; docs/PLAN.md)",
+    )
+    w.add_argument(
         "--reduce-bucket-size",
         default=str(DEEPSPEED_BUCKET),
         help=f"DeepSpeed's reduce_bucket_size in elements (default {DEEPSPEED_BUCKET:.0e}, DeepSpeed's)",
@@ -160,6 +166,8 @@ def resolve(argv=None) -> tuple:
     """Parse and check the options: ``(PlanInputs, json target or None)``; a bad one exits with status 2."""
     ap = build_parser()
     a = ap.parse_args(argv)
+    if a.train_steps is not None and a.train_steps < 1:
+        ap.error(f"--train-steps must be an integer >= 1, got {a.train_steps}")
     for name in ("nodes", "gpus_per_node", "tp", "micro_batch", "gas"):
         if getattr(a, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be an integer >= 1, got {getattr(a, name)}")
@@ -270,6 +278,7 @@ def resolve(argv=None) -> tuple:
         pcie_bw=bws["--pcie-bw"],
         host_adam_bw=bws["--host-adam-bw"],
         host_adam_bw_deepspeed=bws["--host-adam-bw-deepspeed"],
+        train_steps=a.train_steps,
     ), a.json
 
 
@@ -349,7 +358,30 @@ def render(plan, rec: dict) -> str:
         lines.append(f'add to optimizer.params: "compression": {json.dumps(rec["compression"])}')
     if rec.get("alternative"):
         lines.append(f"alternative: {rec['alternative']}")
+    lines += time_to_loss_lines(rec.get("time_to_loss"))
     return "\n".join(lines)
+
+
+def time_to_loss_lines(t: dict | None) -> list:
+    """What the recommendation's ``time_to_loss`` (``planner.time_to_loss``) says: ACCO's speed-up in time to
+    ZeRO-1's final loss, or that it is not known, and the quality study's regime it rests on."""
+    if not t:
+        return []
+    who = f"{t['contender']} against {t['against']}"
+    if t["samples_speedup"] is None:
+        head = f"time to the same loss ({who}): n/a ({t['contender']} does not run at this GAS)"
+    elif t["time_speedup"] is not None:
+        head = (
+            f"time to the same loss ({who}): {t['samples_speedup']:.2f}x the samples/s / {t['factor']:.2f}x the "
+            f"steps = {t['time_speedup']:.2f}x, ACCO reaches ZeRO-1's final loss "
+            + ("sooner" if t["time_speedup"] > 1 else "no sooner")
+        )
+    else:
+        head = (
+            f"time to the same loss ({who}): not known: {t['samples_speedup']:.2f}x the samples/s, but in the study's "
+            "regime below ACCO never reached ZeRO-1's final validation loss within its steps"
+        )
+    return [head, f"regime: {t['regime_text']}"]
 
 
 def main(argv=None) -> int:

@@ -91,6 +91,7 @@ class PlanInputs:
     host_adam_bw_deepspeed: float = (
         47e9  # bytes/s of DeepSpeedCPUAdam per GPU (offload.HOST_ADAM_BW_DEEPSPEED)
     )
+    train_steps: int | None = None  # the run's optimizer steps, when known (picks the quality study's regime)
 
     def __post_init__(self) -> None:
         def bad(name, allowed):
@@ -129,10 +130,20 @@ class PlanInputs:
                 bad(name, ">= 0")
         if not 0 <= self.largest_frac <= 1:
             bad("largest_frac", "in [0, 1]")
+        if self.train_steps is not None and self.train_steps < 1:
+            bad("train_steps", "None or an integer >= 1")
 
     @property
     def dp_world(self) -> int:
         return self.nodes * self.gpus_per_node // self.tp
+
+    @property
+    def tokens_per_step(self) -> float | None:
+        """Tokens of one optimizer step over all data-parallel ranks (None when the tokens per micro-batch are not
+        known)."""
+        if not self.tokens_per_micro_batch:
+            return None
+        return self.tokens_per_micro_batch * self.gas * self.dp_world
 
     @property
     def params_per_gpu(self) -> float:

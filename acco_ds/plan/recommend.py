@@ -1,12 +1,15 @@
 """``acco-plan``'s recommendation: which mode, accumulation and GAS, and why.
 
-Contract: ``recommend(plan, inputs) -> dict`` with ``mode`` (``zero1``, ``zero1-overlap`` or
+Contract: ``recommend(plan, inputs, quality=None) -> dict`` with ``mode`` (``zero1``, ``zero1-overlap`` or
 ``acco``), ``accumulation`` (``fixed`` / ``adaptive``, None for DeepSpeed), ``gas``, ``reason`` (one
 paragraph with the figures) and ``alternative`` (or None). The rules (docs/PLAN.md, "Recommendation"):
 
 1. The baseline is the faster of ZeRO-1 with and without ``overlap_comm``.
 2. ACCO is recommended only where it fits in ``--gpu-memory`` (when given) and gains at least
-   ``MIN_GAIN`` in samples/s over the baseline; otherwise the baseline, with the figure that decided.
+   ``MIN_GAIN`` over the baseline; otherwise the baseline, with the figure that decided. The gain is in time to
+   ZeRO-1's final loss, samples/s / ``f``, where ``quality`` (``acco_ds.plan.quality.choose``'s regime) holds a
+   measured samples-to-loss factor ``f``; in samples/s where it does not (no regime, or ACCO never reached ZeRO-1's
+   loss there: the reason then says that its time to the loss is not known).
 3. When one round's communication fits in half a step's compute, fixed ACCO at the user's GAS hides it
    (same batch, same math as ZeRO-1 at that GAS). When it does not, adaptive ACCO keeps the GPUs busy
    and its steps grow; the fixed alternative is the smallest even GAS whose half covers the round.
@@ -33,12 +36,36 @@ def _gib(b: float) -> str:
     return f"{b / 2**30:.1f} GiB"
 
 
-def recommend(plan: Plan, i: PlanInputs) -> dict:
-    """The recommendation among ``plan``'s contenders without offload (``offload`` None)."""
-    return _without_offload(plan, i) | {"offload": None}
+def recommend(plan: Plan, i: PlanInputs, quality: dict | None = None) -> dict:
+    """The recommendation among ``plan``'s contenders without offload (``offload`` None); ``quality``: the quality
+    study's regime (``acco_ds.plan.quality.choose``), or None to decide on samples/s alone."""
+    return _without_offload(plan, i, quality) | {"offload": None}
 
 
-def _without_offload(plan: Plan, i: PlanInputs) -> dict:
+def factor(quality: dict | None) -> float | None:
+    """The regime's measured samples-to-loss factor (mean over its seeds); None without a regime or where ACCO
+    never reached ZeRO-1's final loss in it (only a lower bound then)."""
+    return quality["factor"]["mean"] if quality and quality["reached"] else None
+
+
+def _to_loss(gain: float, quality: dict | None, adaptive: bool = False) -> str:
+    """The sentence on ACCO's speed-up in time to ZeRO-1's final loss, '' without a regime."""
+    if not quality:
+        return ""
+    f = factor(quality)
+    if f is None:
+        return (
+            f" (That is samples/s: in the quality study's setting {quality['setting']} ACCO never reached ZeRO-1's "
+            f"final validation loss within its {quality['steps']} steps, so its time to that loss is not known.)"
+        )
+    how = " (the study ran fixed accumulation: its factor applied to adaptive's samples)" if adaptive else ""
+    return (
+        f" In time to ZeRO-1's final loss: {gain / f:.2f}x ({gain:.2f}x over the {f:.2f}x the steps ACCO needs in "
+        f"the quality study's setting {quality['setting']}{how})."
+    )
+
+
+def _without_offload(plan: Plan, i: PlanInputs, quality: dict | None = None) -> dict:
     d = plan.derived
     z1, z1o = plan.row("zero1"), plan.row("zero1-overlap")
     base = z1o if z1o.samples_per_s > z1.samples_per_s * (1 + 1e-9) else z1
@@ -65,6 +92,15 @@ def _without_offload(plan: Plan, i: PlanInputs) -> dict:
             f"{_gib(i.gpu_memory)} ({base_name}: {_gib(base.memory_bytes)}); activations come on top.",
         }
     best_gain = max(acco.samples_per_s, adaptive.samples_per_s) / base.samples_per_s
+    f = factor(quality)
+    if f is not None and best_gain >= MIN_GAIN > best_gain / f:
+        return keep | {
+            "reason": f"communication is {100 * share:.1f}% of a {base_name} step (comm/compute {ratio:.3f}): ACCO "
+            f"would gain {100 * (best_gain - 1):.1f}% samples/s, but it needs {f:.2f}x the steps of ZeRO-1 to reach "
+            f"its final validation loss (the quality study's setting {quality['setting']}): "
+            f"{100 * (best_gain / f - 1):+.1f}% in time to the same loss, below the {100 * (MIN_GAIN - 1):.0f}% "
+            "worth a switch. Stay with DeepSpeed.",
+        }
     if best_gain < MIN_GAIN:
         diff = acco.memory_bytes - base.memory_bytes
         mem = (
@@ -86,7 +122,7 @@ def _without_offload(plan: Plan, i: PlanInputs) -> dict:
             "gas": i.gas,
             "reason": f"one round's communication ({1e3 * d['comm_round_s']:.1f} ms) fits in half a step's "
             f"compute ({1e3 * half:.1f} ms): fixed ACCO hides it at the same batch, "
-            f"{gain_fixed:.2f}x the samples/s of {base_name}.",
+            f"{gain_fixed:.2f}x the samples/s of {base_name}." + _to_loss(gain_fixed, quality),
             "alternative": None,
             "compression": None,
         }
@@ -108,7 +144,7 @@ def _without_offload(plan: Plan, i: PlanInputs) -> dict:
                 "mode": "acco",
                 "accumulation": "fixed",
                 "gas": i.gas,
-                "reason": slow + packed,
+                "reason": slow + packed + _to_loss(fixed8.samples_per_s / base.samples_per_s, quality),
                 "alternative": "adaptive ACCO without compression (exact communication, larger steps)",
                 "compression": dict(COMPRESSION_CONFIG),
             }
@@ -136,7 +172,8 @@ def _without_offload(plan: Plan, i: PlanInputs) -> dict:
         f"{steps.samples_per_s / base.samples_per_s:.2f}x the samples/s of {base_name}, "
         f"with steps of about {steps.micro_batches_per_step:g} micro-batches per GPU instead of "
         f"{i.gas} ({grow:.1f}x the batch: check the learning rate and schedule, which follow steps)."
-        + packed,
+        + packed
+        + _to_loss(steps.samples_per_s / base.samples_per_s, quality, adaptive=True),
         "alternative": f"fixed ACCO with --gas {gas_fixed}"
         + (" and the same compression" if steps is not adaptive else "")
         + " (deterministic, the same samples/s, "

@@ -120,6 +120,14 @@ def parse(argv=None) -> argparse.Namespace:
         help="calls per timing window of the comm-only probe (default 5, quick 2)",
     )
     ap.add_argument(
+        "--eval-every",
+        type=int,
+        default=0,
+        help="validation loss at the start and every N optimizer steps too (default 0: at the end only); with it "
+        "the loss table gives each contender's time to ZeRO-1's final validation loss, interpolated between them "
+        "(their time is left out of the training clock)",
+    )
+    ap.add_argument(
         "--nice",
         type=int,
         default=0,
@@ -139,6 +147,8 @@ def parse(argv=None) -> argparse.Namespace:
         if c not in runs.CONTENDERS:
             ap.error(f"unknown contender {c!r}; choose from {ALL}")
     sweep_defaults(ap, a, "e2e", 40)
+    if a.eval_every < 0:
+        ap.error(f"--eval-every must be >= 0 (0: at the end only), got {a.eval_every}")
     return a
 
 
@@ -178,6 +188,7 @@ def run_all(a) -> dict:
         seed=a.seeds[0],
         bf16=a.bf16,
         nice=a.nice,
+        eval_every=a.eval_every,
     )
     results = {
         "command": shlex.join([sys.executable, "-m", "benchmarks.e2e", *sys.argv[1:]]),

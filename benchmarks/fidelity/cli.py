@@ -9,8 +9,10 @@ initialisation and data order: the seed fixes both, so the runs of a seed are a 
 steps and dtype, on ``--world-size`` CPU or GPU ranks as ``acco-train`` chooses them; its ``summary.json`` gives
 each run's validation loss (on the committed parameters, after the same samples), final training loss, samples/s
 and, with fp16, ``engine.skipped_steps`` and the final loss scale. The report gives every run's figures, each mode's
-mean [min, max] over the seeds, its validation loss gap to ZeRO-1 paired by seed, and whether each mode's validation
-loss lies within ZeRO-1's seed spread (``benchmarks.harness.seeds.verdict_within``: met when every seed's value is
+mean [min, max] over the seeds, its validation loss gap to ZeRO-1 paired by seed, its time to ZeRO-1's final
+validation loss over ZeRO-1's own paired by seed (from the runs' validation curves, ``acco-train --eval-every``;
+``benchmarks.harness.analysis.x_time_to_val``; the column is left out for results without curves), and whether
+each mode's validation loss lies within ZeRO-1's seed spread (``benchmarks.harness.seeds.verdict_within``: met when every seed's value is
 in [min, max] of ZeRO-1's seeds, MISSED when the mean is not, not shown otherwise; fewer than 3 seeds: indicative).
 
 Writes ``<prefix>.md`` (the table) and ``<prefix>.json`` (raw, ``--from-json`` renders the same table from it) into
@@ -33,6 +35,7 @@ from pathlib import Path
 from acco_ds.cli.dsconfig import ALL_MODES
 from acco_ds.cli.metrics import machine_info
 from benchmarks.harness import seeds as sd
+from benchmarks.harness.analysis import x_time_to_val
 from benchmarks.harness.cli import parser
 from benchmarks.harness.records import load_results, write_report
 from benchmarks.harness.sweep import seeds_arg
@@ -112,6 +115,7 @@ RUN_FIGURES = (
     "samples",
     "skipped_steps",
     "loss_scale",
+    "val_curve",
 )
 
 
@@ -169,7 +173,19 @@ def analyse(res: dict) -> dict:
         an["val_gap"] = sd.spread(gaps.values())
         an["val_gap_by_seed"] = gaps
         an["within_reference_spread"] = sd.verdict_within(an["val_loss"], ref["min"], ref["max"])
+        refs = {s: by_seed[s][REFERENCE] for s in by_seed if REFERENCE in by_seed[s]}
+        runs = {s: by_seed[s][mode] for s in an["seeds"]}
+        x = sd.paired(runs, refs, x_time_to_val)
+        an["x_time_to_ref_val"] = sd.spread(x.values())
+        an["x_time_to_ref_val_by_seed"] = x
     return out
+
+
+def _x(v) -> str:
+    """A time ratio of one seed: '-' when not measured, 'not reached' for a run that never got there."""
+    if v is None:
+        return "-"
+    return "not reached" if v == float("inf") else f"{v:.2f}x"
 
 
 def _num(x, spec: str) -> str:
@@ -180,6 +196,9 @@ def render(res: dict) -> str:
     m, s = res["machine"], res["setup"]
     an = analyse(res)
     fp16 = s["dtype"] == "fp16"
+    # runs that recorded validation curves (acco-train --eval-every): each mode's time to zero1's final val loss
+    curve = any(a.get("x_time_to_ref_val") for a in an.values())
+    ttl = f" time to {REFERENCE}'s final val loss (x {REFERENCE}) |"
     lines = [
         f"# Training fidelity: {', '.join(s['modes'])} with acco-train --dtype {s['dtype']}, {len(res['seeds'])} paired seeds",
         "",
@@ -202,10 +221,21 @@ def render(res: dict) -> str:
             if fp16
             else ""
         ),
+        *(
+            [
+                f"- Time to {REFERENCE}'s final val loss: the first time the run's validation loss (evaluated at the "
+                "start and every `--eval-every` steps of acco-train, their time left out of the training clock) is "
+                f"at or below {REFERENCE}'s final one of the same seed, interpolated between evaluations, over "
+                f"{REFERENCE}'s own time to it (`acco_ds.cli.time_to_loss`); `not reached`: never within the steps"
+            ]
+            if curve
+            else []
+        ),
         "",
         "| seed | mode | val loss | train loss (last 20%) | samples/s | time s |"
-        + (" skipped steps | final loss scale |" if fp16 else ""),
-        "|---|---|---|---|---|---|" + ("---|---|" if fp16 else ""),
+        + (" skipped steps | final loss scale |" if fp16 else "")
+        + (ttl if curve else ""),
+        "|---|---|---|---|---|---|" + ("---|---|" if fp16 else "") + ("---|" if curve else ""),
     ]
     for seed, r in sorted(res["seeds"].items(), key=lambda kv: int(kv[0])):
         if "error" in r:
@@ -221,12 +251,17 @@ def render(res: dict) -> str:
             )
             if fp16:
                 row += f" {_num(x['skipped_steps'], 'd')} | {_num(x['loss_scale'], 'g')} |"
+            if curve:
+                by_seed = an[mode].get("x_time_to_ref_val_by_seed", {})
+                v = by_seed.get(int(seed)) if mode != REFERENCE else None
+                row += " (reference) |" if mode == REFERENCE else f" {_x(v)} |"
             lines.append(row)
     lines += [
         "",
         "| mode | val loss, mean [min, max] | val gap to zero1, paired | within zero1's seed spread |"
-        + (" skipped steps | final loss scale |" if fp16 else ""),
-        "|---|---|---|---|" + ("---|---|" if fp16 else ""),
+        + (" skipped steps | final loss scale |" if fp16 else "")
+        + (f" time to {REFERENCE}'s final val loss (x {REFERENCE}), paired |" if curve else ""),
+        "|---|---|---|---|" + ("---|---|" if fp16 else "") + ("---|" if curve else ""),
     ]
     for mode in s["modes"]:
         a = an[mode]
@@ -235,6 +270,12 @@ def render(res: dict) -> str:
         row = f"| {mode} | {sd.fmt(a['val_loss'])} | {gap} | {within} |"
         if fp16:
             row += f" {sd.fmt(a['skipped_steps'], '.0f')} | {sd.fmt(a['loss_scale'], 'g')} |"
+        if curve:
+            row += (
+                " (reference) |"
+                if mode == REFERENCE
+                else f" {sd.fmt(a.get('x_time_to_ref_val'), '.2f', suffix='x')} |"
+            )
         lines.append(row)
     failed = [seed for seed, r in res["seeds"].items() if "error" in r]
     if failed:

@@ -31,7 +31,9 @@ Definitions (BENCHMARKS.md section 2, measured in the same run):
   - framing (a), same optimizer steps: time to ZeRO-1's final loss = the first time that
     trailing-average training loss is at or below ZeRO-1's final one (x: over ZeRO-1's own time
     to it); validation: whether the run's final val loss is at or below ZeRO-1's, and if so its
-    training time over ZeRO-1's (an upper bound: validation is measured only at the end).
+    training time over ZeRO-1's (an upper bound: validation is measured only at the end). With ``--eval-every``
+    (the runs' ``val_curve``): the time to ZeRO-1's final val loss, the first crossing interpolated between the
+    evaluations, over ZeRO-1's own time to it (``x_time_to_val_curve``: ``acco_ds.cli.time_to_loss``).
   - framing (b), same token budget (the paper's): every contender gets the samples a fixed
     contender computes in the run's steps; adaptive ACCO, which computes more per step, runs
     ``runs.budget_schedule`` steps with its LR schedule compressed to them (its run at the
@@ -46,6 +48,7 @@ import statistics
 from typing import Callable
 
 from acco_ds.cli.metrics import smoothed_loss, time_to_loss
+from acco_ds.cli.time_to_loss import versus_baseline
 from acco_ds.core.phase_clock import PHASES as JOB_PHASES
 from benchmarks.harness import link
 from benchmarks.harness import seeds as sd
@@ -130,6 +133,22 @@ def ordered(labels) -> list:
     return [x for x in ORDER if x in labels] + [x for x in labels if x not in ORDER]
 
 
+def x_time_to_val(run: dict, base: dict) -> float | None:
+    """``run``'s time to ``base``'s final validation loss over ``base``'s own time to it, both first crossings
+    interpolated between the evaluations of their ``val_curve`` (``acco_ds.cli.time_to_loss.versus_baseline``);
+    inf when ``run`` never reached it; None unless both curves have evaluations during the run (two or more)."""
+    curves = {"run": run.get("val_curve"), "base": base.get("val_curve")}
+    if not all(c and len(c.get("val_loss") or []) > 1 for c in curves.values()):
+        return None
+    try:
+        v = versus_baseline(curves, "base")["runs"]["run"]
+    except ValueError:  # the baseline's final loss is not finite
+        return None
+    if not v["crossing"].reached:
+        return math.inf
+    return v["x_baseline"]
+
+
 def _pair_figures(s: dict, base: dict) -> dict:
     """One seed's loss figures of run ``s`` against ZeRO-1's run ``base`` of the same seed."""
     window = max(1, int(0.2 * base["samples"]))
@@ -143,6 +162,7 @@ def _pair_figures(s: dict, base: dict) -> dict:
         "time_to_base_loss_s": math.inf if ttl is None else ttl,
         "x_time_to_base_loss": (ttl / base_ttl) if (ttl is not None and base_ttl) else math.inf,
         "x_time_to_base_val": s["train_s"] / base["train_s"] if val_ok else math.inf,
+        "x_time_to_val_curve": x_time_to_val(s, base),
     }
 
 

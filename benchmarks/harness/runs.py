@@ -136,6 +136,7 @@ class Setup:
     nice: int = 0  # scheduling priority of every run's ranks (same for every contender)
     tp: int = 1  # tensor-parallel size (AutoTP; world / tp data-parallel replicas)
     eval_windows: int = 128
+    eval_every: int = 0  # validation also at the start and every this many steps (0: at the end only)
 
     @property
     def dp_world(self) -> int:
@@ -207,6 +208,7 @@ def _spec(
         seed=setup.seed if seed is None else seed,
         threads=setup.threads,
         eval_windows=setup.eval_windows,
+        eval_every=setup.eval_every,
         progress=False,
         slow_rank=slow.get("rank", -1),
         slow_extra_s=slow.get("extra_s"),

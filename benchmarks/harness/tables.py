@@ -174,17 +174,29 @@ def _x(s) -> str:
 def steps_table(
     an: dict, title: str = "## Framing (a): same optimizer steps, time to ZeRO-1's final loss"
 ) -> list:
+    curve = any(
+        (r["paired"].get("x_time_to_val_curve") or {}).get("n")
+        for rows in an["tables"].values()
+        for r in rows.values()
+    )
     lines = [
         title,
         "",
         "Per seed against ZeRO-1's run of the same seed, then mean [min, max] over the seeds. Time to ZeRO-1's "
         "final loss: trailing-average training loss, over ZeRO-1's own time to it; validation: the run's final val "
         "loss at or below ZeRO-1's, its training time over ZeRO-1's (an upper bound: validation is measured at the "
-        "end only; `not reached`: a seed whose final val loss stayed above ZeRO-1's).",
+        "end only; `not reached`: a seed whose final val loss stayed above ZeRO-1's)."
+        + (
+            " Time to ZeRO-1's final val loss: the first crossing of the run's validation curve (evaluated every "
+            "`--eval-every` steps, their time left out), interpolated, over ZeRO-1's own time to it."
+            if curve
+            else ""
+        ),
         "",
         "| link | contender | seeds | samples | val loss | val gap vs ZeRO-1 (paired) | loss @ ZeRO-1 samples "
-        "| time to ZeRO-1 train loss (x ZeRO-1) | val <= ZeRO-1's by the end (x ZeRO-1, upper bound) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| time to ZeRO-1 train loss (x ZeRO-1) | val <= ZeRO-1's by the end (x ZeRO-1, upper bound) |"
+        + (" time to ZeRO-1's final val loss (x ZeRO-1) |" if curve else ""),
+        "|---|---|---|---|---|---|---|---|---|" + ("---|" if curve else ""),
     ]
     for rate, rows in an["tables"].items():
         for label, r in rows.items():
@@ -193,6 +205,7 @@ def steps_table(
                 f"| {rate} | {label} | {len(r['seeds'])} | {r['samples']} | {sd.fmt(r['val'])} | {pct(p.get('val_gap'))} "
                 f"| {sd.fmt(p.get('loss_at_base_samples'))} | {_x(p.get('x_time_to_base_loss'))} "
                 f"| {_x(p.get('x_time_to_base_val'))} |"
+                + (f" {_x(p.get('x_time_to_val_curve'))} |" if curve else "")
             )
     return lines + [""]
 

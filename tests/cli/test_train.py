@@ -158,7 +158,7 @@ def test_acco_train_tiny_run(tmp_path):
     """A real 2-rank run of every default mode with tiny settings (about a minute on 2 CPU cores)."""
     out = tmp_path / "out"
     modes = ["acco", "zero1"] if _acco_works() else ["zero1"]
-    _, summary, lines = run_train(tmp_path, ["--mode", *modes, "--steps", "16", *TINY])
+    proc, summary, lines = run_train(tmp_path, ["--mode", *modes, "--steps", "16", *TINY])
     assert (out / "loss_vs_samples.png").stat().st_size > 1000 and (
         out / "loss_vs_time.png"
     ).stat().st_size > 1000
@@ -169,7 +169,17 @@ def test_acco_train_tiny_run(tmp_path):
         assert mine[-1]["loss"] < mine[0]["loss"] - 1.0, (mode, mine[0]["loss"], mine[-1]["loss"])
         assert s["val_loss"] < math.log(256) - 1.0
         assert len(s["peak_mem_mib"]) == 2 and min(s["peak_mem_mib"]) > 50
+        # the validation curve: at the start and every step (--eval-every defaults to steps / 10, at least 1), the
+        # last point the final validation loss at the training time
+        curve = s["val_curve"]
+        assert curve["step"] == list(range(17)) and curve["val_loss"][-1] == s["val_loss"]
+        assert curve["time_s"][0] == 0.0 and curve["time_s"][-1] == pytest.approx(s["train_s"], rel=0.05)
     assert summary["machine"]["deepspeed"] and summary["model"]["params"] > 0
+    if "acco" in modes:  # the time to zero1's final validation loss, and the sentence closing the summary
+        t = summary["time_to_loss"]
+        assert t["baseline"] == "zero1" and t["baseline_crossing"]["reached"] and "acco" in t["runs"]
+        assert "time to zero1's final validation loss" in proc.stdout
+        assert "acco-train: zero1's final validation loss" in proc.stdout
 
 
 @pytest.mark.skipif(
