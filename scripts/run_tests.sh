@@ -9,6 +9,8 @@
 # in this process). A launched test leaves a core idle much of the time (imports, start-up, waits on its peers),
 # so more workers than cores finish the suite sooner: on 2 cores, 3 workers took 18 min 4 s from a fresh clone
 # where 2 took 19 min 41 s.
+# The summary lists the 15 slowest tests (--durations) and the 15 slowest test files (tests/conftest.py), so that
+# the suite's creep shows in every run.
 # pytest's exit code 5 (no test collected) is a failure here: a suite that runs nothing proves nothing.
 set -uo pipefail
 cd "$(dirname "$0")/.."

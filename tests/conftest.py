@@ -104,3 +104,27 @@ def pytest_collection_modifyitems(config, items):
         return 1 if item.get_closest_marker("launcher") else 2
 
     items.sort(key=weight)
+
+
+_FILE_SECONDS: dict = {}
+SLOWEST_FILES = 15
+
+
+def pytest_runtest_logreport(report):
+    """Sums each test file's setup, call and teardown seconds (on the controller under xdist, which receives every
+    worker's reports), for :func:`pytest_terminal_summary`."""
+    path = report.nodeid.split("::", 1)[0]
+    _FILE_SECONDS[path] = _FILE_SECONDS.get(path, 0.0) + float(getattr(report, "duration", 0.0) or 0.0)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The slowest test files (module fixtures' launches included, in their first test's setup), so that the suite's
+    creep shows file by file in every run of ``scripts/run_tests.sh``."""
+    if not _FILE_SECONDS:
+        return
+    total = sum(_FILE_SECONDS.values())
+    terminalreporter.section(
+        f"slowest {SLOWEST_FILES} test files (of {len(_FILE_SECONDS)}; {total:.0f} s in all)"
+    )
+    for path, secs in sorted(_FILE_SECONDS.items(), key=lambda kv: -kv[1])[:SLOWEST_FILES]:
+        terminalreporter.write_line(f"{secs:8.1f} s  {path}")
