@@ -95,6 +95,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--lr", type=float, default=2e-3, help="peak learning rate (linear warm-up, cosine decay)"
     )
     opt.add_argument("--min-lr", type=float, default=2e-4)
+    opt.add_argument(
+        "--peek-lr-scale",
+        type=float,
+        default=1.0,
+        help="acco: optimizer.params.peek_lr_scale, the LR factor of the estimate's step (1.0: the paper's; "
+        "docs/REFERENCE.md); the other modes have no peek",
+    )
     opt.add_argument("--warmup-steps", type=int, default=15)
     opt.add_argument("--weight-decay", type=float, default=0.1)
     opt.add_argument("--grad-clip", type=float, default=1.0)
@@ -282,6 +289,16 @@ def parse(argv=None) -> argparse.Namespace:
         )
     if a.world_size < 1:
         ap.error(f"--world-size must be >= 1, got {a.world_size}")
+    if a.peek_lr_scale != 1.0:
+        from acco_ds.config import MAX_PEEK_LR_SCALE
+
+        if not 0.0 < a.peek_lr_scale <= MAX_PEEK_LR_SCALE:
+            ap.error(f"--peek-lr-scale must be in (0, {MAX_PEEK_LR_SCALE:g}], got {a.peek_lr_scale}")
+        if "acco" not in a.mode or a.config:
+            ap.error(
+                "--peek-lr-scale applies to the acco run (--mode acco, no --config: a config file sets "
+                "optimizer.params.peek_lr_scale itself)"
+            )
     if a.threads is None:
         a.threads = 1 if _cuda() else max(1, (os.cpu_count() or 1) // a.world_size)
     if a.threads < 1:

@@ -57,6 +57,7 @@ class Knobs:
     initial_scale_power: int = 16  # fp16: the first loss scale is 2 ** this
     loss_scale_window: int = 1000  # fp16: steps without overflow before the scale doubles
     accumulation: str = "fixed"
+    peek_lr_scale: float = 1.0  # acco's optimizer.params.peek_lr_scale (the other contenders have no peek)
     num_params: int = 0  # sizes the DeepSpeed buckets
     tp: int = 1  # tensor-parallel size (AutoTP); the data-parallel world is world_size / tp
 
@@ -130,6 +131,8 @@ def build_config(contender: str, k: Knobs) -> dict:
     if contender in ACCO_MODES:
         accumulation = "fixed" if contender == "sync" else k.accumulation
         params = dict(adam, mode=contender, accumulation=accumulation, comm_dtype="auto")
+        if contender == "acco" and k.peek_lr_scale != 1.0:
+            params["peek_lr_scale"] = k.peek_lr_scale
         cfg["optimizer"] = {"type": "ACCO", "params": params}
         cfg["zero_optimization"] = {"stage": 1}
         return cfg

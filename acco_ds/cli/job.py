@@ -94,6 +94,7 @@ def plan_runs(a, model_cfg: dict, n_params: int) -> list:
         fp16=a.dtype == "fp16",
         **_loss_scale_knobs(a),
         accumulation=a.accumulation,
+        peek_lr_scale=a.peek_lr_scale,
         num_params=n_params,
         tp=a.tp,
     )

@@ -78,6 +78,10 @@ def test_configs_share_everything_but_the_optimizer_section():
         dsconfig.build_config("acco", dsconfig.Knobs(micro_batch=4, grad_accum=3, world_size=2))
     assert dsconfig.config_mode(cfgs["dpu"]) == ("dpu", "fixed")
     assert dsconfig.config_mode(cfgs["zero2"]) == ("zero2", "fixed")
+    assert "peek_lr_scale" not in cfgs["acco"]["optimizer"]["params"]  # the paper's estimate unless asked
+    ahead = dsconfig.Knobs(micro_batch=4, grad_accum=4, world_size=2, peek_lr_scale=1.5)
+    assert dsconfig.build_config("acco", ahead)["optimizer"]["params"]["peek_lr_scale"] == 1.5
+    assert "peek_lr_scale" not in dsconfig.build_config("dpu", ahead)["optimizer"]["params"]
 
 
 def test_user_config_batch_is_checked(tmp_path):
@@ -96,6 +100,8 @@ def test_options_are_checked(capsys):
     for bad, msg in (
         (["--grad-accum", "3"], "even --grad-accum"),
         (["--steps", "0"], "--steps must be >= 1"),
+        (["--peek-lr-scale", "0"], "--peek-lr-scale must be in (0, 4]"),
+        (["--peek-lr-scale", "1.5", "--mode", "sync"], "--peek-lr-scale applies to the acco run"),
     ):
         with pytest.raises(SystemExit):
             parse(bad)
