@@ -22,6 +22,7 @@ from acco_ds.plan.offload import CONTENDERS as OFFLOAD_CONTENDERS
 from acco_ds.plan.offload import HOST_ADAM_BW, HOST_ADAM_BW_DEEPSPEED, PCIE_BW
 from acco_ds.plan.planner import predict, recommend
 from acco_ds.plan.primitives import DTYPE_SIZE
+from acco_ds.plan.quality import MAX_PEEK_LR_SCALE
 
 EXAMPLE = """examples:
   acco-plan --params 125M --nodes 4 --gpus-per-node 8 --intra-bw 200GB/s --inter-bw 100Gbit/s \\
@@ -106,6 +107,13 @@ def build_parser() -> argparse.ArgumentParser:
         "for the time to ZeRO-1's loss; docs/PLAN.md)",
     )
     w.add_argument(
+        "--peek-lr-scale",
+        type=float,
+        default=1.0,
+        help="your ACCO config's optimizer.params.peek_lr_scale (default 1.0, the paper's estimate): the time to "
+        "ZeRO-1's loss then uses the quality study's variant with that scale where it ran one (docs/PLAN.md)",
+    )
+    w.add_argument(
         "--reduce-bucket-size",
         default=str(DEEPSPEED_BUCKET),
         help=f"DeepSpeed's reduce_bucket_size in elements (default {DEEPSPEED_BUCKET:.0e}, DeepSpeed's)",
@@ -168,6 +176,10 @@ def resolve(argv=None) -> tuple:
     a = ap.parse_args(argv)
     if a.train_steps is not None and a.train_steps < 1:
         ap.error(f"--train-steps must be an integer >= 1, got {a.train_steps}")
+    if not 0 < a.peek_lr_scale <= MAX_PEEK_LR_SCALE:
+        ap.error(
+            f"--peek-lr-scale must be in (0, {MAX_PEEK_LR_SCALE:g}] (acco_ds's range), got {a.peek_lr_scale}"
+        )
     for name in ("nodes", "gpus_per_node", "tp", "micro_batch", "gas"):
         if getattr(a, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be an integer >= 1, got {getattr(a, name)}")
@@ -279,6 +291,7 @@ def resolve(argv=None) -> tuple:
         host_adam_bw=bws["--host-adam-bw"],
         host_adam_bw_deepspeed=bws["--host-adam-bw-deepspeed"],
         train_steps=a.train_steps,
+        peek_lr_scale=a.peek_lr_scale,
     ), a.json
 
 
@@ -371,15 +384,26 @@ def time_to_loss_lines(t: dict | None) -> list:
     if t["samples_speedup"] is None:
         head = f"time to the same loss ({who}): n/a ({t['contender']} does not run at this GAS)"
     elif t["time_speedup"] is not None:
+        across = " (across run lengths)" if t.get("factor_basis") == "across_lengths" else ""
         head = (
             f"time to the same loss ({who}): {t['samples_speedup']:.2f}x the samples/s / {t['factor']:.2f}x the "
-            f"steps = {t['time_speedup']:.2f}x, ACCO reaches ZeRO-1's final loss "
+            f"steps{across} = {t['time_speedup']:.2f}x, ACCO reaches ZeRO-1's final loss "
             + ("sooner" if t["time_speedup"] > 1 else "no sooner")
         )
+    elif t.get("time_speedup_at_least") is not None:
+        head = (
+            f"time to the same loss ({who}): at least {t['time_speedup_at_least']:.2f}x: {t['samples_speedup']:.2f}x "
+            f"the samples/s / at most {t['factor']:.2f}x the steps (a bound across run lengths: the study's shortest "
+            "run already reached ZeRO-1's loss)"
+        )
     else:
+        across = t.get("factor_basis") == "across_lengths"
+        bound = (t.get("regime") or {}).get("bound")
+        lengths = {"lower": " nor across run lengths", "both": " (across run lengths: bounds both ways)"}
+        lengths = lengths.get(bound, "") if across else ""
         head = (
             f"time to the same loss ({who}): not known: {t['samples_speedup']:.2f}x the samples/s, but in the study's "
-            "regime below ACCO never reached ZeRO-1's final validation loss within its steps"
+            f"regime below ACCO never reached ZeRO-1's final validation loss within its steps{lengths}"
         )
     return [head, f"regime: {t['regime_text']}"]
 

@@ -42,6 +42,7 @@ from typing import Dict, List
 from acco_ds.plan import memory_model
 from acco_ds.plan.comm import Topology
 from acco_ds.plan.primitives import DTYPE_SIZE, adaptive_round_micro_batches, opt_bytes_per_param
+from acco_ds.plan.quality import MAX_PEEK_LR_SCALE
 
 MIXED_HALVES = {"bf16", "fp16"}
 """The parameter / communication dtype pair the plan refuses: fp16 and bf16 do not mix (acco_ds's optimizer refuses
@@ -92,6 +93,7 @@ class PlanInputs:
         47e9  # bytes/s of DeepSpeedCPUAdam per GPU (offload.HOST_ADAM_BW_DEEPSPEED)
     )
     train_steps: int | None = None  # the run's optimizer steps, when known (picks the quality study's regime)
+    peek_lr_scale: float = 1.0  # the ACCO config's optimizer.params.peek_lr_scale (picks the study's variant)
 
     def __post_init__(self) -> None:
         def bad(name, allowed):
@@ -132,6 +134,8 @@ class PlanInputs:
             bad("largest_frac", "in [0, 1]")
         if self.train_steps is not None and self.train_steps < 1:
             bad("train_steps", "None or an integer >= 1")
+        if not 0 < self.peek_lr_scale <= MAX_PEEK_LR_SCALE:
+            bad("peek_lr_scale", f"in (0, {MAX_PEEK_LR_SCALE:g}]")
 
     @property
     def dp_world(self) -> int:

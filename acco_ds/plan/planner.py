@@ -26,8 +26,11 @@ def predict(i: PlanInputs) -> Plan:
 
 
 def regime(i: PlanInputs, factors: dict | None = None) -> dict:
-    """The quality study's regime closest to ``i`` (``quality.choose``: by its tokens per step and run length)."""
-    return quality.choose(factors or quality.load(), i.tokens_per_step, i.train_steps)
+    """The quality study's regime closest to ``i`` (``quality.choose``: by its tokens per step and run length; the
+    study's variant with ``i.peek_lr_scale`` where it ran one)."""
+    return quality.choose(
+        factors or quality.load(), i.tokens_per_step, i.train_steps, peek_lr_scale=i.peek_lr_scale
+    )
 
 
 def time_to_loss(plan: Plan, rec: dict, r: dict) -> dict:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 
+from acco_ds.plan import quality as samples_to_loss
 from acco_ds.plan.model import COMPRESSION_CONFIG, GPU_COMPRESSION_NOTE, Plan, PlanInputs
 from acco_ds.plan.primitives import MIN_GAIN
 
@@ -54,14 +55,15 @@ def _to_loss(gain: float, quality: dict | None, adaptive: bool = False) -> str:
         return ""
     f = factor(quality)
     if f is None:
-        return (
-            f" (That is samples/s: in the quality study's setting {quality['setting']} ACCO never reached ZeRO-1's "
-            f"final validation loss within its {quality['steps']} steps, so its time to that loss is not known.)"
-        )
+        why = samples_to_loss.unknown_why(quality)
+        if quality.get("bound") == "upper":
+            least = gain / quality["factor"]["mean"]
+            return f" (That is samples/s: {why}, so in time to that loss ACCO gains at least {least:.2f}x.)"
+        return f" (That is samples/s: {why}, so its time to that loss is not known.)"
     how = " (the study ran fixed accumulation: its factor applied to adaptive's samples)" if adaptive else ""
     return (
         f" In time to ZeRO-1's final loss: {gain / f:.2f}x ({gain:.2f}x over the {f:.2f}x the steps ACCO needs in "
-        f"the quality study's setting {quality['setting']}{how})."
+        f"the quality study's setting {quality['setting']}{samples_to_loss.basis_note(quality)}{how})."
     )
 
 
@@ -97,7 +99,8 @@ def _without_offload(plan: Plan, i: PlanInputs, quality: dict | None = None) -> 
         return keep | {
             "reason": f"communication is {100 * share:.1f}% of a {base_name} step (comm/compute {ratio:.3f}): ACCO "
             f"would gain {100 * (best_gain - 1):.1f}% samples/s, but it needs {f:.2f}x the steps of ZeRO-1 to reach "
-            f"its final validation loss (the quality study's setting {quality['setting']}): "
+            f"its final validation loss (the quality study's setting {quality['setting']}"
+            f"{samples_to_loss.basis_note(quality)}): "
             f"{100 * (best_gain / f - 1):+.1f}% in time to the same loss, below the {100 * (MIN_GAIN - 1):.0f}% "
             "worth a switch. Stay with DeepSpeed.",
         }
