@@ -588,7 +588,9 @@ MUTANTS = [
         "acco_ds/core/round_hypers.py",
         "            if job is Job.PEEK and self._peek_lr_scale != 1.0:\n",
         "            if False:\n",
-        ("tests/core/test_trajectories.py::test_peek_lr_scale_matches_reference",),
+        (
+            "tests/core/test_trajectories.py::test_peek_lr_scale_matches_reference[W2-acco_fp32_clip_peek_lr_x1.5]",
+        ),
     ),
     Mutant(
         "M62",
@@ -596,7 +598,9 @@ MUTANTS = [
         "acco_ds/core/round_hypers.py",
         "            if job is Job.PEEK and self._peek_lr_scale != 1.0:\n",
         "            if self._peek_lr_scale != 1.0:\n",
-        ("tests/core/test_trajectories.py::test_peek_lr_scale_matches_reference",),
+        (
+            "tests/core/test_trajectories.py::test_peek_lr_scale_matches_reference[W2-acco_fp32_clip_peek_lr_x1.5]",
+        ),
     ),
     Mutant(
         "M45",

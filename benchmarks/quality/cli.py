@@ -77,6 +77,15 @@ VARIANTS = {
     "curv_1e6": dict(curvature_lambda=1e6),
     "adaptive_1_0": dict(rank_extra=(1, 0)),
 }
+PLOT_GROUPS = {
+    "base": "base",
+    "lr": "peak LR",
+    "warmup": "warm-up",
+    "gas": "accumulation",
+    "tokens": "tokens per step",
+    "length": "run length",
+}
+PLOTTED_VARIANTS = ("peek_lr_x1.5",)  # drawn dashed beside acco in the gap plot
 SETUP_KNOBS = ("n_layer", "n_head", "d_model", "context", "world_size", "warmup_steps", "eval_windows")
 
 
@@ -279,6 +288,16 @@ def estimate_summary(block: dict, name: str = "acco") -> dict | None:
     }
 
 
+def within_spread(mode_val: dict | None, sync_val: dict | None) -> str | None:
+    """Where a run's mean final validation loss lies against sync's seed spread: "within" [min, max] of sync's seeds,
+    "above" (worse than every sync seed) or "below" (better than every one); None without both."""
+    if not mode_val or not sync_val or sync_val["n"] < 2:
+        return None
+    if mode_val["mean"] > sync_val["max"]:
+        return "above"
+    return "below" if mode_val["mean"] < sync_val["min"] else "within"
+
+
 def run_names(setup: dict) -> list:
     """The modes, then the variants, of a study's setup (older results have no variants)."""
     return [*setup["modes"], *setup.get("variants", [])]
@@ -307,6 +326,9 @@ def analyse(res: dict) -> dict:
             if mode != "sync":
                 g = gaps(block, mode)
                 an["final_gap"][mode] = sd.spread(v[-1] for v in g["by_seed"].values())
+        an["spread"] = {
+            m: within_spread(an["final_val"].get(m), an["final_val"].get("sync")) for m in an["final_gap"]
+        }
         an["estimate"] = estimate_summary(block)
         an["estimate_by_run"] = {
             v: e
@@ -323,6 +345,12 @@ def analyse(res: dict) -> dict:
 
 def _pct(s: dict | None) -> str:
     return sd.fmt(s, ".2f", 100, "%", sign=True) if s else "-"
+
+
+def _gap_cell(an: dict, run: str) -> str:
+    where = an.get("spread", {}).get(run)
+    cell = _pct(an["final_gap"].get(run))
+    return cell if not where or cell == "-" else f"{cell}, *{where}*"
 
 
 def _sci(s: dict | None) -> str:
@@ -376,10 +404,13 @@ def render(res: dict) -> str:
         lines.append(
             f"| {name} | {st['steps']} | {st['lr']:g} | {warm} | {world} x {st['grad_accum']} x {st['micro_batch']} | "
             f"{world * st['grad_accum'] * st['micro_batch'] * s['context']} | "
-            f"{sd.fmt(a['final_val'].get('sync'))} | "
-            + " | ".join(_pct(a["final_gap"].get(x)) for x in others)
-            + " |"
+            f"{sd.fmt(a['final_val'].get('sync'))} | " + " | ".join(_gap_cell(a, x) for x in others) + " |"
         )
+    lines += [
+        "",
+        "A gap cell ends with where the run's mean validation loss lies against sync's seeds: *within* their [min, max], "
+        "*above* (worse than every sync seed) or *below* (better than every one); nothing where sync ran one seed.",
+    ]
     var = s.get("variants", [])
     if var:
         ran = [n for n in res["settings"] if any(an[n]["final_gap"].get(v) for v in var)]
@@ -397,7 +428,7 @@ def render(res: dict) -> str:
         rows = (["acco"] if "acco" in modes else []) + var
         for v in rows:
             kn = ", ".join(f"{k}={x}" for k, x in knobs.get(v, {}).items()) or "(as specified)"
-            lines.append(f"| {v} | {kn} | " + " | ".join(_pct(an[n]["final_gap"].get(v)) for n in ran) + " |")
+            lines.append(f"| {v} | {kn} | " + " | ".join(_gap_cell(an[n], v) for n in ran) + " |")
     probes = [n for n in res["settings"] if an[n].get("probe")]
     if probes:
         lines += [
@@ -479,16 +510,21 @@ def plot(res: dict):
         for name, block in settings.items():
             groups.setdefault(block["setting"]["group"], []).append(name)
         if "base" in settings:
-            for g in ("lr", "gas", "length"):
+            for g in list(PLOT_GROUPS)[1:]:
                 if g in groups:
                     groups[g] = ["base", *groups[g]]
-        order = [g for g in ("base", "lr", "gas", "length") if g in groups]
+        order = [g for g in PLOT_GROUPS if g in groups]
+        shown_variants = [v for v in PLOTTED_VARIANTS if v in res["setup"].get("variants", [])]
         paths = []
-        fig, axes = plt.subplots(1, len(order), figsize=(4.5 * len(order), 3.6), squeeze=False)
-        for ax, g in zip(axes[0], order):
+        ncols = min(3, len(order))
+        nrows = -(-len(order) // ncols)
+        fig, axes = plt.subplots(nrows, ncols, figsize=(5.2 * ncols, 3.8 * nrows), squeeze=False)
+        for ax in axes.flat[len(order) :]:
+            ax.set_visible(False)
+        for ax, g in zip(axes.flat, order):
             for name in groups[g]:
-                for mode, style in (("acco", "-"), ("dpu", ":")):
-                    if mode not in res["setup"]["modes"] or (g != "base" and mode == "dpu"):
+                for mode, style in (("acco", "-"), ("dpu", ":"), *((v, "--") for v in shown_variants)):
+                    if mode not in run_names(res["setup"]) or (g != "base" and mode == "dpu"):
                         continue
                     gp = gaps(settings[name], mode)
                     if not gp["by_seed"]:
@@ -501,7 +537,7 @@ def plot(res: dict):
                     ax.fill_between(gp["steps"], lo, hi, color=line.get_color(), alpha=0.15)
             ax.axhline(0, color="k", lw=0.5)
             ax.set_yscale("symlog", linthresh=0.1)  # dpu's gap is two orders above acco's
-            ax.set_title({"base": "base", "lr": "peak LR", "gas": "accumulation", "length": "run length"}[g])
+            ax.set_title(PLOT_GROUPS[g])
             ax.set_xlabel("optimizer step")
             ax.set_ylabel("val loss gap to sync, % (symlog)")
             ax.legend(fontsize=7)
