@@ -450,7 +450,7 @@ def render(res: dict) -> str:
                 f"| {n} | {_sci(p['mismatch'][0])} | {_sci(p['mismatch'][2])} | {_ratio(p['half_noise'][0])} | "
                 f"{_ratio(p['half_noise'][2])} | {_ratio(p['cos'][2])} |"
             )
-    if "acco" in modes:
+    if "acco" in modes or any(an[n].get("estimate_by_run") for n in res["settings"]):
         lines += [
             "",
             "## acco: the estimate's distance to the committed parameters",
