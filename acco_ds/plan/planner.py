@@ -62,5 +62,5 @@ def recommend(plan: Plan, i: PlanInputs, factors: dict | None = None) -> dict:
     time to the same loss."""
     r = regime(i, factors)
     rec = base_recommend.recommend(plan, i, r)
-    rec = recommend_offload.with_offload(plan, i, rec) if i.offload else rec
+    rec = recommend_offload.with_offload(plan, i, rec, base_recommend.factor(r)) if i.offload else rec
     return rec | {"time_to_loss": time_to_loss(plan, rec, r)}

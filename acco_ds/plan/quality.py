@@ -164,7 +164,15 @@ def choose(
                 d += abs(math.log(steps / s["steps"]))
             return d
 
-        name = min(candidates, key=lambda n: (round(distance(n), 12), n != base, n))
+        def measured(n: str) -> bool:
+            m = settings[n]["modes"][run]
+            if not m["lower_bound"]:
+                return True
+            across = _across(factors, settings[n], run, steps)
+            return bool(across) and not across["lower_bound"]
+
+        pool = [n for n in candidates if measured(n)] or candidates
+        name = min(pool, key=lambda n: (round(distance(n), 12), n != base, n))
         chosen = settings[name]
         gave = [
             f"{value:,.0f} {what} ({value / chosen[key]:.3g}x this setting's)"
@@ -174,7 +182,11 @@ def choose(
             )
             if value
         ]
-        why = "the study's setting closest to the plan's " + " and ".join(gave)
+        why = (
+            "the study's setting closest to the plan's "
+            + " and ".join(gave)
+            + (" among those with a measured factor" if len(pool) < len(candidates) else "")
+        )
     s, m = settings[name], settings[name]["modes"][run]
     within = {
         "factor": m["factor"],

@@ -92,7 +92,10 @@ def _best_acco(plan: Plan) -> Row | None:
     return max(rows, key=lambda r: r.samples_per_s) if rows else None
 
 
-def with_offload(plan: Plan, i: PlanInputs, rec: dict) -> dict:
+def with_offload(plan: Plan, i: PlanInputs, rec: dict, factor: float | None = None) -> dict:
+    """``rec`` (the recommendation without offload) with offload where it pays; ``factor``: the quality study's
+    samples-to-loss factor of ACCO (``recommend.factor``), which divides ACCO's samples/s where it is weighed against a
+    DeepSpeed contender, as the recommendation without offload does (None: samples/s alone)."""
     here = plan.row(_row_of(rec))
     zo = plan.row("zero1-offload")
     acco = _best_acco(plan)
@@ -102,10 +105,17 @@ def with_offload(plan: Plan, i: PlanInputs, rec: dict) -> dict:
         f"{_gib(acco_row.host_memory_bytes)} for ACCO"
     )
     if here.fits is not False:
-        if acco is not None and acco.samples_per_s >= MIN_GAIN * here.samples_per_s:
+        weigh = factor if factor and not here.contender.startswith("acco") else 1.0
+        if acco is not None and acco.samples_per_s / weigh >= MIN_GAIN * here.samples_per_s:
+            gain = 100 * (acco.samples_per_s / weigh / here.samples_per_s - 1)
             why = (
                 f"{here.contender} fits ({_gib(here.memory_bytes)} per GPU) but waits for its communication; "
-                f"ACCO with offload gains {100 * (acco.samples_per_s / here.samples_per_s - 1):.0f}% over it."
+                f"ACCO with offload gains {gain:.0f}% over it"
+                + (
+                    f" in time to the same loss (samples/s / {weigh:.2f}x the steps)."
+                    if weigh != 1.0
+                    else "."
+                )
             )
             return _acco(plan, i, here, here.contender, why)
         fitting = [

@@ -285,8 +285,18 @@ def test_across_lengths_lower_bound_is_still_not_known():
     assert "nor did its 600-step run reach sync's 600-step loss" in quality.unknown_why(r)
 
 
-def test_no_family_keeps_not_known():
+def test_the_closest_setting_with_a_measured_factor_is_chosen():
+    """gas2 is the closest in tokens per step, but acco never reached sync's loss there and it has no runs of other
+    lengths: the closest setting with a measured factor (the base family's, across run lengths) is used instead."""
     r = quality.choose(_lengths(), tokens_per_step=2048)
+    assert r["setting"] != "gas2" and r["basis"] == "across_lengths" and r["bound"] is None
+    assert "among those with a measured factor" in quality.describe(r)
+
+
+def test_no_measured_factor_keeps_not_known():
+    lengths = _lengths()
+    only_gas2 = {**lengths, "settings": {"gas2": lengths["settings"]["gas2"]}, "base_setting": "gas2"}
+    r = quality.choose(only_gas2, tokens_per_step=2048)
     assert r["setting"] == "gas2" and r["basis"] == "within_run" and r["bound"] == "lower"
     assert "how many more is not measured (no runs of other lengths" in quality.describe(r)
 
