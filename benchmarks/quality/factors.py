@@ -345,6 +345,11 @@ def factors(results: dict, source: Path) -> dict:
     }
 
 
+def _factor_cell(f: dict, sign: str) -> str:
+    """A factor's mean [min, max], the mean prefixed with its bound's sign (">", "<=" or "")."""
+    return f"{sign}{f['mean']:.3f} [{f['min']:.3f}, {f['max']:.3f}]"
+
+
 def render(doc: dict) -> str:
     """A short table of the factors (printed by ``main``)."""
     lines = [
@@ -358,8 +363,8 @@ def render(doc: dict) -> str:
             f = m["factor"]
             low = ">" if m["lower_bound"] else ""
             lines.append(
-                f"| {name} | {s['steps']} | {s['tokens_per_step']:,} | {s['peak_lr']:g} | {mode} | {low}{f['mean']:.3f} "
-                f"[{f['min']:.3f}, {f['max']:.3f}] | {', '.join(m['not_reached_seeds']) or '-'} |"
+                f"| {name} | {s['steps']} | {s['tokens_per_step']:,} | {s['peak_lr']:g} | {mode} | "
+                f"{_factor_cell(f, low)} | {', '.join(m['not_reached_seeds']) or '-'} |"
             )
     for key, fam in doc.get("families", {}).items():
         lines += [
@@ -376,8 +381,8 @@ def render(doc: dict) -> str:
                 bounds += [f"upper: {', '.join(a['upper_bound_seeds'])}"] if a["upper_bound"] else []
                 bounds += [f"within run: {', '.join(a['within_run_seeds'])}"] if a["within_run_seeds"] else []
                 lines.append(
-                    f"| {run} | {n} | {f['mean'] * int(n):.0f} | {sign}{f['mean']:.3f} [{f['min']:.3f}, "
-                    f"{f['max']:.3f}] | {', '.join(m['seeds'])} | {'; '.join(bounds) or '-'} |"
+                    f"| {run} | {n} | {f['mean'] * int(n):.0f} | {_factor_cell(f, sign)} | "
+                    f"{', '.join(m['seeds'])} | {'; '.join(bounds) or '-'} |"
                 )
     return "\n".join(lines)
 
