@@ -15,8 +15,11 @@ The emulation, and what it stands for:
 - Device asynchrony: an event recorded on a side stream completes only ``delay_s`` seconds after it was recorded
   (``ACCO_DS_EMULATED_STREAM_DELAY_S``, default :data:`DEFAULT_DELAY_S`), and never before an event recorded
   earlier on that stream. So ``StreamExecutor.done`` stays False for a while after the worker thread finished
-  enqueueing a job, as on a GPU where the host is ahead of the device. Events recorded on the compute stream
-  complete when recorded (the compute stream's work is the training thread's, done by then).
+  enqueueing a job, as on a GPU where the host is ahead of the device. And however late it is looked at, a
+  side-stream event (``delay_s`` > 0) is found not yet complete at its first look (``query``, ``synchronize`` or a
+  stream's ``wait_event``): a loaded host that reaches a wait after ``delay_s`` still meets the device behind it, so
+  every run exercises the asynchrony. Events recorded on the compute stream complete when recorded (the compute
+  stream's work is the training thread's, done by then).
 - Waits: ``stream.wait_event(e)`` blocks the CALLING thread until ``e`` completes (a CPU stream waiting is its
   host thread waiting: the ops issued after it, synchronous, cannot run early). So ``StreamExecutor.wait`` blocks
   the training thread until the job's done event completes, and the compute side can never touch the job's
@@ -42,8 +45,8 @@ come late; so a compute-side read that skipped its stream wait would still find 
 shows on CPU as a wrong ``done``/``wait`` outcome or a crash, not as wrong bits).
 
 Threads: an :class:`EmulatedCuda` and its streams and events may be used from any thread; the current stream is
-per thread. ``blocked_waits`` counts the waits (``wait_event``, ``synchronize``) that found their event not yet
-complete, so a test can see the asynchrony was exercised.
+per thread. ``incomplete_looks`` counts the looks (``query``, ``wait_event``, ``synchronize``) that found their
+event not yet complete, so a test can see the asynchrony was exercised.
 """
 
 from __future__ import annotations
@@ -115,17 +118,31 @@ class EmulatedEvent:
         self.cuda = cuda
         self.stream: EmulatedStream | None = None
         self._completes_at: float | None = None  # None: never recorded (complete)
+        self._looked_at = True  # False from a side-stream record until its first look
 
     def record(self, stream: EmulatedStream | None = None) -> None:
         stream = self.cuda.current_stream() if stream is None else stream
         self.stream = stream
-        self._completes_at = stream._record_time()
+        with self.cuda._count_lock:
+            self._completes_at = stream._record_time()
+            self._looked_at = stream.delay_s <= 0.0
+
+    def _complete_at_this_look(self) -> bool:
+        """Whether the event is complete now; a look that finds it not yet complete is counted."""
+        with self.cuda._count_lock:
+            if self._completes_at is None:
+                return True
+            first, self._looked_at = not self._looked_at, True
+            if not first and time.monotonic() >= self._completes_at:
+                return True
+            self.cuda.incomplete_looks += 1
+            return False
 
     def query(self) -> bool:
-        return self._completes_at is None or time.monotonic() >= self._completes_at
+        return self._complete_at_this_look()
 
     def synchronize(self) -> None:
-        if self._completes_at is not None:
+        if not self._complete_at_this_look():
             self.cuda._sleep_until(self._completes_at)
 
 
@@ -139,8 +156,8 @@ class EmulatedCuda:
         self.delay_s = float(delay_s)
         self.compute = EmulatedStream(self, "compute", 0.0)
         self._tls = threading.local()
-        self._count_lock = threading.Lock()
-        self.blocked_waits = 0
+        self._count_lock = threading.Lock()  # guards incomplete_looks and every event's first-look state
+        self.incomplete_looks = 0
 
     @classmethod
     def from_env(cls) -> EmulatedCuda:
@@ -174,12 +191,9 @@ class EmulatedCuda:
     def device(self, d) -> Iterator[None]:
         yield
 
-    def _sleep_until(self, deadline: float) -> None:
+    @staticmethod
+    def _sleep_until(deadline: float) -> None:
         now = time.monotonic()
-        if now >= deadline:
-            return
-        with self._count_lock:
-            self.blocked_waits += 1
         while now < deadline:
             time.sleep(deadline - now)
             now = time.monotonic()

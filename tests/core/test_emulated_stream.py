@@ -42,10 +42,31 @@ def test_a_side_stream_event_completes_late_and_a_compute_stream_event_at_once()
     t0 = time.monotonic()
     late.record(side)
     assert not late.query() and not side.query()
+    assert cuda.incomplete_looks >= 1
     late.synchronize()
     assert time.monotonic() - t0 >= SLOW and late.query() and side.query()
-    assert cuda.blocked_waits == 1
     assert cuda.Event().query()  # never recorded: complete, as in CUDA
+
+
+def test_a_side_stream_event_is_not_complete_at_its_first_look_however_late():
+    cuda = EmulatedCuda(0.001)
+    side = cuda.Stream()
+    for look in ("query", "synchronize", "wait_event"):
+        e = cuda.Event()
+        e.record(side)
+        time.sleep(0.01)  # well past its delay: a host that reached the wait late
+        before = cuda.incomplete_looks
+        if look == "query":
+            assert not e.query()
+        elif look == "synchronize":
+            e.synchronize()
+        else:
+            cuda.current_stream().wait_event(e)
+        assert cuda.incomplete_looks == before + 1, look
+        assert e.query() and cuda.incomplete_looks == before + 1, look  # complete from the second look on
+    now = cuda.Event()
+    now.record(cuda.current_stream())
+    assert now.query() and cuda.incomplete_looks == 3  # the compute stream's events complete when recorded
 
 
 def test_a_stream_wait_blocks_the_calling_thread_until_the_event_completes():
@@ -150,7 +171,7 @@ def run_pipeline(monkeypatch, cuda_paths: bool, mode: str, dtype: str, exchange:
         norms = host.train(model, pipe)
         state = [(b.master.clone(), b.exp_avg.clone(), b.exp_avg_sq.clone()) for b in pipe.groups]
         params = [p.detach().clone() for p in model.parameters()]
-        waits = getattr(getattr(pipe.executor, "cuda", None), "blocked_waits", None)
+        waits = getattr(getattr(pipe.executor, "cuda", None), "incomplete_looks", None)
         return dict(
             norms=norms, state=state, params=params, stats=pipe.stats, executor=pipe.executor, waits=waits
         )

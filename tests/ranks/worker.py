@@ -9,7 +9,7 @@ the norm of the last commit, which acco/dpu report only once ``finish()`` has ap
 Scenario switches of the CPU test modes: ``cuda_paths`` runs the scenario with the CUDA executor on emulated
 streams (``core.emulated_stream``) and the host summaries read one job late (``defer_host_reads``, which a
 scenario may also ask for alone); the results then say which executor ran (``executor``) and how often its
-emulated streams made a thread wait (``emulated_blocked_waits``).
+emulated events were found not yet complete (``emulated_incomplete_looks``).
 """
 
 from __future__ import annotations
@@ -133,10 +133,10 @@ def run_scenario(sc: dict, rank: int) -> dict:
         out["final_scale"] = float(opt.cur_scale)
         out["final_model"] = toy.flat(params).cpu()
         out["stats"] = opt.stats()
-        # which executor ran the jobs, and how often an emulated stream's wait found its event not yet complete
+        # which executor ran the jobs, and how often a look at an emulated event found it not yet complete
         out["executor"] = type(opt.pipeline.executor).__name__
-        out["emulated_blocked_waits"] = getattr(
-            getattr(opt.pipeline.executor, "cuda", None), "blocked_waits", None
+        out["emulated_incomplete_looks"] = getattr(
+            getattr(opt.pipeline.executor, "cuda", None), "incomplete_looks", None
         )
         out["defer_host_reads"] = opt.pipeline.defer_host_reads
         opt.pipeline.close()
