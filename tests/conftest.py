@@ -16,6 +16,17 @@ import os
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
+from tests.ranks import cpuinfo_cache  # noqa: E402
+
+# DeepSpeed's CPU probe answered from one file per machine, in this process and in every process the suite starts
+# (the ranks' start-up hook runs it: tests/ranks/cpu_hook/sitecustomize.py, first on the session's PYTHONPATH)
+os.environ.setdefault(cpuinfo_cache.CACHE_ENV, cpuinfo_cache.default_path())
+_paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+_here = os.path.dirname(os.path.realpath(__file__))
+_hook = os.path.join(_here, "ranks", "cpu_hook")  # tests/ranks/launch.CPU_RANKS_HOOK
+os.environ["PYTHONPATH"] = os.pathsep.join(dict.fromkeys([_hook, os.path.dirname(_here), *_paths]))
+cpuinfo_cache.install()
+
 import contextlib  # noqa: E402
 import glob  # noqa: E402
 import subprocess  # noqa: E402

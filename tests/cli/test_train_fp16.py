@@ -1,6 +1,6 @@
 """acco-train --dtype fp16: the options and configs (DeepSpeed's dynamic loss scaling for every contender), the
 records and reports that carry the loss scale and the skipped steps, and one short real run of acco and zero1 on 2
-CPU ranks (fp16 allowed on the CPU accelerator in the ranks) that starts at a loss scale too high for fp16, so
+CPU ranks (fp16 allowed on the CPU accelerator in the ranks where the CPU lacks fp16 kernels) that starts at a loss scale too high for fp16, so
 they skip steps while the scale comes down, and still train; sync beside them takes ZeRO-1's decisions."""
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 
 from acco_ds.cli import dsconfig
 from acco_ds.cli.args import parse
@@ -129,13 +130,16 @@ def test_acco_train_fp16_run_skips_overflowing_steps_and_trains(tmp_path):
     options += ["--initial-scale-power", str(INITIAL_SCALE_POWER), "--steps", "24", *TINY]
     proc, summary, lines = run_train(tmp_path, options, timeout=900)
     assert "fp16 (dynamic loss scale from 2^20, window 1000)" in proc.stdout
-    assert "fp16 on CPU ranks" in proc.stderr  # the ranks said they lifted DeepSpeed's CPU refusal
+    # DeepSpeed's CPU accelerator refuses fp16 only on CPUs without mkldnn fp16 kernels (AVX512-FP16 / AMX-FP16; its
+    # own probe): there the ranks lift the refusal and say so, elsewhere they leave DeepSpeed as it is
+    lifts = not torch.ops.mkldnn._is_mkldnn_fp16_supported()
+    assert ("fp16 on CPU ranks" in proc.stderr) == lifts, (lifts, proc.stderr[-2000:])
     header = next(line for line in proc.stdout.splitlines() if line.strip().startswith("mode"))
     assert header.split()[-3:] == ["skipped", "loss", "scale"]
     for mode in ("acco", "sync", "zero1"):
         s = summary["runs"][mode]
         mine = [x for x in lines if x["mode"] == mode]
-        assert s["fp16"] and s["fp16_allowed_on_cpu"] and s["steps"] == 24
+        assert s["fp16"] and s["fp16_allowed_on_cpu"] == lifts and s["steps"] == 24
         skipped, scale = s["skipped_steps"], s["loss_scale"]
         assert 2 <= skipped < 24 - 8, (mode, skipped)  # at least one halving, and most steps applied
         assert scale < 2**INITIAL_SCALE_POWER and math.log2(scale) == int(math.log2(scale)), (mode, scale)

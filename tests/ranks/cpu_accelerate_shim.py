@@ -25,6 +25,8 @@ def apply() -> None:
     from accelerate.state import PartialState
     from accelerate.utils import DistributedType
 
+    if getattr(PartialState, "_acco_test_cpu_shim", False):  # applied already (idempotent)
+        return
     original = PartialState._prepare_backend
 
     def _prepare_backend(self, cpu=False, sagemaker_dp=False, backend=None):
@@ -34,3 +36,4 @@ def apply() -> None:
         return got_backend, got_type
 
     PartialState._prepare_backend = _prepare_backend
+    PartialState._acco_test_cpu_shim = True

@@ -28,6 +28,7 @@ from pathlib import Path
 
 from acco_ds.cli import launch as cli_launch
 from acco_ds.cli.launch import free_port, launcher_prefix
+from tests.ranks import forked_ranks
 
 REPO = Path(__file__).resolve().parents[2]
 CPU_RANKS_HOOK = (
@@ -146,12 +147,9 @@ def _launch_once(script: Path, world: int, args: list, timeout: float, env: dict
     with tempfile.TemporaryDirectory(prefix="ranks_") as logs, contextlib.ExitStack() as files:
         outs = [files.enter_context(open(Path(logs) / f"rank{r}.log", "w+")) for r in range(world)]
         procs = [
-            subprocess.Popen(
-                cmds[r], env={**base, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=outs[r],
-                stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True,
-            )
+            _start_rank(cmds[r], {**base, "RANK": str(r), "LOCAL_RANK": str(r)}, outs[r])
             for r in range(world)
-        ]  # fmt: skip
+        ]
         why, rc = _wait_all(procs, time.monotonic() + timeout, timeout)
         cli_launch.cleanup_shm(port, world)
         text = []
@@ -159,6 +157,17 @@ def _launch_once(script: Path, world: int, args: list, timeout: float, env: dict
             fh.seek(0)
             text.append(f"--- rank {r} (exit {procs[r].returncode}) ---\n{fh.read()}")
     return why, rc, text, cmds
+
+
+def _start_rank(cmd: list, env: dict, out):
+    """One rank: forked from a server that has imported torch and DeepSpeed (``tests/ranks/forked_ranks.py``; CPU
+    ranks, unless ``ACCO_DS_TEST_FORK_RANKS=0``), else a fresh interpreter; its output into ``out``."""
+    forked = forked_ranks.spawn(cmd, env, str(REPO), out.name)
+    if forked is not None:
+        return forked
+    return subprocess.Popen(
+        cmd, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True
+    )
 
 
 def _wait_all(procs: list, deadline: float, timeout: float) -> tuple:

@@ -15,15 +15,16 @@ tests/integrations/test_unmodified_scripts.py).
 With ``ACCO_DS_TEST_CPU_FP16=1`` a rank also lifts DeepSpeed's CPU-accelerator refusal of fp16 at start-up
 (``acco_ds.deepspeed.cpu_fp16.allow_fp16_on_cpu``: this CPU has no mkldnn fp16 kernels, torch computes fp16
 without them), so an fp16 run under the HF Trainer or accelerate needs no line of its own for it.
+
+With ``ACCO_DS_TEST_CPUINFO_CACHE`` set (tests/conftest.py sets it and puts this folder on the session's PYTHONPATH,
+so every process the suite starts runs this hook), DeepSpeed's CPU probe is answered from one file per machine
+(``tests/ranks/cpuinfo_cache.py``) instead of a fresh interpreter per op load.
 """
 
 import importlib.machinery
 import importlib.util
 import os
 import sys
-
-if os.environ.get("ACCO_DS_TEST_HIDE_CUDA") == "1":
-    os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 
 def _chain() -> None:
@@ -35,14 +36,32 @@ def _chain() -> None:
         spec.loader.exec_module(module)
 
 
+def apply_rank_hooks() -> None:
+    """What the variables above ask of a starting process (each idempotent; a rank forked by
+    tests/ranks/forked_ranks.py calls it again once it has its own environment)."""
+    if os.environ.get("ACCO_DS_TEST_HIDE_CUDA") == "1":
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+    if os.environ.get("ACCO_DS_TEST_CPU_ACCELERATE_SHIM") == "1" and "LOCAL_RANK" in os.environ:
+        from tests.ranks import cpu_accelerate_shim
+
+        cpu_accelerate_shim.apply()
+
+    if os.environ.get("ACCO_DS_TEST_CPU_FP16") == "1" and "LOCAL_RANK" in os.environ:
+        from acco_ds.deepspeed.cpu_fp16 import allow_fp16_on_cpu
+
+        allow_fp16_on_cpu()
+
+    if os.environ.get("ACCO_DS_TEST_CPUINFO_CACHE"):
+        try:
+            from tests.ranks import cpuinfo_cache
+        except ImportError:  # a process started outside the repository: DeepSpeed probes as it always does
+            pass
+        else:
+            cpuinfo_cache.install()
+
+
+if os.environ.get("ACCO_DS_TEST_HIDE_CUDA") == "1":
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
 _chain()
-
-if os.environ.get("ACCO_DS_TEST_CPU_ACCELERATE_SHIM") == "1" and "LOCAL_RANK" in os.environ:
-    from tests.ranks import cpu_accelerate_shim
-
-    cpu_accelerate_shim.apply()
-
-if os.environ.get("ACCO_DS_TEST_CPU_FP16") == "1" and "LOCAL_RANK" in os.environ:
-    from acco_ds.deepspeed.cpu_fp16 import allow_fp16_on_cpu
-
-    allow_fp16_on_cpu()
+apply_rank_hooks()
