@@ -3,7 +3,7 @@
 DeepSpeed asks py-cpuinfo for the CPU's architecture and SIMD width each time a rank loads one of its CPU ops
 (``OpBuilder.cpu_arch`` and ``simd_width``: the shared-memory communication op at ``init_distributed``, cpu_adam,
 fused_adam), and ``cpuinfo.get_cpu_info()`` starts a fresh Python interpreter for every call (about 0.8 CPU-seconds
-each): a suite run made over a thousand of them. The answer cannot change while the machine runs, so
+each): one suite run on 2 cores started about 300 of them. The answer cannot change while the machine runs, so
 :func:`install` makes ``get_cpu_info_json`` read it from the file named by ``ACCO_DS_TEST_CPUINFO_CACHE`` once one
 process of the session has probed and written it (an atomic rename: a reader never sees half a file). The file's
 name carries the boot id and the user (tests/conftest.py), so another machine, a reboot or another user probes

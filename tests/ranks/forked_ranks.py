@@ -1,8 +1,8 @@
 """CPU test ranks forked from a process that has imported torch and DeepSpeed once, instead of a fresh interpreter
 each (``tests/ranks/launch.run_local``).
 
-A rank's start-up imports torch and DeepSpeed: about 5 CPU-seconds, a fifth of the suite's CPU time on 2 cores
-when every rank paid it. A *server* (``python -u -m tests.ranks.forked_ranks``, one per environment and test
+A rank's start-up imports torch and DeepSpeed: about 5 CPU-seconds, and one suite run on 2 cores starts about 180
+of these ranks (a fifth of its CPU time when each paid it). A *server* (``python -u -m tests.ranks.forked_ranks``, one per environment and test
 process, started on first use) imports them once; each rank is then a fork of it that becomes what
 ``python -u script --local_rank=<r> args`` would have been:
 
