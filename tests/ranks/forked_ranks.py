@@ -16,8 +16,8 @@ process, started on first use) imports them once; each rank is then a fork of it
   for an uncaught exception with its traceback on stderr), or minus the signal that killed it.
 
 Only CPU ranks are forked (``ACCO_DS_TEST_HIDE_CUDA=1``), and only into a server whose environment equals the
-launch's apart from the per-launch variables (the rank's place in the job, and ``ACCO_DS_*`` switches that
-``acco_ds``, never imported by the server, reads after the fork); any other launch starts a server of its own (at
+launch's apart from the per-launch variables (the rank's place in the job, pytest's ``PYTEST_*`` (the current
+test's name), and ``ACCO_DS_*`` switches that ``acco_ds``, never imported by the server, reads after the fork); any other launch starts a server of its own (at
 most :data:`MAX_SERVERS` per test process, then fresh interpreters). ``ACCO_DS_TEST_FORK_RANKS=0`` turns it off:
 every rank a fresh interpreter, as the DeepSpeed launcher starts them (its own tests always do).
 
@@ -61,7 +61,9 @@ def server_env(env: dict) -> dict:
     return {
         k: v
         for k, v in env.items()
-        if k not in PER_LAUNCH and (not k.startswith("ACCO_DS_") or k in AT_START)
+        if k not in PER_LAUNCH
+        and not k.startswith("PYTEST_")
+        and (not k.startswith("ACCO_DS_") or k in AT_START)
     }
 
 

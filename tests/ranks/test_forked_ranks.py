@@ -97,9 +97,14 @@ def test_a_hung_rank_is_stopped_through_its_session(tmp_path):
 
 def test_servers_by_environment(tmp_path):
     """A launch whose environment differs beyond the per-launch variables gets a server of its own; the
-    per-launch ones (the rank's place, ACCO_DS_* switches) share one."""
+    per-launch ones (the rank's place, the current test's name, ACCO_DS_* switches) share one."""
     env = rank_env()
-    same = {**env, "RANK": "1", "ACCO_DS_TEST_EXAMPLE": "x"}
+    same = {
+        **env,
+        "RANK": "1",
+        "ACCO_DS_TEST_EXAMPLE": "x",
+        "PYTEST_CURRENT_TEST": "tests/other.py::t (call)",
+    }
     assert forked_ranks.server_env(env) == forked_ranks.server_env(same)
     other = {**env, "PYTHONWARNINGS": "error"}
     assert forked_ranks.server_env(env) != forked_ranks.server_env(other)
