@@ -1,7 +1,8 @@
 """acco-train --dtype fp16: the options and configs (DeepSpeed's dynamic loss scaling for every contender), the
 records and reports that carry the loss scale and the skipped steps, and one short real run of acco and zero1 on 2
-CPU ranks (fp16 allowed on the CPU accelerator in the ranks where the CPU lacks fp16 kernels) that starts at a loss scale too high for fp16, so
-they skip steps while the scale comes down, and still train; sync beside them takes ZeRO-1's decisions."""
+CPU ranks (fp16 allowed on the CPU accelerator in the ranks where the CPU lacks fp16 kernels) that starts at a loss
+scale too high for fp16, so they skip steps while the scale comes down, and still train; sync beside them takes
+ZeRO-1's decisions."""
 
 from __future__ import annotations
 

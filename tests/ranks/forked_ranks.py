@@ -36,7 +36,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 
 SWITCH_ENV = "ACCO_DS_TEST_FORK_RANKS"
 MAX_SERVERS = 3
@@ -75,7 +74,7 @@ def enabled(env: dict) -> bool:
 
 
 class ForkedRank:
-    """The ``subprocess.Popen`` surface ``run_local`` uses (``pid``, ``poll()``, ``returncode``, ``wait()``) for a
+    """The ``subprocess.Popen`` surface ``run_local`` uses (``pid``, ``poll()``, ``returncode``) for a
     rank the server forked: its exit status comes from the server, its parent."""
 
     def __init__(self, server: Server, pid: int):
@@ -84,14 +83,6 @@ class ForkedRank:
     def poll(self):
         if self.returncode is None:
             self.returncode = self.server.status_of(self.pid)
-        return self.returncode
-
-    def wait(self, timeout: float | None = None):
-        end = None if timeout is None else time.monotonic() + timeout
-        while self.poll() is None:
-            if end is not None and time.monotonic() > end:
-                raise subprocess.TimeoutExpired(str(self.pid), timeout)
-            time.sleep(0.02)
         return self.returncode
 
 

@@ -27,6 +27,11 @@ import os
 import sys
 
 
+def _hide_cuda() -> None:
+    if os.environ.get("ACCO_DS_TEST_HIDE_CUDA") == "1":
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+
 def _chain() -> None:
     here = os.path.dirname(os.path.abspath(__file__))
     rest = [p for p in sys.path if os.path.abspath(p or ".") != here]
@@ -39,8 +44,7 @@ def _chain() -> None:
 def apply_rank_hooks() -> None:
     """What the variables above ask of a starting process (each idempotent; a rank forked by
     tests/ranks/forked_ranks.py calls it again once it has its own environment)."""
-    if os.environ.get("ACCO_DS_TEST_HIDE_CUDA") == "1":
-        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    _hide_cuda()
 
     if os.environ.get("ACCO_DS_TEST_CPU_ACCELERATE_SHIM") == "1" and "LOCAL_RANK" in os.environ:
         from tests.ranks import cpu_accelerate_shim
@@ -61,7 +65,6 @@ def apply_rank_hooks() -> None:
             cpuinfo_cache.install()
 
 
-if os.environ.get("ACCO_DS_TEST_HIDE_CUDA") == "1":
-    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+_hide_cuda()  # before the next hook on the path, which may import torch
 _chain()
 apply_rank_hooks()
