@@ -1,10 +1,11 @@
 """CPU test ranks forked from a process that has imported torch and DeepSpeed once, instead of a fresh interpreter
 each (``tests/ranks/launch.run_local``).
 
-A rank's start-up imports torch and DeepSpeed: about 5 CPU-seconds, and one suite run on 2 cores starts about 180
-of these ranks (a fifth of its CPU time when each paid it). A *server* (``python -u -m tests.ranks.forked_ranks``, one per environment and test
-process, started on first use) imports them once; each rank is then a fork of it that becomes what
-``python -u script --local_rank=<r> args`` would have been:
+A rank's start-up imports torch and DeepSpeed (about 5 CPU-seconds), then, on first use, torch._dynamo and
+DeepSpeed's Muon module with torch._inductor (about 2 more), and one suite run on 2 cores starts about 180 of these
+ranks. A *server* (``python -u -m tests.ranks.forked_ranks``, one per environment and test process, started on
+first use) imports them once; each rank is then a fork of it that becomes what ``python -u script
+--local_rank=<r> args`` would have been:
 
 - its own session (``os.setsid``, so ``run_local`` stops it with ``killpg`` as before) before its pid is
   announced; stdout and stderr onto the rank's log file, stdin from /dev/null;
@@ -262,7 +263,16 @@ def _fork(req: dict) -> int:
 def serve() -> None:
     import deepspeed  # noqa: F401
     import torch  # noqa: F401
+
+    # torch._dynamo: what a rank imports on first use (the first torch.optim.Optimizer loads it), paid here once
+    # instead of in every fork, and so is the Muon module below that DeepSpeed's ZeRO optimizer check imports
+    # (its torch.compile decorators load torch._inductor): about 2 CPU-seconds a rank. Neither starts a thread
+    # or a process (a fork copies only the thread that forks).
+    import torch._dynamo  # noqa: F401
     import torch.distributed  # noqa: F401
+
+    with contextlib.suppress(ImportError):
+        import deepspeed.runtime.zero.muon.muon_optimizer  # noqa: F401
 
     _send({"ready": True})
     children, buf = set(), b""
