@@ -102,15 +102,18 @@ if os.environ.get("ACCO_DS_TEST_NO_LAUNCH") == "1":
 
 
 def pytest_collection_modifyitems(config, items):
-    """Longest files first: the benchmarks' smoke runs, then the files that launch ranks, then the rest (a stable
-    sort: each file keeps its order). With parallel workers (``--dist loadfile``) a long file handed out last
-    would finish alone while the other worker idles."""
+    """Longest files first: the benchmarks' smoke runs and the compile checks (tests/compile: nvcc and Triton
+    compiles, about 10 minutes on one core), then the files that launch ranks, then the rest (a stable sort: each
+    file keeps its order). With parallel workers (``--dist loadfile``) a long file handed out last would finish
+    alone while the other worker idles."""
 
     def weight(item) -> int:
         path = str(item.fspath)
         if os.sep + os.path.join("tests", "benchmarks") + os.sep in path and item.get_closest_marker(
             "launcher"
         ):
+            return 0
+        if os.sep + os.path.join("tests", "compile") + os.sep in path:
             return 0
         return 1 if item.get_closest_marker("launcher") else 2
 

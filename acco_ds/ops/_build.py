@@ -149,7 +149,7 @@ def triton_available() -> bool:
 
 
 TRITON_MIN_CAPABILITY = (7, 0)
-"""The lowest CUDA compute capability the Triton kernels run on (V100, sm_70): tests/build/test_cuda_compile.py
+"""The lowest CUDA compute capability the Triton kernels run on (V100, sm_70): tests/compile/test_cuda_compile.py
 compiles them for it and for sm_75 (T4). Triton lists 8.0+ as supported; the kernels use no tensor-core op (the part
 Triton dropped below sm_80) and no bf16 arithmetic (bf16 and fp16 are converted with integer operations). Below it,
 the ops take their torch form."""

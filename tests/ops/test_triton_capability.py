@@ -103,5 +103,5 @@ def test_an_explicit_triton_backend_names_the_capability(capability):
 
 
 def test_the_lowest_target_is_what_the_compile_checks_cover():
-    """tests/build/test_cuda_compile.py compiles the Triton kernels for sm_70 and sm_75: the threshold is that."""
+    """tests/compile/test_cuda_compile.py compiles the Triton kernels for sm_70 and sm_75: the threshold is that."""
     assert _build.TRITON_MIN_CAPABILITY == (7, 0)
