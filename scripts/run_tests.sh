@@ -20,8 +20,13 @@ export PATH="$(dirname "$PY"):$PATH"
 # them in the project environment, built by its own ninja. A shared ~/.cache/torch_extensions is rebuilt every
 # time another ninja version touched it, and a build killed half-way there leaves a lock every later run
 # waits on forever.
-TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$("$PY" -c 'import sys; print(sys.prefix)')/torch_extensions}
+PREFIX=$("$PY" -c 'import sys; print(sys.prefix)')
+TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$PREFIX/torch_extensions}
 export TORCH_EXTENSIONS_DIR
+# Triton's kernel cache (the compile checks of tests/compile) in the project environment too: a fresh clone
+# compiles every kernel, as a fresh machine does, instead of finding ~/.triton/cache warm from another clone.
+TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PREFIX/triton_cache}
+export TRITON_CACHE_DIR
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 cpus=$(nproc 2>/dev/null || echo 2)
 workers=${ACCO_DS_TEST_WORKERS:-$(( cpus + 1 < 3 ? 3 : (cpus + 1 > 4 ? 4 : cpus + 1) ))}
