@@ -18,16 +18,21 @@ def _test_files() -> list:
     return files
 
 
-def _excluded(path: Path, patterns: list) -> list:
-    folders = path.relative_to(ROOT).parts[:-1]
-    return [(f, p) for f in folders for p in patterns if fnmatch.fnmatch(f, p)]
+def _hidden(patterns: list) -> dict:
+    """{test file: [(folder, pattern), ...]} for every test file with a folder on its path that ``patterns`` match."""
+    out = {}
+    for path in _test_files():
+        folders = path.relative_to(ROOT).parts[:-1]
+        why = [(f, p) for f in folders for p in patterns if fnmatch.fnmatch(f, p)]
+        if why:
+            out[str(path.relative_to(ROOT))] = why
+    return out
 
 
 def test_pytest_recurses_into_every_test_folder(request):
     patterns = request.config.getini("norecursedirs")
     assert "build" in patterns  # pytest's default list, which the check reads
-    hidden = {str(f.relative_to(ROOT)): _excluded(f, patterns) for f in _test_files()}
-    assert {f: why for f, why in hidden.items() if why} == {}
+    assert _hidden(patterns) == {}
 
 
 def _ruff_excludes() -> list:
@@ -43,5 +48,4 @@ def _ruff_excludes() -> list:
 def test_ruff_lints_every_test_file():
     patterns = _ruff_excludes()
     assert "build" in patterns and "benchmarks/results" in patterns
-    hidden = {str(f.relative_to(ROOT)): _excluded(f, patterns) for f in _test_files()}
-    assert {f: why for f, why in hidden.items() if why} == {}
+    assert _hidden(patterns) == {}
