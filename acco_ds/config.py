@@ -56,6 +56,10 @@ ALLOWED = {
     "compression.error_feedback": "true or false",
     "compression.all_gather": "'none', 'int8' or 'int4'",
     "compression.fuse_round_end": "true or false",
+    "memory_state": 'an object with keys among enabled, dir, run_id, e.g. {"enabled": true}',
+    "memory_state.enabled": "true or false",
+    "memory_state.dir": "an absolute path to a folder in a memory file system (default /dev/shm/acco_ds)",
+    "memory_state.run_id": "null (the launcher's run id, TORCHELASTIC_RUN_ID) or a non-empty string",
 }
 """What each option accepts, quoted in the error messages."""
 
@@ -142,6 +146,49 @@ class CompressionConfig(BaseModel):
     def enabled(self) -> bool:
         """Whether any round compresses anything."""
         return self.compresses_gradients or self.all_gather != "none"
+
+
+class MemoryStateConfig(BaseModel):
+    """``optimizer.params.memory_state``: each rank's committed optimizer state kept in its node's memory after
+    every commit (``acco_ds.core.commit_records``), so that a restarted process resumes without a disk checkpoint
+    (docs/RELIABILITY.md, "A crashed process"). Off by default."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    enabled: bool = False
+    """Keep the records (about 12 bytes per trainable parameter / data-parallel ranks, twice, per rank)."""
+
+    dir: str = "/dev/shm/acco_ds"
+    """The folder of the records: in a memory file system (tmpfs), so that they outlive the process, not the node."""
+
+    run_id: str | None = None
+    """The run the records belong to (a folder under ``dir``); None: the launcher's ``TORCHELASTIC_RUN_ID``
+    (torchrun sets it; every restart of one run shares it), else 'local'."""
+
+    @field_validator("enabled", mode="before")
+    @classmethod
+    def _bool(cls, v):
+        if not isinstance(v, bool):
+            raise ValueError("must be true or false")
+        return v
+
+    @field_validator("dir", mode="before")
+    @classmethod
+    def _dir(cls, v):
+        if not isinstance(v, str) or not v.startswith("/"):
+            raise ValueError("must be an absolute path")
+        return v
+
+    @field_validator("run_id", mode="before")
+    @classmethod
+    def _run_id(cls, v):
+        if v is not None and (not isinstance(v, str) or not v.strip()):
+            raise ValueError("must be null or a non-empty string")
+        return v
+
+    def resolved_run_id(self) -> str:
+        """:attr:`run_id`, else the launcher's run id, else 'local'."""
+        return self.run_id or os.environ.get("TORCHELASTIC_RUN_ID") or "local"
 
 
 def _number(v) -> float:
@@ -239,6 +286,9 @@ class ACCOConfig(BaseModel):
 
     compression: CompressionConfig = Field(default_factory=CompressionConfig)
     """Compressed gradient exchange with error feedback (CPU/gloo ranks; ``CompressionConfig``). Off by default."""
+
+    memory_state: MemoryStateConfig = Field(default_factory=MemoryStateConfig)
+    """The committed state kept in node memory for a restart without a disk checkpoint (``MemoryStateConfig``)."""
 
     # -- field checks: each names what is allowed (ALLOWED); from_params adds the key and the value --
     @field_validator("lr", "weight_decay", mode="before")
@@ -392,22 +442,22 @@ class ACCOConfig(BaseModel):
                 combo = (e.get("ctx") or {}).get("error")
                 if isinstance(combo, _ComboError):
                     lines.append(combo.line())
-                elif key == "compression" and len(loc) > 1:
+                elif key in SECTIONS and len(loc) > 1:
                     sub = str(loc[1])
-                    given = params.get("compression")
+                    given = params.get(key)
                     value = given.get(sub) if isinstance(given, dict) else None
                     msg = e["msg"].removeprefix("Value error, ")
                     if e["type"] == "extra_forbidden":
-                        allowed = ", ".join(sorted(CompressionConfig.model_fields))
+                        allowed = ", ".join(sorted(SECTIONS[key].model_fields))
                         lines.append(
-                            f"optimizer.params.compression.{sub}={value!r}: unknown option. Allowed keys: {allowed}."
+                            f"optimizer.params.{key}.{sub}={value!r}: unknown option. Allowed keys: {allowed}."
                         )
                         continue
                     if e["type"] == "literal_error":
                         msg = "unknown value"
                     lines.append(
-                        f"optimizer.params.compression.{sub}={value!r}: {msg}. "
-                        f"Allowed: {ALLOWED.get('compression.' + sub, ALLOWED['compression'])}."
+                        f"optimizer.params.{key}.{sub}={value!r}: {msg}. "
+                        f"Allowed: {ALLOWED.get(key + '.' + sub, ALLOWED[key])}."
                     )
                 elif e["type"] == "extra_forbidden":
                     allowed = ", ".join(sorted(cls.model_fields))
@@ -424,3 +474,9 @@ class ACCOConfig(BaseModel):
                 else:
                     lines.append(f"optimizer.params: {e['msg'].removeprefix('Value error, ')}")
             raise ACCOConfigError("Invalid ACCO optimizer config:\n  " + "\n  ".join(lines)) from None
+
+
+SECTIONS = {  # the sub-sections of optimizer.params, by key
+    "compression": CompressionConfig,
+    "memory_state": MemoryStateConfig,
+}

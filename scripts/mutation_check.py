@@ -611,6 +611,30 @@ MUTANTS = [
         "        return [AdamWSettings.from_param_group(self.optimizer.param_groups[0]) for g in self.optimizer.param_groups]\n",
         ("tests/deepspeed/test_param_group_settings.py::test_sync_steps_each_group_with_its_settings",),
     ),
+    Mutant(
+        "M63",
+        "a record in node memory marked complete before its data is written (a killed writer leaves it torn)",
+        "acco_ds/core/state_records.py",
+        "        _SLOT.pack_into(self._mm, offset, seq, key, 0)\n",
+        "        _SLOT.pack_into(self._mm, offset, seq + 1, key, len(blob))\n",
+        ("tests/core/test_state_records.py::test_a_writer_killed_mid_write_leaves_its_previous_record",),
+    ),
+    Mutant(
+        "M64",
+        "the memory resume one commit behind: a step's counters paired with the commit before its own",
+        "acco_ds/core/commit_records.py",
+        '            c = commits.get(step.meta["last_commit"])\n',
+        '            c = commits.get(step.meta["last_commit"] - 1)\n',
+        ("tests/checkpoint/test_memory_state.py",),
+    ),
+    Mutant(
+        "M65",
+        "the memory resume drops the commit in flight at the step (its outcome and the scaler's update lost)",
+        "acco_ds/deepspeed/checkpoint/memory.py",
+        '    acco["in_flight"] = {"result": info["result"]} if in_flight is not None else None\n',
+        '    acco["in_flight"] = None\n',
+        ("tests/checkpoint/test_memory_state.py",),
+    ),
 ]
 
 

@@ -1,5 +1,5 @@
 """docs/REFERENCE.md's options table is the configuration's: one row per option of ``ACCOConfig`` (compression's
-keys as ``compression.<key>``), its default as the model's default, its allowed values as ``config.ALLOWED`` words
+and memory_state's keys as ``<section>.<key>``), its default as the model's default, its allowed values as ``config.ALLOWED`` words
 them (what the error messages quote)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from acco_ds.config import ALLOWED, ACCOConfig, CompressionConfig
+from acco_ds.config import ALLOWED, SECTIONS, ACCOConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -36,8 +36,9 @@ def shown(value) -> str:
 
 
 def options() -> dict:
-    out = {k: f.default for k, f in ACCOConfig.model_fields.items() if k != "compression"}
-    out.update({f"compression.{k}": f.default for k, f in CompressionConfig.model_fields.items()})
+    out = {k: f.default for k, f in ACCOConfig.model_fields.items() if k not in SECTIONS}
+    for name, section in SECTIONS.items():
+        out.update({f"{name}.{k}": f.default for k, f in section.model_fields.items()})
     return out
 
 

@@ -7,7 +7,9 @@ Contract (every function is collective: every rank of the run calls it at the sa
   returns the optimizer steps it holds; else 0. The LR schedule and the step count come back with it.
 - ``Saver(engine, spec, start)``: ``saver(step)`` saves tag ``step<N>`` every ``spec.save_every`` steps,
   ``saver(step, final=True)`` at the end of the run, then removes all but the newest ``spec.keep_checkpoints`` saves (rank 0, after the save is
-  complete); never at or before ``start`` (the step a resumed run's checkpoint holds). ``saver.seconds`` and ``saver.saves`` say what the saves cost.
+  complete); never at or before ``start`` (the step a resumed run's checkpoint holds). ``saver.seconds`` and
+  ``saver.saves`` say what the saves cost. Every ``saver(step)`` first records the step in node memory
+  (``acco_ds.deepspeed.checkpoint.memory.record_step``; a no-op without ``optimizer.params.memory_state``).
 A resumed run draws its micro-batches from a stream seeded with the step it resumes at (``data_seed``):
 a restart never repeats the micro-batches of the steps it kept, at any world size.
 """
@@ -17,6 +19,8 @@ from __future__ import annotations
 import shutil
 import time
 from pathlib import Path
+
+from acco_ds.deepspeed.checkpoint import memory
 
 TAG_PREFIX = "step"
 
@@ -32,9 +36,20 @@ def latest_tag(checkpoint_dir: str | None) -> str | None:
     return tag or None
 
 
+def _tag_step(tag: str | None) -> int:
+    suffix = (tag or "")[len(TAG_PREFIX) :]
+    return int(suffix) if (tag or "").startswith(TAG_PREFIX) and suffix.isdigit() else 0
+
+
 def resume(engine, spec) -> int:
-    """Load the last complete save of ``spec.checkpoint_dir`` into ``engine``; returns its step (0: none)."""
+    """Load the newest committed state into ``engine``: the records in node memory (``optimizer.params.
+    memory_state``) when they hold a later step than the last complete save of ``spec.checkpoint_dir``, else that
+    save; returns its step (0: none)."""
     tag = latest_tag(spec.checkpoint_dir)
+    found = memory.newest_step(engine)
+    if found is not None and found.step > _tag_step(tag):
+        client = memory.resume(engine, found)
+        return int(client["acco_train_step"])
     if tag is None:
         return 0
     _, client = engine.load_checkpoint(spec.checkpoint_dir, tag=tag)
@@ -66,6 +81,8 @@ class Saver:
     def __call__(self, step: int, final: bool = False) -> None:
         """Save at ``step`` when it is a multiple of ``save_every``; ``final=True`` (after the run's last
         commit, e.g. once ACCO's ``finish()`` applied it): save unless that step is saved already."""
+        if not final:
+            memory.record_step(self.engine, step, {"acco_train_step": step})
         every = self.spec.save_every
         if not every or not self.spec.checkpoint_dir or step <= self.start:
             return

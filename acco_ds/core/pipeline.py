@@ -265,6 +265,7 @@ class ACCOPipeline(RoundSchedule, RoundScale, InFlight, RoundHypers, Draining):
         self._init_groups(dp_group, tp_group, tp_sharded, comm_dtype)
         self.round_index = 0  # rounds launched since the start (global, for names and stats)
         self.commits_launched = 0  # index of the next commit (a peek predicts this one)
+        self.memory_state = None  # core.commit_records.MemoryState: the committed state kept in node memory
         self._init_in_flight(self.device.type == "cuda" or os.environ.get(DEFER_HOST_READS_ENV, "0") == "1")
         self.tilde_count = [torch.zeros(1, dtype=torch.float64, device=self.device)]
         # applied commits as the side stream sees them (the jobs run in order and add to it)
@@ -503,6 +504,8 @@ class ACCOPipeline(RoundSchedule, RoundScale, InFlight, RoundHypers, Draining):
             offload=self.host_step,
             **self._loss_scale_args(plan),
         )
+        if plan.job is Job.COMMIT and self.memory_state is not None:
+            job = self.memory_state.wrap(job)
         name = f"round {self.round_index} ({plan.job.value} of step {commit_index})"
         self.in_flight = (self.executor.launch(name, job), plan)
         self._in_flight_releases = releases

@@ -123,23 +123,7 @@ def capture(pipeline) -> Dict[str, Any]:
     """This rank's state as CPU tensors and plain values (see the module docstring). Calls
     :func:`drain` (collective). The returned tensors are copies: training may go on."""
     drain(pipeline)
-    snap: Dict[str, Any] = {
-        "format_version": FORMAT_VERSION,
-        "mode": pipeline.mode,
-        "adaptive": pipeline.adaptive,
-        "gas": pipeline.gas,
-        "world_size": pipeline.world_size,
-        "rank": pipeline.rank,
-        "layout": _layout_of(pipeline),
-        "counter_count": pipeline.counter.count,
-        "tilde_count": _cpu(pipeline.tilde_count[0]),
-        "last_grad_norm": None if pipeline.last_grad_norm is None else _cpu(pipeline.last_grad_norm),
-        "hyper_history": {int(k): [asdict(h) for h in v] for k, v in pipeline._hyper_history.items()},
-        "stats": {k: (list(v) if isinstance(v, list) else v) for k, v in pipeline.stats.as_dict().items()},
-        "loss_scale": None if pipeline.scaler is None else pipeline.scaler.state_dict(),
-    }
-    for name in _SCALARS:
-        snap[name] = getattr(pipeline, name)
+    snap = counters(pipeline)
     snap["in_flight"] = None
     if pipeline.in_flight is not None:
         ticket, plan = pipeline.in_flight
@@ -169,6 +153,30 @@ def capture(pipeline) -> Dict[str, Any]:
             }
         )
     snap["groups"] = groups
+    return snap
+
+
+def counters(pipeline) -> Dict[str, Any]:
+    """The part of :func:`capture` that is neither a tensor of the parameters' size nor the job in flight: the
+    layout, the counters, the recorded AdamW settings, the stats and the loss scaler's state, as plain values and
+    small CPU tensors. Not collective and no drain: what the pipeline's training thread holds now."""
+    snap: Dict[str, Any] = {
+        "format_version": FORMAT_VERSION,
+        "mode": pipeline.mode,
+        "adaptive": pipeline.adaptive,
+        "gas": pipeline.gas,
+        "world_size": pipeline.world_size,
+        "rank": pipeline.rank,
+        "layout": _layout_of(pipeline),
+        "counter_count": pipeline.counter.count,
+        "tilde_count": _cpu(pipeline.tilde_count[0]),
+        "last_grad_norm": None if pipeline.last_grad_norm is None else _cpu(pipeline.last_grad_norm),
+        "hyper_history": {int(k): [asdict(h) for h in v] for k, v in pipeline._hyper_history.items()},
+        "stats": {k: (list(v) if isinstance(v, list) else v) for k, v in pipeline.stats.as_dict().items()},
+        "loss_scale": None if pipeline.scaler is None else pipeline.scaler.state_dict(),
+    }
+    for name in _SCALARS:
+        snap[name] = getattr(pipeline, name)
     return snap
 
 

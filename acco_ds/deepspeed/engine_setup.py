@@ -10,6 +10,7 @@ import deepspeed
 import torch
 
 from acco_ds.config import ACCOConfig
+from acco_ds.deepspeed.checkpoint import memory
 from acco_ds.deepspeed.optimizer import ACCOZeroOptimizer
 from acco_ds.deepspeed.validate import (
     check_engine_config,
@@ -48,6 +49,7 @@ def configure_acco(engine, client_optimizer, model_parameters) -> None:
         offload=offload_spec(engine),
     )
     optimizer.attach_engine(engine)
+    memory.attach(optimizer, cfg)
     engine.basic_optimizer = optimizer.optimizer
     engine.optimizer = optimizer
     engine.enable_backward_allreduce = False

@@ -125,6 +125,11 @@ BAD_PARAMS = [
     ({"peek_lr_scale": "fast"}, "peek_lr_scale", "'fast'", ALLOWED["peek_lr_scale"]),
     ({"mode": "sync", "peek_lr_scale": 1.5}, "peek_lr_scale", "1.5", "any value in (0, 4] with mode='acco'"),
     ({"mode": "dpu", "peek_lr_scale": 2}, "peek_lr_scale", "2", "1.0 with mode='dpu' or 'sync'"),
+    ({"memory_state": {"enabled": 1}}, "memory_state.enabled", "1", ALLOWED["memory_state.enabled"]),
+    ({"memory_state": {"dir": "shm"}}, "memory_state.dir", "'shm'", ALLOWED["memory_state.dir"]),
+    ({"memory_state": {"run_id": " "}}, "memory_state.run_id", "' '", ALLOWED["memory_state.run_id"]),
+    ({"memory_state": {"peer": 1}}, "memory_state.peer", "1", "Allowed keys: dir, enabled, run_id"),
+    ({"memory_state": True}, "memory_state", "True", ALLOWED["memory_state"]),
     ({"momentum": 0.9}, "momentum", "0.9", "Allowed keys: accumulation, betas"),
     ({"adam_w_mode": True}, "adam_w_mode", "True", "Allowed keys: accumulation, betas"),
 ]

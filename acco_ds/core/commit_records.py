@@ -1,0 +1,160 @@
+"""The rank's committed optimizer state kept in node memory after every commit, and the training thread's step
+counters beside it: what a restarted process resumes from without a disk checkpoint.
+
+Two :class:`~acco_ds.core.state_records.RecordFile` per rank, in the run's folder (``MemoryState.folder``):
+
+- ``rank{r}.g{gen}.commits``: written by :meth:`MemoryState.after_job` on the thread that runs the round's job (the
+  communication worker thread, never the compute stream), right after each COMMIT job: per group, the fp32 master
+  shard, ``exp_avg`` and ``exp_avg_sq`` (``shard_numel`` elements each, padding included), under the key
+  ``commit_index``, with the job's result as plain values (``snapshot``'s form of the job in flight) and
+  ``applied``, the AdamW step count after the job. A skipped or empty commit is recorded too (its state is the
+  previous one's; its outcome moves the loss scaler).
+- ``rank{r}.g{gen}.steps``: written by :meth:`MemoryState.record_step` on the training thread once optimizer step
+  ``step`` is done: ``snapshot.counters`` (no drain), ``last_commit`` (the newest COMMIT launched) and
+  ``in_flight_commit`` (its index when it is the job in flight, else None), and the caller's ``extra`` (the
+  DeepSpeed layer's engine counters and LR scheduler).
+
+A step record ``N`` and the commit record ``last_commit(N)`` together are what a checkpoint saved at step ``N``
+holds of the committed state; each file keeps its two newest records, so once step ``N + 1`` is recorded the
+pair of ``N`` may be gone but that of ``N + 1`` is complete as soon as its commit's job has finished. A process
+killed at any point leaves the pair of the newest step whose commit finished: at most the step in progress and
+the one before it are not yet resumable.
+
+``gen`` is the process generation (the launcher's restart count): a restarted process writes new files and
+leaves the previous generation's for the readers until its own first step is recorded, then removes them.
+Buffers: the commit record reads ``GroupBuffers.master/exp_avg/exp_avg_sq`` after the job wrote them, on the same
+thread, before the next job starts (jobs run one at a time).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Sequence, Tuple
+
+from acco_ds.core.round_job import RoundResult
+from acco_ds.core.schedule import Job
+from acco_ds.core.snapshot import _result_to_plain, counters
+from acco_ds.core.state_records import Record, RecordFile
+
+KEYS = ("master", "exp_avg", "exp_avg_sq")
+_NAME = re.compile(r"rank(\d+)\.g(\d+)\.(commits|steps)$")
+
+
+def run_folder(root: str, run_id: str) -> Path:
+    """The folder of one run's records under ``root``."""
+    return Path(root) / re.sub(r"[^A-Za-z0-9_.-]", "_", run_id)
+
+
+class MemoryState:
+    """This rank's two record files (see the module docstring). ``static``: what the DeepSpeed layer stores once
+    (parameter names and shapes per group, the real shard lengths); ``generation``: this process's restart count."""
+
+    def __init__(self, pipeline, folder: Path, generation: int, static: Dict[str, Any]):
+        self.pipeline = pipeline
+        self.folder = Path(folder)
+        self.generation = int(generation)
+        self.rank = pipeline.rank
+        numels = [b.layout.shard_numel for b in pipeline.groups for _ in KEYS]
+        base = self.folder / f"rank{self.rank}.g{self.generation}"
+        info = {"rank": self.rank, "world_size": pipeline.world_size, "generation": self.generation, **static}
+        self.commits = RecordFile.create(f"{base}.commits", numels, info)
+        self.steps = RecordFile.create(f"{base}.steps", [], info)
+        self._older_removed = False
+
+    def wrap(self, job: Callable[[], RoundResult]) -> Callable[[], RoundResult]:
+        """``job`` followed by :meth:`after_job` on the same thread."""
+
+        def run() -> RoundResult:
+            return self.after_job(job())
+
+        return run
+
+    def after_job(self, result: RoundResult) -> RoundResult:
+        """Record the committed state after a COMMIT job (on the job's thread); other jobs pass through."""
+        if result.job is Job.COMMIT:
+            tensors = [getattr(b, k) for b in self.pipeline.groups for k in KEYS]
+            applied = int(self.pipeline.applied_dev[0].item())
+            self.commits.write(
+                result.commit_index, tensors, {"result": _result_to_plain(result), "applied": applied}
+            )
+        return result
+
+    def record_step(self, step: int, extra: Dict[str, Any]) -> None:
+        """Record optimizer step ``step`` (the training thread, once the step is done; see the module docstring)."""
+        p = self.pipeline
+        p.read_swapped_commits()
+        in_flight = None
+        if p.in_flight is not None and p.in_flight[1].job is Job.COMMIT:
+            in_flight = p.commits_launched - 1
+        meta = {
+            "counters": counters(p),
+            "last_commit": p.commits_launched - 1,
+            "in_flight_commit": in_flight,
+            "extra": extra,
+        }
+        self.steps.write(int(step), [], meta)
+        if not self._older_removed:
+            for path in self.folder.glob(f"rank{self.rank}.g*.*"):
+                m = _NAME.match(path.name)
+                if m and int(m.group(2)) < self.generation:
+                    path.unlink(missing_ok=True)
+            self._older_removed = True
+
+    def close(self) -> None:
+        self.commits.close()
+        self.steps.close()
+
+
+def generations(folder: Path) -> List[int]:
+    """The process generations that left record files in ``folder``, newest first."""
+    found = {int(m.group(2)) for p in Path(folder).glob("rank*.g*.steps") if (m := _NAME.match(p.name))}
+    return sorted(found, reverse=True)
+
+
+def ranks_of(folder: Path, generation: int) -> List[int]:
+    """The ranks of ``generation`` that have both record files in ``folder``."""
+    out = []
+    for p in Path(folder).glob(f"rank*.g{generation}.steps"):
+        m = _NAME.match(p.name)
+        if m and int(m.group(2)) == generation and p.with_suffix(".commits").exists():
+            out.append(int(m.group(1)))
+    return sorted(out)
+
+
+def static_of(folder: Path, rank: int, generation: int) -> Dict[str, Any]:
+    """The static part of ``rank``'s step file of ``generation`` (rank, world size, what the caller stored)."""
+    f = RecordFile.open(Path(folder) / f"rank{rank}.g{generation}.steps")
+    try:
+        return dict(f.static)
+    finally:
+        f.close()
+
+
+def pairs(
+    folder: Path, rank: int, generation: int, with_tensors: bool = True
+) -> Dict[int, Tuple[Record, Record]]:
+    """``{step: (step record, commit record)}`` of ``rank``'s files of ``generation`` in ``folder``: every recorded
+    step whose commit record is there (``with_tensors=False``: without the commit records' tensors). Raises
+    ``RecordFileError`` for a damaged file."""
+    base = Path(folder) / f"rank{rank}.g{generation}"
+    step_file, commit_file = RecordFile.open(f"{base}.steps"), RecordFile.open(f"{base}.commits")
+    try:
+        commits = {r.key: r for r in commit_file.read(with_tensors)}
+        found = {}
+        for step in step_file.read():
+            c = commits.get(step.meta["last_commit"])
+            if c is not None:
+                found[step.key] = (step, c)
+        return found
+    finally:
+        step_file.close()
+        commit_file.close()
+
+
+def clear(folder: Path, ranks: Sequence[int]) -> None:
+    """Remove the record files of ``ranks`` (a fresh start: records of an earlier run are never resumed)."""
+    for r in ranks:
+        for path in folder.glob(f"rank{r}.g*.*"):
+            if _NAME.match(path.name):
+                path.unlink(missing_ok=True)

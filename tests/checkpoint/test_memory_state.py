@@ -1,0 +1,107 @@
+"""Resuming from the committed state kept in node memory (``optimizer.params.memory_state``, docs/RELIABILITY.md
+"A crashed process"), ranks started as DeepSpeed's per-node launcher starts them, on CPU (the worker:
+tests/ranks/memory_state_worker.py).
+
+Two ranks train sync, dpu and acco in fp32, acco in bf16, acco in fp16 with overflows (the loss scaler moves)
+and acco with int8 rounds, recording every step in memory and saving a disk checkpoint at step ``SAVE``, then
+stop without cleaning up, as a crashed process does. Then:
+
+- on the same 2 ranks (a crashed process restarted on its live node), each resumes from memory at step ``SAVE``
+  with the fp32 master and both moments bit for bit those of the save;
+- on 3 ranks, each resumes from memory and, separately, from the disk checkpoint of the same step: the two
+  continue bit for bit alike (fp32 master, moments, step count, LR, loss scale, skipped steps) for ``MORE`` steps
+  and after ``finish()``.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tests.ranks import launch
+
+pytestmark = pytest.mark.launcher
+
+SAVE, MORE, GAS = 4, 3, 4
+CASES = [
+    {"name": "sync", "mode": "sync", "dtype": "fp32"},
+    {"name": "dpu", "mode": "dpu", "dtype": "fp32"},
+    {"name": "acco", "mode": "acco", "dtype": "fp32"},
+    {"name": "acco_bf16", "mode": "acco", "dtype": "bf16"},
+    {"name": "acco_fp16", "mode": "acco", "dtype": "fp16"},
+    {"name": "acco_int8", "mode": "acco", "dtype": "fp32", "compression": True},
+]
+SAME_WORLD = ["acco", "acco_fp16", "sync"]
+KEYS = ("master", "exp_avg", "exp_avg_sq")
+SCALARS = ("step", "lr", "scale", "skipped", "global_steps")
+WORKER = launch.REPO / "tests" / "ranks" / "memory_state_worker.py"
+
+
+def _jobs(tmp) -> list:
+    jobs = []
+    for c in CASES:
+        base = {
+            **c,
+            "gas": GAS,
+            "save_step": SAVE,
+            "more": MORE,
+            "dir": str(tmp / "shm"),
+            "run_id": c["name"],
+        }
+        base["ckpt"] = str(tmp / "ckpt" / c["name"])
+        jobs.append({**base, "kind": "train", "launch": 0})
+        if c["name"] in SAME_WORLD:
+            jobs.append({**base, "name": f"{c['name']}@2", "kind": "resume", "source": "memory", "launch": 1})
+        for source in ("memory", "disk"):
+            jobs.append(
+                {**base, "name": f"{c['name']}@3/{source}", "kind": "resume", "source": source, "launch": 2}
+            )
+    return jobs
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("memory_state")
+    jobs = _jobs(tmp)
+    spec = tmp / "jobs.json"
+    spec.write_text(json.dumps(jobs))
+    out = {}
+    for index, world in ((0, 2), (1, 2), (2, 3)):
+        args = ["--jobs", spec, "--out", tmp, "--launch_index", str(index)]
+        launch.run_local(WORKER, world, args, env=launch.rank_env())
+        out.update(torch.load(tmp / f"launch{index}.pt", weights_only=False)[0])
+    return out
+
+
+@pytest.mark.parametrize("name", SAME_WORLD)
+def test_a_restarted_process_resumes_the_saved_state(runs, name):
+    saved, got = runs[name]["at_save"], runs[f"{name}@2"]
+    assert got["client_step"] == SAVE
+    for key in KEYS:
+        assert torch.equal(got["reload"][key], saved[key]), f"{name}: {key} after the resume from memory"
+    assert got["reload"]["step"] == saved["step"]
+    assert got["reload"]["scale"] == saved["scale"]
+    assert got["reload"]["global_steps"] == saved["global_steps"]
+    assert all(torch.isfinite(s["master"]).all() for s in got["traj"])
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c["name"])
+def test_memory_resume_equals_the_disk_resume(runs, case):
+    name = case["name"]
+    mem, disk = runs[f"{name}@3/memory"], runs[f"{name}@3/disk"]
+    assert mem["client_step"] == disk["client_step"] == SAVE
+    pairs = [("reload", mem["reload"], disk["reload"])]
+    pairs += [(f"step {SAVE + k + 1}", a, b) for k, (a, b) in enumerate(zip(mem["traj"], disk["traj"]))]
+    pairs.append(("after finish()", mem["final"], disk["final"]))
+    assert len(mem["traj"]) == len(disk["traj"]) == MORE
+    for where, a, b in pairs:
+        for key in KEYS:
+            diff = (a[key] - b[key]).abs().max().item()
+            assert torch.equal(a[key], b[key]), f"{name}, {where}: {key} differs (max |diff| {diff:.3e})"
+        for key in SCALARS:
+            assert a[key] == b[key], f"{name}, {where}: {key} {a[key]} from memory, {b[key]} from disk"
+    if case["dtype"] == "fp16":
+        scales = {s["scale"] for s in [mem["reload"], *mem["traj"]]}
+        assert len(scales) > 1 or mem["final"]["skipped"] > 0, "the loss scaler never moved: no fp16 check"

@@ -1,0 +1,157 @@
+"""Per-rank worker of tests/checkpoint/test_memory_state.py: resuming from the committed state kept in node memory
+(``optimizer.params.memory_state``), started as DeepSpeed's per-node launcher starts ranks. Runs the jobs of the
+JSON list whose ``launch`` is ``--launch_index``, in order, on the toy model.
+
+``"kind": "train"``: from the toy's seed 0, as the first start of a run (restart count 0), ``save_step`` optimizer
+steps, each recorded in memory once done (``memory.record_step``, what acco-train does every step), then a disk
+checkpoint of the same step (client state ``{"acco_train_step": step}``), the committed state at that save, and
+the run stops without ``finish()``: its record files stay, as a crashed process leaves them.
+
+``"kind": "resume"``: as a restart (restart count 1) of the same run id, loads step ``save_step`` from
+``"source"``: ``"memory"`` (``memory.newest_step`` then ``memory.resume``; the model built from seed 0, as the
+restarted process builds it: frozen parameters are not recorded) or ``"disk"`` (the train job's checkpoint, into a
+model built from seed 1; memory_state off); records the state right after the load, then trains ``more`` steps on
+micro-batches numbered from the resumed step, recording after each the committed state, the LR, the loss scale
+and the skipped steps.
+
+fp16 jobs poison the loss of a few micro-batches (times inf), so the loss scaler moves before and after the save.
+Rank 0 writes ``<out>/launch<N>.pt``: every rank's ``{job name: record}``, in rank order.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import deepspeed
+import torch
+
+import acco_ds  # noqa: F401
+from acco_ds.deepspeed.checkpoint import memory
+from acco_ds.deepspeed.cpu_fp16 import allow_fp16_on_cpu
+from tests.ranks import rank_start, toy
+from tests.ranks.ckpt_reshard_worker import fast_state
+
+LR, WD, CLIP = 0.02, 0.1, 0.5
+FP16 = {"enabled": True, "initial_scale_power": 8, "loss_scale_window": 2, "hysteresis": 2}
+
+
+def config(job: dict, memory_on: bool) -> dict:
+    params = {"lr": LR, "weight_decay": WD, "mode": job["mode"]}
+    if job.get("compression"):
+        params["compression"] = {"commit": "int8", **({"peek": "int8"} if job["mode"] == "acco" else {})}
+    if memory_on:
+        params["memory_state"] = {"enabled": True, "dir": job["dir"], "run_id": job["run_id"]}
+    cfg = {
+        "train_micro_batch_size_per_gpu": toy.MICRO_BATCH,
+        "gradient_accumulation_steps": job["gas"],
+        "optimizer": {"type": "ACCO", "params": params},
+        "scheduler": {
+            "type": "WarmupLR",
+            "params": {"warmup_min_lr": LR / 4, "warmup_max_lr": LR, "warmup_num_steps": 5},
+        },
+        "zero_optimization": {"stage": 1},
+        "gradient_clipping": CLIP,
+        "bf16": {"enabled": job["dtype"] == "bf16"},
+        "steps_per_print": 10**9,
+    }
+    if job["dtype"] == "fp16":
+        cfg["fp16"] = FP16
+    return cfg
+
+
+def make_engine(job: dict, seed: int, memory_on: bool, restart: int):
+    os.environ[memory.RESTART_COUNT] = str(restart)
+    model = toy.build(seed)
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, config=config(job, memory_on), model_parameters=model.parameters()
+    )
+    return engine
+
+
+def poisoned(job: dict, rank: int, i: int) -> bool:
+    return job["dtype"] == "fp16" and (rank, i % 11) in {(0, 3), (1, 8)}
+
+
+def micro(engine, job: dict, rank: int, i: int) -> None:
+    loss = engine(*toy.micro_batch(rank, i))
+    if poisoned(job, rank, i):
+        loss = loss * float("inf")
+    engine.backward(loss)
+    engine.step()
+
+
+def state(engine) -> dict:
+    s = fast_state(engine)
+    opt = engine.optimizer
+    s["step"] = opt.pipeline.state_step
+    s["lr"] = engine.get_lr()[0]
+    s["scale"] = float(opt.cur_scale)
+    s["skipped"] = int(engine.skipped_steps)
+    s["global_steps"] = int(engine.global_steps)
+    return s
+
+
+def run_train(job: dict, rank: int) -> dict:
+    engine = make_engine(job, seed=0, memory_on=True, restart=0)
+    opt = engine.optimizer
+    done, i = 0, 0
+    while done < job["save_step"]:
+        micro(engine, job, rank, i)
+        i += 1
+        if int(opt.committed_steps) > done:
+            done = int(opt.committed_steps)
+            memory.record_step(engine, done, {"acco_train_step": done})
+    rec = {"at_save": state(engine)}
+    engine.save_checkpoint(job["ckpt"], tag=f"step{done}", client_state={"acco_train_step": done})
+    opt.pipeline.close()  # no finish(): the records stay as a crashed process leaves them
+    return rec
+
+
+def run_resume(job: dict, rank: int) -> dict:
+    from_memory = job["source"] == "memory"
+    # memory: the model as the restarted process builds it (the first start's seed: frozen parameters and buffers
+    # are not recorded); disk: seed 1, everything comes from the checkpoint
+    engine = make_engine(job, seed=0 if from_memory else 1, memory_on=from_memory, restart=1)
+    if from_memory:
+        found = memory.newest_step(engine)
+        assert found is not None, "nothing to resume from memory"
+        client = memory.resume(engine, found)
+    else:
+        _, client = engine.load_checkpoint(job["ckpt"], tag=f"step{job['save_step']}")
+    step = int(client["acco_train_step"])
+    rec = {"client_step": step, "reload": state(engine), "traj": []}
+    gas = job["gas"]
+    for i in range(step * gas, (step + job["more"]) * gas):
+        micro(engine, job, rank, 1000 + i)
+        if (i + 1) % gas == 0:
+            rec["traj"].append(state(engine))
+    engine.optimizer.finish()
+    rec["final"] = state(engine)
+    engine.optimizer.pipeline.close()
+    return rec
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--jobs", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--launch_index", type=int, required=True)
+    ap.add_argument("--local_rank", type=int, default=0)
+    args = ap.parse_args()
+    rank = rank_start.init_rank()
+    allow_fp16_on_cpu()
+    with open(args.jobs) as f:
+        jobs = [j for j in json.load(f) if j["launch"] == args.launch_index]
+    results = {}
+    for job in jobs:
+        results[job["name"]] = run_train(job, rank) if job["kind"] == "train" else run_resume(job, rank)
+    gathered = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, results)
+    if rank == 0:
+        torch.save(gathered, os.path.join(args.out, f"launch{args.launch_index}.pt"))
+
+
+if __name__ == "__main__":
+    main()
