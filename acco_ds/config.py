@@ -56,8 +56,9 @@ ALLOWED = {
     "compression.error_feedback": "true or false",
     "compression.all_gather": "'none', 'int8' or 'int4'",
     "compression.fuse_round_end": "true or false",
-    "memory_state": 'an object with keys among enabled, dir, run_id, e.g. {"enabled": true}',
+    "memory_state": 'an object with keys among enabled, dir, peer_copy, run_id, e.g. {"enabled": true}',
     "memory_state.enabled": "true or false",
+    "memory_state.peer_copy": "true or false",
     "memory_state.dir": "an absolute path to a folder in a memory file system (default /dev/shm/acco_ds)",
     "memory_state.run_id": "null (the launcher's run id, TORCHELASTIC_RUN_ID) or a non-empty string",
 }
@@ -161,11 +162,15 @@ class MemoryStateConfig(BaseModel):
     dir: str = "/dev/shm/acco_ds"
     """The folder of the records: in a memory file system (tmpfs), so that they outlive the process, not the node."""
 
+    peer_copy: bool = True
+    """Copy each rank's records into the memory of a rank on another node after every step (``core.peer_copies``;
+    the node layout is the launcher's), so that a lost node costs at most one step. One node: no copies."""
+
     run_id: str | None = None
     """The run the records belong to (a folder under ``dir``); None: the launcher's ``TORCHELASTIC_RUN_ID``
     (torchrun sets it; every restart of one run shares it), else 'local'."""
 
-    @field_validator("enabled", mode="before")
+    @field_validator("enabled", "peer_copy", mode="before")
     @classmethod
     def _bool(cls, v):
         if not isinstance(v, bool):

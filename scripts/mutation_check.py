@@ -635,6 +635,22 @@ MUTANTS = [
         '    acco["in_flight"] = None\n',
         ("tests/checkpoint/test_memory_state.py",),
     ),
+    Mutant(
+        "M66",
+        "a node's copy one commit behind: the holder files each commit under the next commit's index",
+        "acco_ds/core/peer_copies.py",
+        '            commits.write(step_meta["last_commit"], list(flat.split(self.numels)), pickle.loads(commit_blob))\n',
+        '            commits.write(step_meta["last_commit"] + 1, list(flat.split(self.numels)), pickle.loads(commit_blob))\n',
+        ("tests/checkpoint/test_memory_state.py::test_a_lost_node_is_resumed_from_the_copies",),
+    ),
+    Mutant(
+        "M67",
+        "no copies on another node (peer_copy ignored): a lost node's state is gone with it",
+        "acco_ds/deepspeed/checkpoint/memory.py",
+        "    if ms.peer_copy:\n",
+        "    if False:\n",
+        ("tests/checkpoint/test_memory_state.py::test_a_lost_node_is_resumed_from_the_copies",),
+    ),
 ]
 
 

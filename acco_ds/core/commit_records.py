@@ -48,19 +48,41 @@ def run_folder(root: str, run_id: str) -> Path:
 
 class MemoryState:
     """This rank's two record files (see the module docstring). ``static``: what the DeepSpeed layer stores once
-    (parameter names and shapes per group, the real shard lengths); ``generation``: this process's restart count."""
+    (parameter names and shapes per group); ``generation``: this process's restart count. ``copies``: a
+    ``core.peer_copies.PeerCopies`` once :meth:`copy_to_peer` is called (None: the records stay on this node)."""
 
     def __init__(self, pipeline, folder: Path, generation: int, static: Dict[str, Any]):
         self.pipeline = pipeline
         self.folder = Path(folder)
         self.generation = int(generation)
         self.rank = pipeline.rank
+        self._static = dict(static)
         numels = [b.layout.shard_numel for b in pipeline.groups for _ in KEYS]
         base = self.folder / f"rank{self.rank}.g{self.generation}"
-        info = {"rank": self.rank, "world_size": pipeline.world_size, "generation": self.generation, **static}
+        info = self.ward_static(self.rank)
         self.commits = RecordFile.create(f"{base}.commits", numels, info)
         self.steps = RecordFile.create(f"{base}.steps", [], info)
+        self.copies = None
         self._older_removed = False
+
+    def ward_static(self, rank: int) -> Dict[str, Any]:
+        """The static part of ``rank``'s record files: rank, world size, generation, its real shard length per group
+        (without the padding) and the caller's ``static``."""
+        real = [len(b.layout.real_shard_range(rank)) for b in self.pipeline.groups]
+        world = self.pipeline.world_size
+        return {
+            "rank": rank,
+            "world_size": world,
+            "generation": self.generation,
+            "real_shard": real,
+            **self._static,
+        }
+
+    def copy_to_peer(self, group, holder: int, wards, timeout_s: float) -> None:
+        """From now on every recorded step is also copied to ``holder``'s memory (``core.peer_copies``)."""
+        from acco_ds.core.peer_copies import PeerCopies
+
+        self.copies = PeerCopies(self, group, holder, wards, timeout_s)
 
     def wrap(self, job: Callable[[], RoundResult]) -> Callable[[], RoundResult]:
         """``job`` followed by :meth:`after_job` on the same thread."""
@@ -75,9 +97,13 @@ class MemoryState:
         if result.job is Job.COMMIT:
             tensors = [getattr(b, k) for b in self.pipeline.groups for k in KEYS]
             applied = int(self.pipeline.applied_dev[0].item())
+            if self.copies is not None:
+                self.copies.wait_slot_free(result.commit_index)
             self.commits.write(
                 result.commit_index, tensors, {"result": _result_to_plain(result), "applied": applied}
             )
+            if self.copies is not None:
+                self.copies.commit_recorded()
         return result
 
     def record_step(self, step: int, extra: Dict[str, Any]) -> None:
@@ -94,16 +120,34 @@ class MemoryState:
             "extra": extra,
         }
         self.steps.write(int(step), [], meta)
+        if self.copies is not None and meta["last_commit"] >= 0:
+            self.copies.step_recorded(int(step), meta)
         if not self._older_removed:
-            for path in self.folder.glob(f"rank{self.rank}.g*.*"):
-                m = _NAME.match(path.name)
-                if m and int(m.group(2)) < self.generation:
-                    path.unlink(missing_ok=True)
+            remove_older(self.folder, self.rank, self.generation)
             self._older_removed = True
 
+    def stats(self) -> Dict[str, int]:
+        """The copies' bytes and steps so far (zeros without copies)."""
+        c = self.copies
+        return {
+            "peer_copy_bytes_sent": 0 if c is None else c.bytes_sent,
+            "peer_copy_bytes_received": 0 if c is None else c.bytes_received,
+            "peer_copy_steps": 0 if c is None else c.steps_copied,
+        }
+
     def close(self) -> None:
+        if self.copies is not None:
+            self.copies.close()
         self.commits.close()
         self.steps.close()
+
+
+def remove_older(folder: Path, rank: int, generation: int) -> None:
+    """Remove ``rank``'s record files of generations before ``generation`` in ``folder``."""
+    for path in Path(folder).glob(f"rank{rank}.g*.*"):
+        m = _NAME.match(path.name)
+        if m and int(m.group(2)) < generation:
+            path.unlink(missing_ok=True)
 
 
 def generations(folder: Path) -> List[int]:

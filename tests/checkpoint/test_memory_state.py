@@ -10,12 +10,17 @@ stop without cleaning up, as a crashed process does. Then:
   with the fp32 master and both moments bit for bit those of the save;
 - on 3 ranks, each resumes from memory and, separately, from the disk checkpoint of the same step: the two
   continue bit for bit alike (fp32 master, moments, step count, LR, loss scale, skipped steps) for ``MORE`` steps
-  and after ``finish()``.
+  and after ``finish()``;
+- 4 ranks on 2 nodes (each rank's records copied to a rank of the other node every step) lose the second node:
+  the 2 survivors resume from memory, their own records and the copies they hold, as from disk (acco, sync);
+- 3 ranks on 3 nodes lose nodes 1 and 2, so rank 1's records and their copy are both gone: no resume from memory
+  (the error names rank 1), the disk checkpoint is loaded instead.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -39,6 +44,10 @@ SCALARS = ("step", "lr", "scale", "skipped", "global_steps")
 WORKER = launch.REPO / "tests" / "ranks" / "memory_state_worker.py"
 
 
+NODE_LOST = ["acco", "sync"]  # 4 ranks on 2 nodes, the second lost; 2 ranks resume
+BOTH_LOST = "acco"  # 3 ranks on 3 nodes, nodes 1 and 2 lost: rank 1's records and its copy are gone
+
+
 def _jobs(tmp) -> list:
     jobs = []
     for c in CASES:
@@ -53,12 +62,48 @@ def _jobs(tmp) -> list:
         base["ckpt"] = str(tmp / "ckpt" / c["name"])
         jobs.append({**base, "kind": "train", "launch": 0})
         if c["name"] in SAME_WORLD:
-            jobs.append({**base, "name": f"{c['name']}@2", "kind": "resume", "source": "memory", "launch": 1})
+            jobs.append({**base, "name": f"{c['name']}@2", "kind": "resume", "source": "memory", "launch": 2})
         for source in ("memory", "disk"):
             jobs.append(
-                {**base, "name": f"{c['name']}@3/{source}", "kind": "resume", "source": source, "launch": 2}
+                {**base, "name": f"{c['name']}@3/{source}", "kind": "resume", "source": source, "launch": 3}
+            )
+        if c["name"] in NODE_LOST:
+            node = {**base, "name": f"{c['name']}/nodes", "run_id": f"{c['name']}-nodes", "node_size": 2}
+            node["ckpt"] = str(tmp / "ckpt" / f"{c['name']}-nodes")
+            jobs.append({**node, "kind": "train", "launch": 1})
+            for source in ("memory", "disk"):
+                jobs.append(
+                    {
+                        **node,
+                        "name": f"{node['name']}@2/{source}",
+                        "kind": "resume",
+                        "source": source,
+                        "launch": 2,
+                    }
+                )
+        if c["name"] == BOTH_LOST:
+            both = {**base, "name": f"{c['name']}/both", "run_id": f"{c['name']}-both", "node_size": 1}
+            both["ckpt"] = str(tmp / "ckpt" / f"{c['name']}-both")
+            jobs.append({**both, "kind": "train", "launch": 3})
+            jobs.append(
+                {
+                    **both,
+                    "name": f"{both['name']}@1",
+                    "kind": "resume",
+                    "source": "memory",
+                    "expect_lost": [1],
+                    "launch": 4,
+                }
             )
     return jobs
+
+
+def lose_nodes(folder, ranks) -> None:
+    """What losing the nodes of ``ranks`` takes from node memory: their own records and the copies they held."""
+    for r in ranks:
+        for path in folder.glob(f"rank{r}.g*.*"):
+            path.unlink()
+        shutil.rmtree(folder / f"held_by_rank{r}", ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
@@ -68,11 +113,31 @@ def runs(tmp_path_factory):
     spec = tmp / "jobs.json"
     spec.write_text(json.dumps(jobs))
     out = {}
-    for index, world in ((0, 2), (1, 2), (2, 3)):
+    for index, world in ((0, 2), (1, 4), (2, 2), (3, 3), (4, 1)):
+        if index == 2:
+            for name in NODE_LOST:
+                lose_nodes(tmp / "shm" / f"{name}-nodes", [2, 3])
+        if index == 4:
+            lose_nodes(tmp / "shm" / f"{BOTH_LOST}-both", [1, 2])
         args = ["--jobs", spec, "--out", tmp, "--launch_index", str(index)]
         launch.run_local(WORKER, world, args, env=launch.rank_env())
         out.update(torch.load(tmp / f"launch{index}.pt", weights_only=False)[0])
     return out
+
+
+def assert_same_run(name: str, mem: dict, disk: dict) -> None:
+    """The two resumed runs continue bit for bit alike (see the module docstring)."""
+    assert mem["client_step"] == disk["client_step"] == SAVE
+    pairs = [("reload", mem["reload"], disk["reload"])]
+    pairs += [(f"step {SAVE + k + 1}", a, b) for k, (a, b) in enumerate(zip(mem["traj"], disk["traj"]))]
+    pairs.append(("after finish()", mem["final"], disk["final"]))
+    assert len(mem["traj"]) == len(disk["traj"]) == MORE
+    for where, a, b in pairs:
+        for key in KEYS:
+            diff = (a[key] - b[key]).abs().max().item()
+            assert torch.equal(a[key], b[key]), f"{name}, {where}: {key} differs (max |diff| {diff:.3e})"
+        for key in SCALARS:
+            assert a[key] == b[key], f"{name}, {where}: {key} {a[key]} from memory, {b[key]} from disk"
 
 
 @pytest.mark.parametrize("name", SAME_WORLD)
@@ -91,17 +156,24 @@ def test_a_restarted_process_resumes_the_saved_state(runs, name):
 def test_memory_resume_equals_the_disk_resume(runs, case):
     name = case["name"]
     mem, disk = runs[f"{name}@3/memory"], runs[f"{name}@3/disk"]
-    assert mem["client_step"] == disk["client_step"] == SAVE
-    pairs = [("reload", mem["reload"], disk["reload"])]
-    pairs += [(f"step {SAVE + k + 1}", a, b) for k, (a, b) in enumerate(zip(mem["traj"], disk["traj"]))]
-    pairs.append(("after finish()", mem["final"], disk["final"]))
-    assert len(mem["traj"]) == len(disk["traj"]) == MORE
-    for where, a, b in pairs:
-        for key in KEYS:
-            diff = (a[key] - b[key]).abs().max().item()
-            assert torch.equal(a[key], b[key]), f"{name}, {where}: {key} differs (max |diff| {diff:.3e})"
-        for key in SCALARS:
-            assert a[key] == b[key], f"{name}, {where}: {key} {a[key]} from memory, {b[key]} from disk"
+    assert_same_run(name, mem, disk)
     if case["dtype"] == "fp16":
         scales = {s["scale"] for s in [mem["reload"], *mem["traj"]]}
         assert len(scales) > 1 or mem["final"]["skipped"] > 0, "the loss scaler never moved: no fp16 check"
+
+
+@pytest.mark.parametrize("name", NODE_LOST)
+def test_a_lost_node_is_resumed_from_the_copies(runs, name):
+    """4 ranks on 2 nodes copy their records to the other node each step; the second node is lost (its memory with
+    it) and its 2 ranks' state comes from the copies the first node holds: the same run as from disk."""
+    trained = runs[f"{name}/nodes"]
+    assert trained["copies"]["peer_copy_steps"] == SAVE
+    assert trained["copies"]["peer_copy_bytes_sent"] > 0 and trained["copies"]["peer_copy_bytes_received"] > 0
+    assert_same_run(f"{name}/nodes", runs[f"{name}/nodes@2/memory"], runs[f"{name}/nodes@2/disk"])
+
+
+def test_a_node_lost_with_its_copys_holder_falls_back_to_disk(runs):
+    got, saved = runs[f"{BOTH_LOST}/both@1"], runs[f"{BOTH_LOST}/both"]["at_save"]
+    assert got["fell_back"] and got["client_step"] == SAVE
+    for key in KEYS:
+        assert torch.equal(got["reload"][key], saved[key]), key

@@ -15,6 +15,9 @@ micro-batches numbered from the resumed step, recording after each the committed
 and the skipped steps.
 
 fp16 jobs poison the loss of a few micro-batches (times inf), so the loss scaler moves before and after the save.
+``node_size``: the ranks are on nodes of that many ranks (torchrun's ``GROUP_RANK``), so that each rank's records
+are also copied to a rank on another node; a resume with ``expect_lost`` must find no complete state in memory
+(the test removed a node and the holder of its copies) and loads the disk checkpoint instead.
 Rank 0 writes ``<out>/launch<N>.pt``: every rank's ``{job name: record}``, in rank order.
 """
 
@@ -63,6 +66,8 @@ def config(job: dict, memory_on: bool) -> dict:
 
 def make_engine(job: dict, seed: int, memory_on: bool, restart: int):
     os.environ[memory.RESTART_COUNT] = str(restart)
+    rank = torch.distributed.get_rank()
+    os.environ["GROUP_RANK"] = str(rank // job["node_size"]) if job.get("node_size") else "0"
     model = toy.build(seed)
     engine, _, _, _ = deepspeed.initialize(
         model=model, config=config(job, memory_on), model_parameters=model.parameters()
@@ -103,7 +108,7 @@ def run_train(job: dict, rank: int) -> dict:
         if int(opt.committed_steps) > done:
             done = int(opt.committed_steps)
             memory.record_step(engine, done, {"acco_train_step": done})
-    rec = {"at_save": state(engine)}
+    rec = {"at_save": state(engine), "copies": opt.pipeline.memory_state.stats()}
     engine.save_checkpoint(job["ckpt"], tag=f"step{done}", client_state={"acco_train_step": done})
     opt.pipeline.close()  # no finish(): the records stay as a crashed process leaves them
     return rec
@@ -114,14 +119,24 @@ def run_resume(job: dict, rank: int) -> dict:
     # memory: the model as the restarted process builds it (the first start's seed: frozen parameters and buffers
     # are not recorded); disk: seed 1, everything comes from the checkpoint
     engine = make_engine(job, seed=0 if from_memory else 1, memory_on=from_memory, restart=1)
+    lost = None
     if from_memory:
         found = memory.newest_step(engine)
-        assert found is not None, "nothing to resume from memory"
-        client = memory.resume(engine, found)
+        if job.get("expect_lost"):  # the fall back: the newest disk checkpoint
+            assert found is None, (
+                f"resumable from memory although rank(s) {job['expect_lost']} are lost: {found}"
+            )
+            lost = True
+            _, client = engine.load_checkpoint(job["ckpt"], tag=f"step{job['save_step']}")
+        else:
+            assert found is not None, "nothing to resume from memory"
+            client = memory.resume(engine, found)
     else:
         _, client = engine.load_checkpoint(job["ckpt"], tag=f"step{job['save_step']}")
     step = int(client["acco_train_step"])
-    rec = {"client_step": step, "reload": state(engine), "traj": []}
+    rec = {"client_step": step, "reload": state(engine), "traj": [], "fell_back": lost}
+    ms = engine.optimizer.pipeline.memory_state
+    rec["copies"] = None if ms is None else ms.stats()
     gas = job["gas"]
     for i in range(step * gas, (step + job["more"]) * gas):
         micro(engine, job, rank, 1000 + i)

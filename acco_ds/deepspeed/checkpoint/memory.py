@@ -24,9 +24,10 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Tuple
 
 import torch
 import torch.distributed as dist
@@ -37,7 +38,8 @@ from deepspeed.checkpoint.constants import (
     SINGLE_PARTITION_OF_FP32_GROUPS,
 )
 
-from acco_ds.core import commit_records
+from acco_ds.core import commit_records, peer_copies
+from acco_ds.core.comm import new_subgroup
 from acco_ds.core.commit_records import KEYS, MemoryState
 from acco_ds.deepspeed.checkpoint import reshard, zero_state
 from acco_ds.deepspeed.checkpoint.files import ACCOCheckpointError
@@ -70,15 +72,37 @@ def attach(opt, cfg) -> None:
     generation = _generation()
     if generation == 0:
         commit_records.clear(folder, [pipeline.rank])
+        commit_records.clear(folder / peer_copies.HELD.format(pipeline.rank), range(pipeline.world_size))
     names = zero_state.param_names(opt)
     static = {
         "param_shapes": [
             {n: tuple(p.shape) for n, p in zip(group_names, params)}
             for group_names, params in zip(names, opt.bit16_groups)
-        ],
-        "real_shard": [len(b.layout.real_shard_range(b.rank)) for b in pipeline.groups],
+        ]
     }
-    pipeline.memory_state = MemoryState(pipeline, folder, generation, static)
+    state = MemoryState(pipeline, folder, generation, static)
+    pipeline.memory_state = state
+    if ms.peer_copy:
+        keys = [None] * pipeline.world_size
+        dist.all_gather_object(keys, node_key(), group=pipeline.control_group)
+        holders = peer_copies.holders(keys)
+        if holders:
+            group = new_subgroup(pipeline.dp_group, "gloo", cfg.comm_timeout_s)
+            wards = [r for r, h in holders.items() if h == pipeline.rank]
+            state.copy_to_peer(group, holders[pipeline.rank], wards, cfg.comm_timeout_s)
+        elif pipeline.rank == 0:
+            logger.info(
+                "acco_ds: memory_state: every rank is on one node, so the committed state is kept in this node's "
+                "memory only (no copy on another node)"
+            )
+
+
+def node_key() -> str:
+    """This process's node: torchrun's ``GROUP_RANK``, else the DeepSpeed launcher's ``CROSS_RANK``, else the host."""
+    for var in ("GROUP_RANK", "CROSS_RANK"):
+        if os.environ.get(var):
+            return f"{var}={os.environ[var]}"
+    return socket.gethostname()
 
 
 def record_step(engine, step: int, client: Dict[str, Any] | None = None) -> None:
@@ -103,64 +127,89 @@ def record_step(engine, step: int, client: Dict[str, Any] | None = None) -> None
 @dataclass(frozen=True)
 class Found:
     """The committed state a restarted run resumes from: step ``step`` of the records the ``world`` ranks of
-    process generation ``generation`` left in ``folder``."""
+    process generation ``generation`` left; ``providers[r]``: the rank of this run that holds saving rank r's
+    records (its own node's, or the copy its holder kept)."""
 
-    folder: Path
     generation: int
     step: int
     world: int
+    providers: Tuple[int, ...]
 
 
-def _find(folder: Path, current: int) -> tuple[Found | None, str]:
-    """The newest generation before ``current`` whose every rank holds a common step, and its newest such step."""
-    why = f"no records in {folder} from an earlier start"
-    for gen in commit_records.generations(folder):
-        if gen >= current:
-            continue
-        ranks = commit_records.ranks_of(folder, gen)
-        if not ranks:
-            continue
-        world = int(commit_records.static_of(folder, ranks[0], gen)["world_size"])
-        missing = [r for r in range(world) if r not in ranks]
-        if missing:
-            why = f"{folder} lacks the records of rank(s) {missing} of the {world} of start {gen}"
-            continue
+def _folders(folder: Path) -> List[Path]:
+    """Where this node keeps records: its ranks' own, then the copies held for other nodes' ranks."""
+    return [folder] + sorted(p for p in folder.glob(peer_copies.HELD.format("*")) if p.is_dir())
+
+
+def _inventory(folder: Path, current: int) -> Dict[Tuple[int, int], Tuple[Path, int, Tuple[int, ...]]]:
+    """``{(generation, saving rank): (folder, its world size, its resumable steps)}`` of the records this node
+    holds from generations before ``current`` (its own first, where both are here)."""
+    out = {}
+    for where in _folders(folder):
+        for gen in commit_records.generations(where):
+            if gen >= current:
+                continue
+            for r in commit_records.ranks_of(where, gen):
+                if (gen, r) in out:
+                    continue
+                world = int(commit_records.static_of(where, r, gen)["world_size"])
+                steps = tuple(sorted(commit_records.pairs(where, r, gen, with_tensors=False)))
+                if steps:
+                    out[(gen, r)] = (where, world, steps)
+    return out
+
+
+def _choose(everyone: List[dict]) -> Tuple[Found | None, str]:
+    """From every rank's inventory summary (``{(gen, r): (world, steps)}``, in rank order): the newest generation
+    whose every saving rank is held somewhere with a common step, its newest such step and a provider per rank."""
+    gens = sorted({g for inv in everyone for g, _ in inv}, reverse=True)
+    why = "no records from an earlier start"
+    for gen in gens:
+        worlds = {w for inv in everyone for (g, _), (w, _) in inv.items() if g == gen}
+        world = max(worlds)
+        held = {
+            r: [(p, set(inv[(gen, r)][1])) for p, inv in enumerate(everyone) if (gen, r) in inv]
+            for r in range(world)
+        }
+        lost = [r for r, h in held.items() if not h]
+        if lost:
+            return None, (
+                f"the committed state of saving rank(s) {lost} of start {gen} (world size {world}) is lost: neither "
+                "their node nor the node holding their copy is in this run"
+            )
         common = None
-        for r in range(world):
-            steps = set(commit_records.pairs(folder, r, gen, with_tensors=False))
+        for h in held.values():
+            steps = set().union(*(s for _, s in h))
             common = steps if common is None else common & steps
-        if common:
-            return Found(folder, gen, max(common), world), ""
-        why = f"the {world} ranks' records of start {gen} in {folder} share no step"
+        if not common:
+            why = f"the {world} ranks' records of start {gen} share no step"
+            continue
+        step = max(common)
+        providers = tuple(min(p for p, s in held[r] if step in s) for r in range(world))
+        return Found(gen, step, world, providers), ""
     return None, why
 
 
 def newest_step(engine) -> Found | None:
-    """What every rank of this run can resume from in node memory, agreed by all (collective): None when
-    memory_state is off, on a first start, when there is nothing, or when the ranks do not all see the same records
-    (a log line says why; the caller then loads from disk)."""
+    """What this run can resume from in node memory, agreed by all its ranks (collective): None when memory_state
+    is off, on a first start, or when there is nothing complete to resume from; then a logged line says why (an
+    error when a saving rank's state is lost with its node and its copy) and the caller loads from disk."""
     opt = engine.optimizer
     cfg = getattr(opt, "cfg", None)
     if cfg is None or not cfg.memory_state.enabled:
         return None
-    ms = cfg.memory_state
-    found, why = _find(commit_records.run_folder(ms.dir, ms.resolved_run_id()), _generation())
-    key = 0 if found is None else found.generation << 40 | found.step
-    t = torch.tensor([key, -key], dtype=torch.int64)
-    group = getattr(opt.pipeline, "control_group", None)
-    if group is None and dist.get_backend() == "nccl":
-        t = t.cuda()
-    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
-    lo, hi = int(t[0]), -int(t[1])
-    if lo != hi:
-        logger.warning(
-            "acco_ds: rank %d: the ranks do not all see the same records in node memory%s; loading from disk",
-            opt.pipeline.rank,
-            f" ({why})" if why else "",
+    ms, pipeline = cfg.memory_state, opt.pipeline
+    inventory = _inventory(commit_records.run_folder(ms.dir, ms.resolved_run_id()), _generation())
+    summary = {k: (w, steps) for k, (_, w, steps) in inventory.items()}
+    everyone = [None] * pipeline.world_size
+    dist.all_gather_object(everyone, summary, group=pipeline.control_group)
+    found, why = _choose(everyone)
+    if found is None and pipeline.rank == 0 and _generation() > 0:
+        log = logger.error if "is lost" in why else logger.warning
+        log(
+            "acco_ds: no committed state to resume from node memory: %s; loading the newest disk checkpoint",
+            why,
         )
-        return None
-    if found is None and opt.pipeline.rank == 0 and _generation() > 0:
-        logger.warning("acco_ds: no committed state to resume from node memory: %s; loading from disk", why)
     return found
 
 
@@ -192,25 +241,41 @@ def _as_checkpoint(step_rec, commit_rec, real_shard: List[int], world: int) -> D
     }
 
 
+def _provide(folder: Path, found: Found, r: int) -> dict:
+    """Saving rank r's records at ``found`` from this node, in a checkpoint's per-rank layout, with their static."""
+    where, _, _ = _inventory(folder, _generation())[(found.generation, r)]
+    step_rec, commit_rec = commit_records.pairs(where, r, found.generation)[found.step]
+    static = commit_records.static_of(where, r, found.generation)
+    return {
+        "state": _as_checkpoint(step_rec, commit_rec, static["real_shard"], found.world),
+        "extra": step_rec.meta["extra"],
+        "param_shapes": static["param_shapes"],
+        "file": f"{where}/rank{r}.g{found.generation} (step {found.step}, commit {commit_rec.key})",
+    }
+
+
 def resume(engine, found: Found) -> Dict[str, Any]:
-    """Load ``found`` (from :func:`newest_step`) into ``engine``; returns the client state recorded with it.
-    Collective."""
+    """Load ``found`` (from :func:`newest_step`) into ``engine``: each saving rank's records are sent by their
+    provider to every rank (over the control group), then loaded as a disk checkpoint saved on ``found.world``
+    ranks would be. Returns the client state recorded with the step. Collective."""
     opt = engine.optimizer
-    files: List[str] = []
-    states: List[dict] = []
-    extra = None
-    for r in range(found.world):
-        step_rec, commit_rec = commit_records.pairs(found.folder, r, found.generation)[found.step]
-        real_shard = commit_records.static_of(found.folder, r, found.generation)["real_shard"]
-        files.append(
-            f"{found.folder}/rank{r}.g{found.generation} (step {found.step}, commit {commit_rec.key})"
-        )
-        states.append(_as_checkpoint(step_rec, commit_rec, real_shard, found.world))
-        extra = extra or step_rec.meta["extra"]
-    shapes = commit_records.static_of(found.folder, 0, found.generation)["param_shapes"]
-    where = f"node memory ({found.folder}, start {found.generation}, step {found.step})"
-    source = reshard.ZeroPartitions(files, states, shapes, need_moments=True, where=where)
+    pipeline = opt.pipeline
+    ms = opt.cfg.memory_state
+    folder = commit_records.run_folder(ms.dir, ms.resolved_run_id())
+    group = pipeline.control_group
+    parts = []
+    for r, provider in enumerate(found.providers):
+        obj = [_provide(folder, found, r) if provider == pipeline.rank else None]
+        src = provider if group is None else dist.get_global_rank(group, provider)
+        dist.broadcast_object_list(obj, src=src, group=group)
+        parts.append(obj[0])
+    where = f"node memory (start {found.generation}, step {found.step}, {found.world} ranks)"
+    source = reshard.ZeroPartitions(
+        [p["file"] for p in parts], [p["state"] for p in parts], parts[0]["param_shapes"], need_moments=True,
+        where=where,
+    )  # fmt: skip
     zero_state.load_committed(opt, source)
+    extra = parts[0]["extra"]
     if engine.lr_scheduler is not None and extra["lr_scheduler"] is not None:
         engine.lr_scheduler.load_state_dict(extra["lr_scheduler"])
     engine.global_steps = extra["global_steps"]
