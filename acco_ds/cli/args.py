@@ -155,6 +155,13 @@ def build_parser() -> argparse.ArgumentParser:
         "folder holds a complete save resumes from it, at whatever world size it has",
     )
     ckpt.add_argument("--keep-checkpoints", type=int, default=2, help="the newest saves kept")
+    ckpt.add_argument(
+        "--memory-state",
+        action="store_true",
+        help="ACCO runs: optimizer.params.memory_state.enabled=true: every step's committed state kept in node "
+        "memory and copied to a rank on another node; a run restarted by torchrun resumes from it, no disk save "
+        "needed (docs/RELIABILITY.md)",
+    )
     het = ap.add_argument_group("heterogeneous workers (demo)")
     het.add_argument("--slow-rank", type=int, default=-1, help="this rank gets extra compute per micro-batch")
     het.add_argument(

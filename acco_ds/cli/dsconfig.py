@@ -58,6 +58,9 @@ class Knobs:
     loss_scale_window: int = 1000  # fp16: steps without overflow before the scale doubles
     accumulation: str = "fixed"
     peek_lr_scale: float = 1.0  # acco's optimizer.params.peek_lr_scale (the other contenders have no peek)
+    memory_state: bool = (
+        False  # ACCO's optimizer.params.memory_state.enabled (the committed state in node memory)
+    )
     num_params: int = 0  # sizes the DeepSpeed buckets
     tp: int = 1  # tensor-parallel size (AutoTP); the data-parallel world is world_size / tp
 
@@ -133,6 +136,8 @@ def build_config(contender: str, k: Knobs) -> dict:
         params = dict(adam, mode=contender, accumulation=accumulation, comm_dtype="auto")
         if contender == "acco" and k.peek_lr_scale != 1.0:
             params["peek_lr_scale"] = k.peek_lr_scale
+        if k.memory_state:
+            params["memory_state"] = {"enabled": True}
         cfg["optimizer"] = {"type": "ACCO", "params": params}
         cfg["zero_optimization"] = {"stage": 1}
         return cfg

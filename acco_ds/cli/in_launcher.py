@@ -11,7 +11,8 @@ checkpoint folder when there is one, at the world size of this start, and saving
 steps. When a node is lost, the ranks that are left fail their round (a lost peer), exit, and the agents
 restart them at the new world size: the restarted ranks resume from the last save. Rank 0 appends one line
 per completed start to the run folder's ``starts.jsonl`` (world size, resume step, first step's time, val
-loss, the engine's skipped steps and the loss scale (fp16; None otherwise), save times, checkpoint bytes) and warns when torchrun shares its rendezvous store with the workers
+loss, the engine's skipped steps and the loss scale (fp16; None otherwise), save times, checkpoint bytes, training
+seconds, rank 0's bytes sent by its rounds and by its memory_state copies) and warns when torchrun shares its rendezvous store with the workers
 (``SHARED_STORE_WARNING``). Returns 0.
 """
 
@@ -68,6 +69,14 @@ def run_rank(a) -> int:
                         "save_s": summary["save_s"],
                         "checkpoint_bytes": summary["checkpoint_bytes"],
                         "first_step_unix": summary["first_step_unix"],
+                        "train_s": summary["train_s"],
+                        "peer_copy_bytes_sent": summary["stats"].get("peer_copy_bytes_sent"),
+                        "memory_state_s": {
+                            k: v
+                            for k, v in summary["stats"].items()
+                            if k.startswith(("memory_", "peer_copy_s"))
+                        },
+                        "bytes_sent": summary["stats"].get("bytes_sent"),
                     }
                 )
                 + "\n"

@@ -95,6 +95,7 @@ def plan_runs(a, model_cfg: dict, n_params: int) -> list:
         **_loss_scale_knobs(a),
         accumulation=a.accumulation,
         peek_lr_scale=a.peek_lr_scale,
+        memory_state=a.memory_state,
         num_params=n_params,
         tp=a.tp,
     )

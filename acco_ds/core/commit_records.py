@@ -29,6 +29,7 @@ thread, before the next job starts (jobs run one at a time).
 from __future__ import annotations
 
 import re
+import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Sequence, Tuple
 
@@ -64,6 +65,9 @@ class MemoryState:
         self.steps = RecordFile.create(f"{base}.steps", [], info)
         self.copies = None
         self._older_removed = False
+        # seconds: the job's thread waiting for the copies and writing commit records, the training thread's step
+        # records
+        self.seconds = {"commit_wait_s": 0.0, "commit_record_s": 0.0, "step_record_s": 0.0}
 
     def ward_static(self, rank: int) -> Dict[str, Any]:
         """The static part of ``rank``'s record files: rank, world size, generation, its real shard length per group
@@ -95,19 +99,24 @@ class MemoryState:
     def after_job(self, result: RoundResult) -> RoundResult:
         """Record the committed state after a COMMIT job (on the job's thread); other jobs pass through."""
         if result.job is Job.COMMIT:
+            t0 = time.perf_counter()
             tensors = [getattr(b, k) for b in self.pipeline.groups for k in KEYS]
             applied = int(self.pipeline.applied_dev[0].item())
             if self.copies is not None:
                 self.copies.wait_slot_free(result.commit_index)
+            t1 = time.perf_counter()
             self.commits.write(
                 result.commit_index, tensors, {"result": _result_to_plain(result), "applied": applied}
             )
             if self.copies is not None:
                 self.copies.commit_recorded()
+            self.seconds["commit_wait_s"] += t1 - t0
+            self.seconds["commit_record_s"] += time.perf_counter() - t1
         return result
 
     def record_step(self, step: int, extra: Dict[str, Any]) -> None:
         """Record optimizer step ``step`` (the training thread, once the step is done; see the module docstring)."""
+        t0 = time.perf_counter()
         p = self.pipeline
         p.read_swapped_commits()
         in_flight = None
@@ -125,14 +134,18 @@ class MemoryState:
         if not self._older_removed:
             remove_older(self.folder, self.rank, self.generation)
             self._older_removed = True
+        self.seconds["step_record_s"] += time.perf_counter() - t0
 
-    def stats(self) -> Dict[str, int]:
-        """The copies' bytes and steps so far (zeros without copies)."""
+    def stats(self) -> Dict[str, float]:
+        """The copies' bytes, steps and seconds (their thread's) so far (zeros without copies), and the seconds the
+        records took on the job's thread and on the training thread."""
         c = self.copies
         return {
             "peer_copy_bytes_sent": 0 if c is None else c.bytes_sent,
             "peer_copy_bytes_received": 0 if c is None else c.bytes_received,
             "peer_copy_steps": 0 if c is None else c.steps_copied,
+            "peer_copy_s": 0.0 if c is None else c.seconds,
+            **{f"memory_{k}": v for k, v in self.seconds.items()},
         }
 
     def close(self) -> None:

@@ -15,8 +15,9 @@ Contract:
   so that a held step's commit is there whenever the step is.
 - Every rank records the same steps in the same order and names the same commits (the steps and commit counts are
   global), so the sends and receives of a step pair up on every rank: no other agreement is needed.
-- The copies of a rank are at most the step in progress behind its own records: ``MemoryState.after_job`` does not
-  write commit k before the copies have taken commit k - 2 out of its slot (:meth:`PeerCopies.wait_slot_free`).
+- The copies of a rank are at most one commit behind its own records: ``MemoryState.after_job`` does not write
+  commit k before the copies have taken commit k - 1 out of its slot (:meth:`PeerCopies.wait_slot_free`; the job's
+  thread waits there only when the copies are slower than a round).
 - Bytes: the copies' sends and receives are counted (``bytes_sent``, ``bytes_received``): per step and rank,
   12 bytes per element of the shard (fp32 master, exp_avg, exp_avg_sq) once per commit, plus the metas.
 """
@@ -75,6 +76,7 @@ class PeerCopies:
         self.bytes_sent = 0
         self.bytes_received = 0
         self.steps_copied = 0
+        self.seconds = 0.0  # the thread's time in its copies (the waits for the commits' records included)
         self._held: Dict[int, tuple] = {}
         self._needed: List[int] = []  # the commits named by the steps handed over and not yet copied
         self._cond = threading.Condition()
@@ -97,11 +99,12 @@ class PeerCopies:
             self._cond.notify_all()
 
     def wait_slot_free(self, key: int) -> None:
-        """Block until no step waiting to be copied needs commit ``key - 2`` or older (the slot commit ``key``
-        reuses holds commit ``key - 2``). Raises :class:`PeerCopyError` after ``timeout_s``."""
+        """Block until no step waiting to be copied needs commit ``key - 1`` or older: the slot commit ``key``
+        reuses holds commit ``key - 2``, and the copies stay at most one commit behind the rank's own records.
+        Raises :class:`PeerCopyError` after ``timeout_s``."""
         deadline = time.monotonic() + self.timeout_s
         with self._cond:
-            while any(c <= key - 2 for c in self._needed):
+            while any(c <= key - 1 for c in self._needed):
                 self.check()
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -128,7 +131,9 @@ class PeerCopies:
                 item = self._queue.get()
                 if item is None:
                     return
+                t0 = time.perf_counter()
                 self._copy(*item)
+                self.seconds += time.perf_counter() - t0
         except BaseException as err:  # noqa: BLE001 - reported to the training thread by check()
             self._error = err
             with self._cond:
@@ -138,11 +143,12 @@ class PeerCopies:
         deadline = time.monotonic() + self.timeout_s
         with self._cond:
             while True:
-                if self.state.commits.newest_key() is not None and self.state.commits.newest_key() >= key:
-                    for rec in self.state.commits.read():
-                        if rec.key == key:
-                            return rec
-                    raise PeerCopyError(f"commit {key} left its slot before it was copied")
+                newest = self.state.commits.newest_key()
+                if newest is not None and newest >= key:
+                    found = self.state.commits.read(key=key)
+                    if not found:
+                        raise PeerCopyError(f"commit {key} left its slot before it was copied")
+                    return found[0]
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise PeerCopyError(f"commit {key} was not recorded within {self.timeout_s:g} s")

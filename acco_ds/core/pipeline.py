@@ -526,3 +526,5 @@ class ACCOPipeline(RoundSchedule, RoundScale, InFlight, RoundHypers, Draining):
         self.executor.close()
         if self.host_step is not None:
             self.host_step.close()
+        if self.memory_state is not None:
+            self.memory_state.close()

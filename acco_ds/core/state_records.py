@@ -195,13 +195,14 @@ class RecordFile:
         self._mm[meta_at : meta_at + len(blob)] = blob
         _SLOT.pack_into(self._mm, offset, seq + 1, key, len(blob))  # even: complete
 
-    def read(self, with_tensors: bool = True) -> List[Record]:
+    def read(self, with_tensors: bool = True, key: int | None = None) -> List[Record]:
         """The complete records, newest first (copies; see the module docstring); ``with_tensors=False``: their
-        keys and meta only (empty tensor lists)."""
+        keys and meta only (empty tensor lists); ``key``: only the record of that key (an empty list without one)."""
         found = []
+        wanted = key
         for s in range(NUM_SLOTS):
             seq, key, meta_len = self._slot_header(s)
-            if seq == 0 or seq % 2:
+            if seq == 0 or seq % 2 or (wanted is not None and key != wanted):
                 continue
             meta_at = self._slot_offsets[s] + SLOT_HEADER_BYTES
             blob = bytes(self._mm[meta_at : meta_at + meta_len])

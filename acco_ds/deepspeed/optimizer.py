@@ -490,6 +490,8 @@ class ACCOZeroOptimizer(ZeROOptimizer):
             accumulation=self.cfg.accumulation,
             **overlap_report.figures(self),
         )
+        if self.pipeline.memory_state is not None:
+            out.update(self.pipeline.memory_state.stats())
         return out
 
     def state_numel_per_rank(self) -> int:

@@ -326,6 +326,11 @@ def render(plan, rec: dict) -> str:
         f"the gradients quantized in the round's last backward, {ms * d['fold_s']:.2f} ms more compute; adaptive "
         f"rounds quantize in their job: {ms * d['quantize_s']:.2f} ms)",
     ]
+    lines.append(
+        f"memory_state (optimizer.params.memory_state): {d['memory_state_bytes_per_step'] / 1e6:,.1f} MB per rank and "
+        f"step to its copy's holder on another node ({ms * d['memory_state_inter_s']:.1f} ms of the node's link for "
+        f"all its ranks, beside the rounds), {d['memory_state_host_bytes'] / 2**30:.2f} GiB of host memory per rank"
+    )
     if i.get("offload"):
         lines += [
             f"offload (*-offload rows): PCIe {i['pcie_bw'] / 1e9:g} GB/s, host AdamW {i['host_adam_bw'] / 1e9:g} GB/s "

@@ -7,7 +7,9 @@ Contract:
   node's own address (so the workers' master address is on the link), ``is_host`` true on node 0 only,
   ``last_call_timeout`` and
   ``join_timeout`` from ``setup``; every rank runs ``python -m acco_ds.train`` with the job's options and
-  ``--out out`` (one folder both nodes write: the shared file system a cluster's checkpoints need).
+  ``--out out`` (one folder both nodes write: the shared file system a cluster's checkpoints need); with
+  ``setup.memory_root``, ``--memory-state`` too, each node's memory folder bound to its own folder
+  (``node_memory``).
 - ``job.start()`` starts both agents, each inside its node's namespace in a session of its own;
   ``job.kill_node(n)`` SIGKILLs every process of node n (its agent and every descendant: torchrun starts
   its workers in sessions of their own) and returns the wall-clock time of the kill; ``job.wait(timeout)``
@@ -45,6 +47,7 @@ class Setup:
     join_timeout_s: int
     model_args: List[str]
     threads: int = 1
+    memory_root: str | None = None  # acco-train --memory-state, node n's memory at <memory_root>/node<n>
 
 
 def agent_command(
@@ -61,7 +64,23 @@ def agent_command(
     cmd += ["--rdzv-conf", rdzv_conf, "--local-addr", addrs[node], "--monitor-interval", "0.5"]
     cmd += ["-m", "acco_ds.train", "--mode", mode, "--steps", str(setup.steps), "--seed", str(seed)]
     cmd += ["--save-every", str(setup.save_every), "--threads", str(setup.threads), "--out", str(out)]
-    return cmd + ["--no-progress", *setup.model_args]
+    cmd += ["--no-progress", *setup.model_args]
+    if setup.memory_root is None:
+        return cmd
+    # the node's own memory: /dev/shm/acco_ds (memory_state's default folder) is <memory_root>/node<n> inside the
+    # node's mount namespace (``ip netns exec`` gives every node one), so that killing the node and removing the
+    # folder takes its memory with it
+    mine = node_memory(setup, node)
+    script = f'mkdir -p {shlex.quote(str(mine))} {MEMORY_DIR} && mount --bind {shlex.quote(str(mine))} {MEMORY_DIR} && exec "$@"'
+    return ["sh", "-c", script, "sh", *cmd, "--memory-state"]
+
+
+MEMORY_DIR = "/dev/shm/acco_ds"
+
+
+def node_memory(setup: Setup, node: int) -> Path:
+    """Where node ``node``'s memory_state records are seen from outside its namespace."""
+    return Path(setup.memory_root) / f"node{node}"
 
 
 def _descendants(pid: int) -> List[int]:

@@ -1,23 +1,27 @@
 """Resume an ACCO engine from the committed state its ranks kept in node memory (``optimizer.params.memory_state``),
 without a disk checkpoint: the DeepSpeed side of ``acco_ds.core.commit_records``.
 
-- :func:`attach` (the optimizer's construction): creates this rank's commit record file and hands it to the
-  pipeline, whose round jobs then record every commit on the communication thread. A first start (the launcher's
-  restart count 0) removes this rank's records of an earlier run with the same run id: they are never resumed.
+- :func:`attach` (the optimizer's construction): creates this rank's record files and hands them to the pipeline,
+  whose round jobs then record every commit on the communication thread; with ``peer_copy`` and ranks on more than
+  one node (torchrun's ``GROUP_RANK``, the DeepSpeed launcher's ``CROSS_RANK``, else the host name) it also starts
+  the copies to a rank on another node (``core.peer_copies``; a gloo group of their own). A first start (the
+  launcher's restart count 0) removes this rank's records, and the copies it held, of an earlier run with the same
+  run id: they are never resumed.
 - :func:`record_step` (the training thread, once an optimizer step is done; acco-train calls it every step):
   records the step's counters with the engine's (global steps and samples, skipped steps, the LR scheduler's
-  state, the optimizer's param groups) and the caller's client state.
-- :func:`newest_step` then :func:`resume` (collective, every rank of the restarted run): the newest step every
-  saving rank's records hold, and the load of that step at this run's world size. The records become what a
-  checkpoint saved at that step holds of the committed state (DeepSpeed ZeRO-1's per-rank layout plus ACCO's
-  counters), read through ``reshard.ZeroPartitions`` and ``zero_state.load_committed``: the same re-sharded load
-  as a disk checkpoint's at another world size, bit for bit in weights, moments, loss scaler and LR schedule.
+  state, the optimizer's param groups) and the caller's client state, and hands the step to the copies.
+- :func:`newest_step` then :func:`resume` (collective, every rank of the restarted run): every rank lists what its
+  node holds (its ranks' own records and the copies it keeps for other nodes' ranks), the ranks agree on the newest
+  step every saving rank is held at somewhere, and each saving rank's records are sent by one rank holding them to
+  all. They become what a checkpoint saved at that step holds of the committed state (DeepSpeed ZeRO-1's per-rank
+  layout plus ACCO's counters), read through ``reshard.ZeroPartitions`` and ``zero_state.load_committed``: the same
+  re-sharded load as a disk checkpoint's at another world size, bit for bit in weights, moments, loss scaler and
+  LR schedule. A saving rank held nowhere (its node and its copy's holder both lost) makes :func:`newest_step`
+  return None with an error naming it; the caller then loads the newest disk checkpoint.
 
 What is not recorded: frozen parameters and module buffers (a restarted process builds them as the first start
 did), the data loader's position (the caller's client state carries it) and, in acco, a PEEK in flight at the step
-(its micro-batches are counted as discarded on disk; here they are not counted). The records of every saving rank
-must be readable where each new rank runs (one node, or a shared memory folder): a rank whose records are missing
-makes :func:`newest_step` return 0, with a warning naming the missing ranks, and the caller falls back to disk.
+(its micro-batches are counted as discarded on disk; here they are not counted).
 """
 
 from __future__ import annotations

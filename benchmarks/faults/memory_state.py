@@ -1,0 +1,319 @@
+"""The committed state in node memory (``optimizer.params.memory_state``): what a lost node costs without any disk
+save, and what keeping the state costs while nothing fails.
+
+    python -m benchmarks.faults.memory_state            # 3 seeds of node-lost + the cost pairs (about 10 min on 2 cores)
+    python -m benchmarks.faults.memory_state --quick    # one seed of node-lost, 40 steps, no cost pairs (the test)
+
+The nodes and agents are the faults benchmark's (``benchmarks.faults.agents``: two network namespaces joined by a
+tc-limited veth pair, one torchrun agent per node, ``--nnodes 1:2 --max-restarts N``), every job
+``acco-train --mode acco --save-every 0 --memory-state``: no disk checkpoint at any point. Each node's memory is its
+own folder (``agents.node_memory``, bound to ``/dev/shm/acco_ds`` inside the node), removed when the node is killed.
+
+- ``node-lost`` (per seed): once rank 0 has recorded a step drawn at random (seeded; read from its record file),
+  every process of node 1 is SIGKILLed and its memory removed. The survivors fail their round, torchrun restarts
+  them on node 0 alone, and they resume from node 0's memory: their own records and the copies of node 1's ranks
+  they hold. Recorded: the steps lost (the survivor's last completed step minus the step the restart resumed at;
+  goal <= 1), the seconds from the kill to training again, split into detection (kill -> the survivor's failure
+  record) and restart (-> the first optimizer step of the restarted start), the final step count and val loss.
+- ``cost`` (per rate: 400mbit and none, i.e. unthrottled; ``--repeats`` pairs run alternately): the same job with
+  nothing killed, with and without ``--memory-state``; samples/s of each (rank 0's training seconds; the median
+  reported), the copies' bytes per step and the rounds' bytes per step of rank 0, and each node's memory folder's
+  size per rank at the end (the records and held copies).
+
+Writes ``<prefix>.md`` and ``<prefix>.json`` into ``--out`` (default ``benchmarks/results/faults/``). Exit status: 0
+when every node-lost job healed with at most one step lost; 1 otherwise (the results are still written); 2 when
+this machine cannot build the two-node network.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import random
+import shutil
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from acco_ds.cli.metrics import machine_info
+from acco_ds.core.state_records import RecordFile, RecordFileError
+from benchmarks.faults import agents
+from benchmarks.faults.cli import MODEL_ARGS, run_job
+from benchmarks.harness import nodes
+from benchmarks.harness.cli import parser
+from benchmarks.harness.records import results_dir
+from benchmarks.harness.sweep import seeds_arg
+
+MEMORY_ROOT = Path("/dev/shm") / f"acco_faults_memory_{os.getpid()}"  # the nodes' memory folders, this run's
+RATES = ("400mbit", "none")
+MAX_STEPS_LOST = 1
+
+
+def parse(argv=None) -> argparse.Namespace:
+    ap = parser("faults.memory_state", __doc__)
+    ap.add_argument(
+        "--quick", action="store_true", help="one seed, 40 steps, the 400mbit cost pair only (the test)"
+    )
+    ap.add_argument("--seeds", type=seeds_arg, default=None, help="default 0,1,2; quick 0")
+    ap.add_argument("--steps", type=int, default=None, help="optimizer steps per job (default 100, quick 40)")
+    ap.add_argument("--per-node", type=int, default=1, help="ranks per node")
+    ap.add_argument("--max-restarts", type=int, default=3, help="torchrun --max-restarts")
+    ap.add_argument("--last-call-timeout", type=int, default=5, help="rendezvous last_call_timeout (s)")
+    ap.add_argument("--join-timeout", type=int, default=60, help="rendezvous join_timeout (s)")
+    ap.add_argument("--timeout", type=float, default=300.0, help="seconds a job may take")
+    ap.add_argument("--repeats", type=int, default=3, help="cost pairs per link rate (median reported)")
+    ap.add_argument("--out", default=str(results_dir("faults")), help="folder of the table and JSON")
+    ap.add_argument(
+        "--prefix", default=None, help="file name prefix (default memory_state, quick: memory_state_quick)"
+    )
+    ap.add_argument("--work", default=None, help="scratch folder of the jobs (default: a new temp folder)")
+    ap.add_argument("--from-json", default=None, help="re-render the table from a saved raw JSON")
+    a = ap.parse_args(argv)
+    a.seeds = a.seeds or ([0] if a.quick else [0, 1, 2])
+    a.steps = a.steps or (40 if a.quick else 100)
+    a.prefix = a.prefix or ("memory_state_quick" if a.quick else "memory_state")
+    if a.steps < 10:
+        ap.error(f"--steps must be >= 10, got {a.steps}")
+    return a
+
+
+def recorded_step(setup, job, rank: int = 0) -> int:
+    """The newest step ``rank`` of node 0 has recorded in its memory (0: none yet)."""
+    folder = agents.node_memory(setup, 0) / job.run_id
+    newest = 0
+    for path in folder.glob(f"rank{rank}.g*.steps"):
+        try:
+            f = RecordFile.open(path)
+        except RecordFileError:
+            continue
+        newest = max(newest, f.newest_key() or 0)
+        f.close()
+    return newest
+
+
+def kill_node1_at(step: int, setup, timeout: float):
+    def fault(job) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and job.all_running() and recorded_step(setup, job) < step:
+            time.sleep(0.01)
+        at = recorded_step(setup, job)
+        t = job.kill_node(1)
+        shutil.rmtree(agents.node_memory(setup, 1), ignore_errors=True)
+        return {"kill_at_recorded_step": at, "kill_unix": t, "killed_node": 1}
+
+    return fault
+
+
+def healed(rec: dict, steps: int, per_node: int) -> dict:
+    """The node-lost figures (see the module docstring)."""
+    restarts = [s for s in rec["starts"] if s.get("restart", 0) > 0]
+    lost = [f for f in rec["failures"] if f.get("restart", 0) == 0]
+    out = {"healed": False}
+    if not restarts or not lost:
+        return out
+    first, kill = restarts[0], rec["kill_unix"]
+    detected = min(f["unix"] for f in lost)
+    out.update(
+        resumed_at_step=first["resumed_at_step"],
+        world_after=first["world"],
+        last_step_before=max(f["step"] for f in lost),
+        detection_s=detected - kill,
+    )
+    out["steps_lost"] = out["last_step_before"] - out["resumed_at_step"]
+    if first.get("first_step_unix"):
+        out["restart_s"] = first["first_step_unix"] - detected
+        out["recovery_s"] = first["first_step_unix"] - kill
+    final = rec["starts"][-1]
+    out["final_steps"], out["val_loss"] = final["steps"], final["val_loss"]
+    out["healed"] = (
+        final["steps"] == steps
+        and rec["exit_status"].get("0") == 0
+        and first["world"] == per_node
+        and out["resumed_at_step"] > 0
+        and 0 <= out["steps_lost"] <= MAX_STEPS_LOST
+    )
+    return out
+
+
+def _folder_bytes(folder: Path) -> int:
+    """The memory ``folder``'s files take (tmpfs pages allocated: a record file's unwritten meta area takes none)."""
+    return sum(p.stat().st_blocks * 512 for p in folder.rglob("*") if p.is_file()) if folder.exists() else 0
+
+
+def cost_figures(rec: dict, setup, steps: int) -> dict:
+    start = rec["starts"][-1] if rec["starts"] else {}
+    world = start.get("world") or 0
+    batch = 4 * 2 * world  # MODEL_ARGS: micro-batch 4, grad-accum 2
+    out = {"world": world, "train_s": start.get("train_s")}
+    if start.get("train_s"):
+        out["samples_per_s"] = steps * batch / start["train_s"]
+    out["rounds_bytes_per_step"] = (start.get("bytes_sent") or 0) / steps
+    out["copies_bytes_per_step"] = (start.get("peer_copy_bytes_sent") or 0) / steps
+    if setup.memory_root is not None:
+        per_node = [_folder_bytes(agents.node_memory(setup, n)) for n in range(2)]
+        out["memory_bytes_per_rank"] = max(per_node) / max(1, setup.per_node)
+    return out
+
+
+def run(a) -> dict:
+    base = agents.Setup(
+        steps=a.steps,
+        save_every=0,
+        per_node=a.per_node,
+        max_restarts=a.max_restarts,
+        last_call_timeout_s=a.last_call_timeout,
+        join_timeout_s=a.join_timeout,
+        model_args=MODEL_ARGS,
+    )
+    work = Path(a.work or tempfile.mkdtemp(prefix="acco_faults_memory_"))
+    res = {"args": dict(vars(a)), "machine": machine_info(), "cases": []}
+    nodes.remove_stale()
+    try:
+        _run_cases(a, base, work, res)
+    finally:
+        shutil.rmtree(MEMORY_ROOT, ignore_errors=True)
+    res["date"] = time.strftime("%Y-%m-%dT%H:%M:%S")
+    res["command"] = " ".join(["python -m benchmarks.faults.memory_state", *sys.argv[1:]])
+    return res
+
+
+def _run_cases(a, base, work: Path, res: dict) -> None:
+    with nodes.TwoNodes() as net:
+        for rate in () if a.quick else RATES:
+            net.set_rate(rate)
+            for rep in range(a.repeats):
+                for memory in (False, True):  # paired, alternating: the machine's drift hits both alike
+                    name = f"cost_{rate}_{'memory' if memory else 'plain'}_{rep}"
+                    setup = dataclasses.replace(base, memory_root=str(MEMORY_ROOT / name) if memory else None)
+                    rec = run_job(net, setup, work / name, "acco", 0, a.timeout)
+                    rec.update(case="cost", rate=rate, memory_state=memory, repeat=rep)
+                    rec.update(cost_figures(rec, setup, a.steps))
+                    res["cases"].append(rec)
+                    print(
+                        f"cost {rate} memory_state={memory} #{rep}: {rec.get('samples_per_s')} samples/s",
+                        flush=True,
+                    )
+        net.set_rate("400mbit")
+        res["link"] = {"rate": "400mbit", "qdisc_node0": net.qdisc(0)}
+        for seed in a.seeds:
+            name = f"lost_s{seed}"
+            setup = dataclasses.replace(base, memory_root=str(MEMORY_ROOT / name))
+            step = random.Random(seed).randint(a.steps // 5, a.steps // 2)
+            rec = run_job(
+                net, setup, work / name, "acco", seed, a.timeout, kill_node1_at(step, setup, a.timeout)
+            )
+            rec.update(case="node-lost", seed=seed, drawn_step=step, **healed(rec, a.steps, a.per_node))
+            res["cases"].append(rec)
+            print(f"node-lost seed {seed}: {summary_line(rec)}", flush=True)
+
+
+def summary_line(rec: dict) -> str:
+    keys = (
+        "healed",
+        "resumed_at_step",
+        "last_step_before",
+        "steps_lost",
+        "detection_s",
+        "restart_s",
+        "recovery_s",
+    )
+    return ", ".join(f"{k}={rec.get(k)}" for k in keys)
+
+
+def _f(x, digits: int = 1) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def render(res: dict) -> str:
+    lines = [
+        "# Node memory instead of disk saves: a lost node and what the records cost",
+        "",
+        f"`{res['command']}` on {res['machine'].get('cpu', 'this machine')} ({res['date']}); written by",
+        "`benchmarks/faults/memory_state.py` from this folder's JSON. No disk checkpoint in any job. The model: "
+        f"acco-train {' '.join(MODEL_ARGS)}, fp32, acco, one rank per node, 2 nodes.",
+        "",
+        "| node lost (seed) | killed at recorded step | last step before | resumed at | steps lost | detection s "
+        "| restart s | kill to training s | final steps | val loss | healed |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in (c for c in res["cases"] if c["case"] == "node-lost"):
+        lines.append(
+            f"| {r['seed']} | {r.get('kill_at_recorded_step')} | {r.get('last_step_before')} | "
+            f"{r.get('resumed_at_step')} | {r.get('steps_lost')} | {_f(r.get('detection_s'))} | "
+            f"{_f(r.get('restart_s'))} | {_f(r.get('recovery_s'))} | {r.get('final_steps')} | "
+            f"{_f(r.get('val_loss'), 4)} | {r.get('healed')} |"
+        )
+    lines += [
+        "",
+        "| link | memory_state | samples/s | samples/s lost | rounds' bytes/step (rank 0) | copies' bytes/step (rank 0) "
+        "| node memory per rank (MiB) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    costs = [c for c in res["cases"] if c["case"] == "cost"]
+    for rate in dict.fromkeys(c["rate"] for c in costs):
+        med = {
+            m: _median_row([c for c in costs if c["rate"] == rate and c["memory_state"] == m]) for m in (0, 1)
+        }
+        for m in (False, True):
+            r, cost = med[m], None
+            if m and med[False]["samples_per_s"] and r["samples_per_s"]:
+                cost = 100.0 * (1.0 - r["samples_per_s"] / med[False]["samples_per_s"])
+            mem = r.get("memory_bytes_per_rank")
+            lines.append(
+                f"| {rate} | {'on' if m else 'off'} | {_f(r['samples_per_s'])} ({r['spread']}) | "
+                f"{'-' if cost is None else f'{cost:.1f} %'} | {r['rounds_bytes_per_step']:.0f} | "
+                f"{r['copies_bytes_per_step']:.0f} | {'-' if mem is None else f'{mem / 2**20:.2f}'} |"
+            )
+    lines += [
+        "",
+        f"samples/s: the median of {res['args'].get('repeats', 1)} jobs (min-max in brackets), pairs run alternately; "
+        "samples/s lost: 1 - on/off of the medians. Bytes: rank 0's, per step. Node memory: a node's memory folder at the end "
+        "(its rank's two records and the two of the copy it holds, each with its meta area) per rank.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _median_row(rows: list) -> dict:
+    sps = sorted(r["samples_per_s"] for r in rows if r.get("samples_per_s"))
+    mid = rows[0] if rows else {}
+    out = {
+        "samples_per_s": statistics.median(sps) if sps else None,
+        "spread": f"{sps[0]:.1f}-{sps[-1]:.1f}" if sps else "-",
+        "rounds_bytes_per_step": mid.get("rounds_bytes_per_step", 0),
+        "copies_bytes_per_step": mid.get("copies_bytes_per_step", 0),
+    }
+    if mid.get("memory_bytes_per_rank") is not None:
+        out["memory_bytes_per_rank"] = mid["memory_bytes_per_rank"]
+    return out
+
+
+def write(res: dict, out: Path, prefix: str) -> int:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{prefix}.md").write_text(render(res))
+    lost = [c for c in res["cases"] if c["case"] == "node-lost"]
+    return 0 if lost and all(c.get("healed") for c in lost) else 1
+
+
+def main(argv=None) -> int:
+    a = parse(argv)
+    out = Path(a.out)
+    if a.from_json:
+        return write(json.loads(Path(a.from_json).read_text()), out, a.prefix)
+    why = nodes.unavailable()
+    if why:
+        print(f"faults.memory_state: {why}", file=sys.stderr)
+        return 2
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    res = run(a)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{a.prefix}.json").write_text(json.dumps(res, indent=1) + "\n")
+    return write(res, out, a.prefix)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
