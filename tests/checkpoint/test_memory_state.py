@@ -14,7 +14,10 @@ stop without cleaning up, as a crashed process does. Then:
 - 4 ranks on 2 nodes (each rank's records copied to a rank of the other node every step) lose the second node:
   the 2 survivors resume from memory, their own records and the copies they hold, as from disk (acco, sync);
 - 3 ranks on 3 nodes lose nodes 1 and 2, so rank 1's records and their copy are both gone: no resume from memory
-  (the error names rank 1), the disk checkpoint is loaded instead.
+  (the error names rank 1), the disk checkpoint is loaded instead;
+- 2 ranks on 2 nodes, rank 1 SIGKILLed 1 or GAS - 1 micro-batches into the step after ``SAVE`` (copies and commits
+  in flight) and its node's memory removed: rank 0 alone resumes at ``SAVE`` or ``SAVE - 1``, bit for bit in the
+  state the uninterrupted run had at that step.
 """
 
 from __future__ import annotations
@@ -98,6 +101,24 @@ def _jobs(tmp) -> list:
     return jobs
 
 
+KILLS = [
+    1,
+    GAS - 1,
+]  # acco, 2 ranks on 2 nodes: rank 1 killed this many micro-batches into the step after SAVE
+
+
+def _kill_jobs(tmp) -> list:
+    jobs = []
+    for n, kill_micro in enumerate(KILLS):
+        name = f"kill{kill_micro}"
+        base = {"name": name, "mode": "acco", "dtype": "fp32", "gas": GAS, "save_step": SAVE, "more": MORE,
+                "dir": str(tmp / "shm"), "run_id": name, "ckpt": str(tmp / "ckpt" / name), "node_size": 1,
+                "killer": 1, "kill_micro": kill_micro, "comm_timeout_s": 10}  # fmt: skip
+        jobs.append({**base, "kind": "kill", "launch": 10 + 2 * n})
+        jobs.append({**base, "name": f"{name}@1", "kind": "resume", "source": "memory", "launch": 11 + 2 * n})
+    return jobs
+
+
 def lose_nodes(folder, ranks) -> None:
     """What losing the nodes of ``ranks`` takes from node memory: their own records and the copies they held."""
     for r in ranks:
@@ -109,7 +130,7 @@ def lose_nodes(folder, ranks) -> None:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("memory_state")
-    jobs = _jobs(tmp)
+    jobs = _jobs(tmp) + _kill_jobs(tmp)
     spec = tmp / "jobs.json"
     spec.write_text(json.dumps(jobs))
     out = {}
@@ -122,6 +143,14 @@ def runs(tmp_path_factory):
         args = ["--jobs", spec, "--out", tmp, "--launch_index", str(index)]
         launch.run_local(WORKER, world, args, env=launch.rank_env())
         out.update(torch.load(tmp / f"launch{index}.pt", weights_only=False)[0])
+    for n, kill_micro in enumerate(KILLS):  # the launch of the kill ends with the ranks' failures
+        args = ["--jobs", spec, "--out", tmp, "--launch_index", str(10 + 2 * n)]
+        launch.run_local(WORKER, 2, args, env=launch.rank_env(), check=False)
+        out[f"kill{kill_micro}/ref"] = torch.load(tmp / f"kill{kill_micro}.ref.pt", weights_only=False)
+        lose_nodes(tmp / "shm" / f"kill{kill_micro}", [1])
+        args = ["--jobs", spec, "--out", tmp, "--launch_index", str(11 + 2 * n)]
+        launch.run_local(WORKER, 1, args, env=launch.rank_env())
+        out.update(torch.load(tmp / f"launch{11 + 2 * n}.pt", weights_only=False)[0])
     return out
 
 
@@ -177,3 +206,15 @@ def test_a_node_lost_with_its_copys_holder_falls_back_to_disk(runs):
     assert got["fell_back"] and got["client_step"] == SAVE
     for key in KEYS:
         assert torch.equal(got["reload"][key], saved[key]), key
+
+
+@pytest.mark.parametrize("kill_micro", KILLS)
+def test_a_node_killed_mid_step_costs_at_most_one_step(runs, kill_micro):
+    """Rank 1 (on its own node, the holder of rank 0's copy) is SIGKILLed inside the step after SAVE, its node's
+    memory removed: rank 0 resumes alone at SAVE or SAVE - 1, in the state the uninterrupted run had there."""
+    got, ref = runs[f"kill{kill_micro}@1"], runs[f"kill{kill_micro}/ref"]
+    step = got["client_step"]
+    assert SAVE - 1 <= step <= SAVE, f"resumed at step {step}, the last completed was {SAVE}"
+    for key in KEYS:
+        assert torch.equal(got["reload"][key], ref[step][key]), f"{key} at step {step}"
+    assert got["reload"]["step"] == ref[step]["step"]

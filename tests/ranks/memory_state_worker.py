@@ -18,6 +18,9 @@ fp16 jobs poison the loss of a few micro-batches (times inf), so the loss scaler
 ``node_size``: the ranks are on nodes of that many ranks (torchrun's ``GROUP_RANK``), so that each rank's records
 are also copied to a rank on another node; a resume with ``expect_lost`` must find no complete state in memory
 (the test removed a node and the holder of its copies) and loads the disk checkpoint instead.
+``"kind": "kill"``: a reference run recording the committed state after every step, then the same run with
+memory_state on, in which rank ``killer`` SIGKILLs itself ``kill_micro`` micro-batches after step ``save_step`` is
+recorded (``run_kill``; the launch ends there).
 Rank 0 writes ``<out>/launch<N>.pt``: every rank's ``{job name: record}``, in rank order.
 """
 
@@ -26,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 
 import deepspeed
 import torch
@@ -46,6 +50,8 @@ def config(job: dict, memory_on: bool) -> dict:
         params["compression"] = {"commit": "int8", **({"peek": "int8"} if job["mode"] == "acco" else {})}
     if memory_on:
         params["memory_state"] = {"enabled": True, "dir": job["dir"], "run_id": job["run_id"]}
+    if job.get("comm_timeout_s"):
+        params["comm_timeout_s"] = job["comm_timeout_s"]
     cfg = {
         "train_micro_batch_size_per_gpu": toy.MICRO_BATCH,
         "gradient_accumulation_steps": job["gas"],
@@ -114,6 +120,38 @@ def run_train(job: dict, rank: int) -> dict:
     return rec
 
 
+def run_kill(job: dict, rank: int, out: str) -> dict:
+    """The reference (memory_state off): the committed state after each step, drained, to ``<out>/<name>.ref.pt``;
+    then the same run with memory_state on until step ``save_step`` is recorded, and ``kill_micro`` micro-batches
+    later rank ``killer`` SIGKILLs itself (its peers fail their round and exit)."""
+    ref = make_engine(job, seed=0, memory_on=False, restart=0)
+    states, done, i = {}, 0, 0
+    while done < job["save_step"] + 1:
+        micro(ref, job, rank, i)
+        i += 1
+        if int(ref.optimizer.committed_steps) > done:
+            done = int(ref.optimizer.committed_steps)
+            states[done] = state(ref)
+    ref.optimizer.finish()
+    ref.optimizer.pipeline.close()
+    if rank == 0:
+        torch.save(states, os.path.join(out, f"{job['name'].replace('/', '_')}.ref.pt"))
+    torch.distributed.barrier()
+    engine = make_engine(job, seed=0, memory_on=True, restart=0)
+    opt = engine.optimizer
+    done, i, since = 0, 0, 0
+    while True:
+        micro(engine, job, rank, i)
+        i += 1
+        if int(opt.committed_steps) > done:
+            done = int(opt.committed_steps)
+            memory.record_step(engine, done, {"acco_train_step": done})
+        if done >= job["save_step"]:
+            if rank == job["killer"] and since == job["kill_micro"]:
+                os.kill(os.getpid(), signal.SIGKILL)
+            since += 1
+
+
 def run_resume(job: dict, rank: int) -> dict:
     from_memory = job["source"] == "memory"
     # memory: the model as the restarted process builds it (the first start's seed: frozen parameters and buffers
@@ -161,6 +199,8 @@ def main() -> None:
         jobs = [j for j in json.load(f) if j["launch"] == args.launch_index]
     results = {}
     for job in jobs:
+        if job["kind"] == "kill":
+            run_kill(job, rank, args.out)
         results[job["name"]] = run_train(job, rank) if job["kind"] == "train" else run_resume(job, rank)
     gathered = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(gathered, results)
