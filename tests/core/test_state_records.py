@@ -62,6 +62,19 @@ def _write_until_killed(path) -> None:
         f.write(key, [torch.full((1 << 21,), float(key)), torch.full((3,), float(-key))], {"key": key})
 
 
+def _has_record(path) -> bool:
+    if not path.exists():
+        return False
+    try:
+        f = RecordFile.open(path)
+    except RecordFileError:  # the header is not written yet
+        return False
+    try:
+        return f.newest_key() is not None
+    finally:
+        f.close()
+
+
 def test_a_writer_killed_mid_write_leaves_its_previous_record(tmp_path):
     """SIGKILL at random points of back-to-back writes: the newest complete record is always whole (every element
     its key), and some kills did land inside a write (a slot left marked as being written)."""
@@ -74,8 +87,8 @@ def test_a_writer_killed_mid_write_leaves_its_previous_record(tmp_path):
                 _write_until_killed(path)
             finally:
                 os._exit(1)
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and not path.exists():
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not _has_record(path):  # a loaded machine starts the child late
             time.sleep(0.005)
         time.sleep(0.03 + 0.1 * float(torch.rand(1, generator=rng)))
         os.kill(pid, signal.SIGKILL)
