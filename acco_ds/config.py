@@ -80,6 +80,13 @@ class _ComboError(ValueError):
         return f"optimizer.params.{self.key}={self.value!r}: {self.text}"
 
 
+def _strict_bool(cls, v):
+    """A validator of boolean options: JSON's true or false only (no 0/1, no strings)."""
+    if not isinstance(v, bool):
+        raise ValueError("must be true or false")
+    return v
+
+
 def _string(cls, v):
     """A choice's value must be a string before pydantic checks it against the allowed ones (no coercion)."""
     if not isinstance(v, str):
@@ -131,12 +138,7 @@ class CompressionConfig(BaseModel):
             raise ValueError(f"must be in [1, {MAX_BLOCK_SIZE}]")
         return int(v)
 
-    @field_validator("error_feedback", "fuse_round_end", mode="before")
-    @classmethod
-    def _bool(cls, v):
-        if not isinstance(v, bool):
-            raise ValueError("must be true or false")
-        return v
+    _bool = field_validator("error_feedback", "fuse_round_end", mode="before")(classmethod(_strict_bool))
 
     @property
     def compresses_gradients(self) -> bool:
@@ -170,12 +172,7 @@ class MemoryStateConfig(BaseModel):
     """The run the records belong to (a folder under ``dir``); None: the launcher's ``TORCHELASTIC_RUN_ID``
     (torchrun sets it; every restart of one run shares it), else 'local'."""
 
-    @field_validator("enabled", "peer_copy", mode="before")
-    @classmethod
-    def _bool(cls, v):
-        if not isinstance(v, bool):
-            raise ValueError("must be true or false")
-        return v
+    _bool = field_validator("enabled", "peer_copy", mode="before")(classmethod(_strict_bool))
 
     @field_validator("dir", mode="before")
     @classmethod
