@@ -651,6 +651,22 @@ MUTANTS = [
         "    if False:\n",
         ("tests/checkpoint/test_memory_state.py::test_a_lost_node_is_resumed_from_the_copies",),
     ),
+    Mutant(
+        "M68",
+        "the weights and moments read back before the commit in flight is applied (accessors, batched)",
+        "acco_ds/deepspeed/accessors.py",
+        "    _drain(optimizer)\n    params = list(params)\n",
+        "    params = list(params)\n",
+        ("tests/core/test_trajectories.py::test_matches_reference",),
+    ),
+    Mutant(
+        "M69",
+        "each rank's fragment read back at its parameter's start, not at its offset in the parameter",
+        "acco_ds/deepspeed/accessors.py",
+        "view[frag.param_start : frag.param_start + frag.numel]",
+        "view[0 : frag.numel]",
+        ("tests/core/test_trajectories.py::test_matches_reference",),
+    ),
 ]
 
 

@@ -80,17 +80,41 @@ def _drain(optimizer) -> None:
     drain(optimizer.pipeline)
 
 
-def _get_full_hp_param(param, optimizer, optim_state_key=None):
+def full_hp_params(params, optimizer, optim_state_key=None) -> list:
+    """The whole fp32 master weight (``optim_state_key=None``) or Adam moment (``'exp_avg'`` / ``'exp_avg_sq'``) of
+    each of ``params``, on every rank: what ``safe_get_full_fp32_param`` / ``safe_get_full_optimizer_state`` return
+    for each parameter, with one all-reduce per data-parallel group instead of one per parameter. Each rank copies
+    its fragments into a zero fp32 buffer, so every element is summed with zeros only: the same bits as the
+    per-parameter reads. A collective: every rank calls it with the same parameters in the same order. Returns
+    fp32 tensors of the parameters' shapes, on their device."""
     _drain(optimizer)
-    full = torch.zeros(param.numel(), dtype=torch.float32, device=param.device)
-    frag = param._hp_mapping
-    if frag.numel:
-        src = _state_tensor(optimizer.pipeline.groups[frag.group_index], optim_state_key)
-        full[frag.param_start : frag.param_start + frag.numel].copy_(
-            src[frag.shard_start : frag.shard_start + frag.numel]
-        )
-    dist.all_reduce(full, group=param._dp_group)
-    return full.view(param.shape)
+    params = list(params)
+    out = [None] * len(params)
+    by_group: dict = {}
+    for i, p in enumerate(params):
+        by_group.setdefault(id(p._dp_group), (p._dp_group, []))[1].append(i)
+    for group, idx in by_group.values():
+        total = sum(params[i].numel() for i in idx)
+        full = torch.zeros(total, dtype=torch.float32, device=params[idx[0]].device)
+        views, off = [], 0
+        for i in idx:
+            param, frag = params[i], params[i]._hp_mapping
+            view = full[off : off + param.numel()]
+            if frag.numel:
+                src = _state_tensor(optimizer.pipeline.groups[frag.group_index], optim_state_key)
+                view[frag.param_start : frag.param_start + frag.numel].copy_(
+                    src[frag.shard_start : frag.shard_start + frag.numel]
+                )
+            views.append(view)
+            off += param.numel()
+        dist.all_reduce(full, group=group)
+        for i, view in zip(idx, views):
+            out[i] = view.view(params[i].shape)
+    return out
+
+
+def _get_full_hp_param(param, optimizer, optim_state_key=None):
+    return full_hp_params([param], optimizer, optim_state_key)[0]
 
 
 def _set_full_hp_param(param, optimizer, value, optim_state_key=None):

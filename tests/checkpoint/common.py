@@ -6,9 +6,8 @@ from __future__ import annotations
 import hashlib
 
 import deepspeed
-from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
-from tests.ranks import toy
+from tests.ranks import readback, toy
 
 
 def acco_engine(model, **config):
@@ -30,8 +29,8 @@ def full_state(engine) -> list:
     """The engine's state as flat tensors: committed fp32 parameters, the module's parameters, exp_avg,
     exp_avg_sq (over the toy's trainable parameters)."""
     ps = toy.trainable(engine.module)
-    return [toy.flat(safe_get_full_fp32_param(p) for p in ps), toy.flat(p.detach() for p in ps)] + [
-        toy.flat(safe_get_full_optimizer_state(p, k) for p in ps) for k in ("exp_avg", "exp_avg_sq")
+    return [readback.full_state(engine, ps), toy.flat(p.detach() for p in ps)] + [
+        readback.full_state(engine, ps, k) for k in ("exp_avg", "exp_avg_sq")
     ]
 
 

@@ -13,7 +13,7 @@ micro-batches of each optimizer step, as the loop marks them) and ``style``, how
   step ends the accumulation).
 
 Rank 0 saves per scenario, after every step: the lr the step used, the committed fp32 parameters and Adam
-moments (``safe_get_full_fp32_param`` / ``safe_get_full_optimizer_state``, collectives) and the reported
+moments (``readback.full_state``, collectives) and the reported
 gradient norm; ``moved_before_boundary``: how many backwards that the engine did not mark as a boundary
 changed the module's weights, in sync/dpu (acco's PEEK rounds change them mid-step by design, inside
 ``no_sync`` too). ``probe: true`` adds, after the steps: the keys of
@@ -29,20 +29,16 @@ import os
 
 import deepspeed  # noqa: E402
 import torch
-from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state  # noqa: E402
 
 import acco_ds  # noqa: E402,F401
 from acco_ds.deepspeed.cpu_fp16 import allow_fp16_on_cpu
-from tests.ranks import rank_start, toy  # noqa: E402
+from tests.ranks import rank_start, readback, toy  # noqa: E402
 
 
-def committed(params) -> dict:
+def committed(engine, params) -> dict:
     return {
-        "params": toy.flat(safe_get_full_fp32_param(p) for p in params).cpu(),
-        **{
-            k: toy.flat(safe_get_full_optimizer_state(p, k) for p in params).cpu()
-            for k in ("exp_avg", "exp_avg_sq")
-        },
+        "params": readback.full_state(engine, params),
+        **{k: readback.full_state(engine, params, k) for k in ("exp_avg", "exp_avg_sq")},
     }
 
 
@@ -93,7 +89,7 @@ def refused_step(engine, params) -> dict:
         pipe = opt.pipeline
         return {
             "module": toy.flat(params).clone(),
-            "committed": committed(params),
+            "committed": committed(engine, params),
             "counts": (
                 pipe.committed_steps,
                 pipe.state_step,
@@ -128,7 +124,7 @@ def run_scenario(sc: dict, rank: int) -> dict:
         lrs.append(float(engine.get_lr()[0]))
         moved += one_step(engine, rank, first, size, sc["style"], watch, params)
         first += size
-        steps.append(committed(params))
+        steps.append(committed(engine, params))
         norm = engine.get_global_grad_norm()
         norms.append(None if norm is None else float(norm))
     out = {"lrs": lrs, "steps": steps, "norms": norms, "moved_before_boundary": moved}
@@ -137,7 +133,7 @@ def run_scenario(sc: dict, rank: int) -> dict:
         if hasattr(engine.optimizer, "pipeline"):
             out["refused"] = refused_step(engine, params)
             one_step(engine, rank, first, 4, "manual", False, params)  # training goes on after the refusal
-            out["after_refusal"] = committed(params)
+            out["after_refusal"] = committed(engine, params)
     if hasattr(engine.optimizer, "pipeline"):
         engine.optimizer.finish()
         out["final_norm"] = float(engine.optimizer.pipeline.last_grad_norm)

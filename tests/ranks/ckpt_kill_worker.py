@@ -25,10 +25,9 @@ import time
 import deepspeed  # noqa: E402
 import torch
 from deepspeed.runtime.engine import DeepSpeedEngine  # noqa: E402
-from deepspeed.utils import safe_get_full_fp32_param  # noqa: E402
 
 import acco_ds  # noqa: E402,F401
-from tests.ranks import rank_start, toy  # noqa: E402
+from tests.ranks import rank_start, readback, toy  # noqa: E402
 
 GAS = 4
 
@@ -52,7 +51,7 @@ def train(engine, rank: int, steps: int, start: int) -> None:
 
 
 def committed(engine) -> torch.Tensor:
-    return toy.flat(safe_get_full_fp32_param(p) for p in toy.trainable(engine.module))
+    return readback.full_state(engine, toy.trainable(engine.module))
 
 
 def save(engine, args, tag: str) -> None:

@@ -29,11 +29,10 @@ import os
 
 import deepspeed  # noqa: E402
 import torch
-from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state  # noqa: E402
 
 import acco_ds  # noqa: E402,F401
 from acco_ds.core import snapshot  # noqa: E402
-from tests.ranks import rank_start, toy  # noqa: E402
+from tests.ranks import rank_start, readback, toy  # noqa: E402
 
 EVAL_RANK, EVAL_BATCHES = 97, 4
 LR, WD, CLIP = 0.02, 0.1, 0.5
@@ -84,12 +83,11 @@ def step_count(engine) -> int:
 
 
 def state(engine) -> dict:
-    """The committed fp32 master and both moments through DeepSpeed's public accessors (collective, one
-    all-reduce per parameter and key), and the step count."""
+    """The committed fp32 master and both moments (``readback.full_state``: collectives), and the step count."""
     params = toy.trainable(engine.module)
-    out = {"master": toy.flat(safe_get_full_fp32_param(p) for p in params)}
+    out = {"master": readback.full_state(engine, params)}
     for key in ("exp_avg", "exp_avg_sq"):
-        out[key] = toy.flat(safe_get_full_optimizer_state(p, key) for p in params)
+        out[key] = readback.full_state(engine, params, key)
     out["step"] = step_count(engine)
     return out
 

@@ -30,10 +30,9 @@ import time
 
 import deepspeed  # noqa: E402
 import torch
-from deepspeed.utils import safe_get_full_fp32_param  # noqa: E402
 
 import acco_ds  # noqa: E402,F401
-from tests.ranks import rank_start, toy  # noqa: E402
+from tests.ranks import rank_start, readback, toy  # noqa: E402
 
 TAG = "mid"
 LINEAR_DIM = 37
@@ -55,7 +54,7 @@ def linear_vector(rank: int, index: int) -> torch.Tensor:
 
 
 def committed(engine) -> torch.Tensor:
-    return toy.flat(safe_get_full_fp32_param(p) for p in toy.trainable(engine.module))
+    return readback.full_state(engine, toy.trainable(engine.module))
 
 
 def make_engine(cfg: dict, seed: int = 0):

@@ -15,7 +15,7 @@ steps and may:
   (the AdamW step count and LR of the next job are then decided on the device).
 
 Rank 0 saves per step: the lr the step used, the committed fp32 parameters and Adam moments read
-through DeepSpeed's public accessors, ``optimizer.overflow`` and ``engine.skipped_steps``; at the
+(``readback.full_state``), ``optimizer.overflow`` and ``engine.skipped_steps``; at the
 end every rank's final model parameters and ACCO stats.
 """
 
@@ -26,10 +26,9 @@ import os
 
 import deepspeed  # noqa: E402
 import torch
-from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state  # noqa: E402
 
 import acco_ds  # noqa: E402,F401
-from tests.ranks import rank_start, toy  # noqa: E402
+from tests.ranks import rank_start, readback, toy  # noqa: E402
 
 
 def _inf_hook(grad: torch.Tensor) -> torch.Tensor:
@@ -70,9 +69,9 @@ def run_scenario(sc: dict, rank: int) -> dict:
         norm = engine.get_global_grad_norm()
         out["norms"].append(None if norm is None else float(norm))
         out["data_steps"].append(data_step)
-        out["traj"].append(toy.flat(safe_get_full_fp32_param(p) for p in params))
+        out["traj"].append(readback.full_state(engine, params))
         for key in ("exp_avg", "exp_avg_sq"):
-            out[key].append(toy.flat(safe_get_full_optimizer_state(p, key) for p in params))
+            out[key].append(readback.full_state(engine, params, key))
         if sc.get("restart_after") == data_step:
             engine.optimizer.finish()
     opt = engine.optimizer

@@ -18,11 +18,10 @@ import os
 
 import deepspeed
 import torch
-from deepspeed.utils import safe_get_full_fp32_param
 
 import acco_ds  # noqa: F401
 from acco_ds.deepspeed.cpu_fp16 import allow_fp16_on_cpu
-from tests.ranks import rank_start, toy
+from tests.ranks import rank_start, readback, toy
 
 STEPS, GAS, Z1_STEPS = 8, 4, 3
 FP16 = {"enabled": True, "initial_scale_power": 8, "loss_scale_window": 2, "hysteresis": 2}
@@ -82,9 +81,7 @@ def feed(engine, rank: int, start: int, stop: int, log: dict) -> None:
         engine.backward(loss)
         engine.step()
         if (i + 1) % GAS == 0:
-            log["traj"].append(
-                toy.flat(safe_get_full_fp32_param(p) for p in toy.trainable(engine.module)).cpu()
-            )
+            log["traj"].append(readback.full_state(engine, toy.trainable(engine.module)))
             log["scales"].append(float(engine.optimizer.cur_scale))
             log["skipped"].append(int(engine.skipped_steps))
 

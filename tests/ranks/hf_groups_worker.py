@@ -18,11 +18,10 @@ import os
 
 import torch
 import transformers.integrations.deepspeed as hf_deepspeed
-from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 from transformers import Trainer, TrainerCallback
 
 import acco_ds  # noqa: F401  (registers "ACCO")
-from tests.ranks import cpu_accelerate_shim
+from tests.ranks import cpu_accelerate_shim, readback
 from tests.ranks.hf_worker import Tokens, tiny_llama, trainer_args
 
 
@@ -50,9 +49,9 @@ class Record(TrainerCallback):
 
     def _committed(self) -> dict:
         named = [(n, p) for n, p in self._engine().module.named_parameters() if p.requires_grad]
-        out = {"params": {n: safe_get_full_fp32_param(p).clone() for n, p in named}}
+        out = {"params": readback.full_dict(self._engine(), named)}
         for key in ("exp_avg", "exp_avg_sq"):
-            out[key] = {n: safe_get_full_optimizer_state(p, key).clone() for n, p in named}
+            out[key] = readback.full_dict(self._engine(), named, key)
         return out
 
     def on_train_begin(self, args, state, control, **kwargs):

@@ -35,11 +35,10 @@ import deepspeed
 import torch
 from accelerate import Accelerator  # noqa: E402
 from accelerate.utils import DeepSpeedPlugin, DummyOptim, GradientAccumulationPlugin  # noqa: E402
-from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state  # noqa: E402
 from transformers import Trainer, TrainerCallback  # noqa: E402
 
 import acco_ds  # noqa: E402,F401  (the only change a user makes)
-from tests.ranks import cpu_accelerate_shim  # noqa: E402
+from tests.ranks import cpu_accelerate_shim, readback  # noqa: E402
 from tests.ranks.hf_epochs import release  # noqa: E402
 from tests.ranks.hf_worker import Tokens, tiny_llama, trainer_args  # noqa: E402
 
@@ -223,9 +222,9 @@ def finish(engine, out: dict) -> dict:
     if acco:
         engine.optimizer.finish()
     params = [(n, p) for n, p in engine.module.named_parameters() if p.requires_grad]
-    out["committed"] = {n: safe_get_full_fp32_param(p).clone() for n, p in params}
+    out["committed"] = readback.full_dict(engine, params)
     for key in ("exp_avg", "exp_avg_sq"):
-        out[key] = {n: safe_get_full_optimizer_state(p, key).clone() for n, p in params}
+        out[key] = readback.full_dict(engine, params, key)
     out["optimizer_type"] = type(engine.optimizer).__name__
     out["global_steps"] = engine.global_steps
     out["engine_gas"] = engine.gradient_accumulation_steps()

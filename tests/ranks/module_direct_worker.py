@@ -12,7 +12,7 @@ backward by torch, then each engine's ``_backward_epilogue()`` and ``step()``), 
 which every rank sees). The engines take turns micro-batch by micro-batch.
 
 Rank 0 saves per scenario and engine, after every optimizer step: the committed fp32 parameters and Adam moments
-(``safe_get_full_fp32_param`` / ``safe_get_full_optimizer_state``, collectives), the reported gradient norm,
+(``readback.full_state``, collectives), the reported gradient norm,
 ``engine.skipped_steps``, and the loss-scale attributes users read (``optimizer.loss_scaler``'s fields, read from the
 object taken before training as DeepSpeed's own tests keep it, ``optimizer.dynamic_loss_scale``, ``cur_scale`` and
 ``loss_scale``); at the end the module's own parameters.
@@ -25,11 +25,10 @@ import os
 import deepspeed  # noqa: E402
 import torch
 from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
-from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state  # noqa: E402
 
 import acco_ds  # noqa: E402,F401
 from acco_ds.deepspeed.cpu_fp16 import allow_fp16_on_cpu
-from tests.ranks import rank_start, toy  # noqa: E402
+from tests.ranks import rank_start, readback, toy  # noqa: E402
 
 DYNAMIC_FIELDS = (
     "cur_scale",
@@ -64,9 +63,9 @@ def scaler_attributes(optimizer, held) -> dict:
 
 def committed(engine) -> dict:
     params = toy.trainable(engine.module)
-    out = {"params": toy.flat(safe_get_full_fp32_param(p) for p in params).cpu()}
+    out = {"params": readback.full_state(engine, params)}
     for key in ("exp_avg", "exp_avg_sq"):
-        out[key] = toy.flat(safe_get_full_optimizer_state(p, key) for p in params).cpu()
+        out[key] = readback.full_state(engine, params, key)
     norm = engine.get_global_grad_norm()
     out["norm"] = None if norm is None else float(norm)
     out["skipped_steps"] = int(engine.skipped_steps)

@@ -2,8 +2,8 @@
 
 Runs each scenario of a JSON list (a DeepSpeed config + steps) on the toy model and, on rank 0,
 saves per step: the lr the step used, the committed fp32 parameters and Adam moments read back
-through DeepSpeed's public ``safe_get_full_fp32_param`` / ``safe_get_full_optimizer_state``
-(collectives) and ``engine.get_global_grad_norm()``, plus ACCO's state sizes/stats. ``final_norm``:
+(``readback.full_state``: one collective per key; at the end, DeepSpeed's public ``safe_get_full_fp32_param`` /
+``safe_get_full_optimizer_state`` are checked to give the same bits) and ``engine.get_global_grad_norm()``, plus ACCO's state sizes/stats. ``final_norm``:
 the norm of the last commit, which acco/dpu report only once ``finish()`` has applied it.
 
 Scenario switches of the CPU test modes: ``cuda_paths`` runs the scenario with the CUDA executor on emulated
@@ -19,12 +19,11 @@ import os
 
 import deepspeed  # noqa: E402
 import torch
-from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state  # noqa: E402
 
 import acco_ds  # noqa: E402,F401
 from acco_ds.core import compressed_comm, emulated_stream, round_job, snapshot
 from acco_ds.deepspeed.cpu_fp16 import allow_fp16_on_cpu
-from tests.ranks import rank_start, toy  # noqa: E402
+from tests.ranks import rank_start, readback, toy  # noqa: E402
 
 P2P = compressed_comm.point_to_point
 COLLECTIVES = round_job.collectives
@@ -32,12 +31,12 @@ UNSTORED_SUM_MAX_WORLD = round_job.UNSTORED_SUM_MAX_WORLD
 
 
 def optimizer_states(engine, params, key: str) -> torch.Tensor:
-    """``safe_get_full_optimizer_state`` of every parameter, flat; zeros while DeepSpeed's ZeRO-1 has no Adam state
-    (every step so far skipped for an fp16 overflow: its accessor then fails on the missing state). The same
+    """Every parameter's moment ``key``, flat (``readback.full_state``); zeros while DeepSpeed's ZeRO-1 has no Adam
+    state (every step so far skipped for an fp16 overflow: its accessor then fails on the missing state). The same
     decision on every rank (the skips are), so the collectives stay matched."""
     if not hasattr(engine.optimizer, "pipeline") and not engine.optimizer.optimizer.state:
         return torch.zeros(sum(p.numel() for p in params))
-    return toy.flat(safe_get_full_optimizer_state(p, key) for p in params).cpu()
+    return readback.full_state(engine, params, key)
 
 
 @contextlib.contextmanager
@@ -97,7 +96,7 @@ def run_scenario(sc: dict, rank: int) -> dict:
             if hook is not None:
                 hook.remove()
             engine.step()
-        traj.append(toy.flat(safe_get_full_fp32_param(p) for p in params).cpu())
+        traj.append(readback.full_state(engine, params))
         for key, per_step in moments.items():
             per_step.append(optimizer_states(engine, params, key))
         norm = engine.get_global_grad_norm()
@@ -122,6 +121,7 @@ def run_scenario(sc: dict, rank: int) -> dict:
         out[key] = per_step[-1]
     opt = engine.optimizer
     if hasattr(opt, "pipeline"):
+        readback.check_public_accessors(engine, params)
         out["state_numel"] = opt.state_numel_per_rank()
         out["state_shapes"] = [
             [tuple(b.master.shape), tuple(b.exp_avg.shape), tuple(b.exp_avg_sq.shape)]
