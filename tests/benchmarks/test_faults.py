@@ -16,6 +16,7 @@ import pytest
 
 from benchmarks.faults import cli, report
 from benchmarks.harness import nodes
+from tests.benchmarks import QUICK_RUN_HANG_S
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURE = Path(__file__).parent / "fixtures" / "faults_quick.json"
@@ -109,12 +110,12 @@ def test_quick_run_heals_for_real(tmp_path):
     # another worker) may exist at the same time
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        stdout, stderr = proc.communicate(timeout=600)
+        stdout, stderr = proc.communicate(timeout=QUICK_RUN_HANG_S)
     except subprocess.TimeoutExpired:
         proc.kill()
         stdout, stderr = proc.communicate()
         raise AssertionError(
-            f"benchmarks.faults --quick ran over 600 s: {(stdout + stderr)[-5000:]}"
+            f"benchmarks.faults --quick ran over {QUICK_RUN_HANG_S} s: {(stdout + stderr)[-5000:]}"
         ) from None
     assert proc.returncode == 0, (stdout + stderr)[-5000:]
     res = json.loads((out / "faults_quick.json").read_text())
