@@ -16,7 +16,7 @@ import pytest
 
 from benchmarks.faults import cli, report
 from benchmarks.harness import nodes
-from tests.benchmarks import QUICK_RUN_HANG_S
+from tests.benchmarks import communicate_or_kill
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURE = Path(__file__).parent / "fixtures" / "faults_quick.json"
@@ -109,14 +109,7 @@ def test_quick_run_heals_for_real(tmp_path):
     # Popen, not run: the namespaces are named after the benchmark's pid, and another test's (a topology run on
     # another worker) may exist at the same time
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=QUICK_RUN_HANG_S)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        stdout, stderr = proc.communicate()
-        raise AssertionError(
-            f"benchmarks.faults --quick ran over {QUICK_RUN_HANG_S} s: {(stdout + stderr)[-5000:]}"
-        ) from None
+    stdout, stderr = communicate_or_kill(proc, "benchmarks.faults --quick")
     assert proc.returncode == 0, (stdout + stderr)[-5000:]
     res = json.loads((out / "faults_quick.json").read_text())
     (rec,) = [r for r in res["cases"] if r["case"] == "node-lost"]

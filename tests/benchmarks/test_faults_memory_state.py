@@ -16,7 +16,7 @@ import pytest
 
 from benchmarks.faults import memory_state
 from benchmarks.harness import nodes
-from tests.benchmarks import QUICK_RUN_HANG_S
+from tests.benchmarks import communicate_or_kill
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results" / "faults"
@@ -51,12 +51,7 @@ def test_quick_run_loses_at_most_one_step_without_disk_saves(tmp_path):
     cmd += ["--work", str(tmp_path / "w")]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=QUICK_RUN_HANG_S)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        stdout, stderr = proc.communicate()
-        raise AssertionError(f"--quick ran over {QUICK_RUN_HANG_S} s: {(stdout + stderr)[-5000:]}") from None
+    stdout, stderr = communicate_or_kill(proc, "benchmarks.faults.memory_state --quick")
     assert proc.returncode == 0, (stdout + stderr)[-5000:]
     res = json.loads((out / "memory_state_quick.json").read_text())
     (rec,) = [r for r in res["cases"] if r["case"] == "node-lost"]

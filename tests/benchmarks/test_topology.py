@@ -20,7 +20,7 @@ from acco_ds.cli.launch import LaunchError
 from benchmarks.harness import nodes
 from benchmarks.topology import cli
 from benchmarks.topology import runs as topology_runs
-from tests.benchmarks import QUICK_RUN_HANG_S
+from tests.benchmarks import communicate_or_kill
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -149,12 +149,7 @@ def test_quick_topology_runs(tmp_path):
     proc = subprocess.Popen(
         cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
-    try:
-        log, _ = proc.communicate(timeout=QUICK_RUN_HANG_S)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        log, _ = proc.communicate()
-        raise AssertionError(f"--quick ran over {QUICK_RUN_HANG_S} s: {log[-5000:]}") from None
+    log, _ = communicate_or_kill(proc, "benchmarks.topology --quick")
     assert proc.returncode == 0, log[-5000:]
     assert _mine(proc.pid) == []
     raw = json.loads((out / "topology_quick.json").read_text())

@@ -15,6 +15,7 @@ import torch
 from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
 from acco_ds.deepspeed.accessors import full_hp_params
+from tests.ranks import toy
 
 KEYS = (None, "exp_avg", "exp_avg_sq")
 
@@ -29,6 +30,11 @@ def full_states(engine, params, key=None) -> list:
     params = list(params)
     if _is_acco(engine):
         return full_hp_params(params, engine.optimizer, key)
+    return _public_states(params, key)
+
+
+def _public_states(params, key) -> list:
+    """DeepSpeed's public accessors, one collective per parameter."""
     if key is None:
         return [safe_get_full_fp32_param(p) for p in params]
     return [safe_get_full_optimizer_state(p, key) for p in params]
@@ -36,7 +42,7 @@ def full_states(engine, params, key=None) -> list:
 
 def full_state(engine, params, key=None) -> torch.Tensor:
     """:func:`full_states`, flat fp32 on the CPU, in parameter order."""
-    return torch.cat([t.detach().reshape(-1).float().cpu() for t in full_states(engine, params, key)])
+    return toy.flat(full_states(engine, params, key)).cpu()
 
 
 def check_public_accessors(engine, params) -> None:
@@ -45,13 +51,8 @@ def check_public_accessors(engine, params) -> None:
     if not _is_acco(engine):
         return
     for key in KEYS:
-        batched = full_state(engine, params, key)
-        if key is None:
-            public = [safe_get_full_fp32_param(p) for p in params]
-        else:
-            public = [safe_get_full_optimizer_state(p, key) for p in params]
-        public = torch.cat([t.detach().reshape(-1).float().cpu() for t in public])
-        if not torch.equal(batched, public):
+        public = toy.flat(_public_states(params, key)).cpu()
+        if not torch.equal(full_state(engine, params, key), public):
             raise AssertionError(f"the public accessors differ from the batched read-back for key={key!r}")
 
 

@@ -2,9 +2,10 @@
 
 Runs each scenario of a JSON list (a DeepSpeed config + steps) on the toy model and, on rank 0,
 saves per step: the lr the step used, the committed fp32 parameters and Adam moments read back
-(``readback.full_state``: one collective per key; at the end, DeepSpeed's public ``safe_get_full_fp32_param`` /
-``safe_get_full_optimizer_state`` are checked to give the same bits) and ``engine.get_global_grad_norm()``, plus ACCO's state sizes/stats. ``final_norm``:
-the norm of the last commit, which acco/dpu report only once ``finish()`` has applied it.
+(``readback.full_state``: one collective per key; at the end, DeepSpeed's public
+``safe_get_full_fp32_param`` / ``safe_get_full_optimizer_state`` are checked to give the same bits) and
+``engine.get_global_grad_norm()``, plus ACCO's state sizes/stats. ``final_norm``: the norm of the last
+commit, which acco/dpu report only once ``finish()`` has applied it.
 
 Scenario switches of the CPU test modes: ``cuda_paths`` runs the scenario with the CUDA executor on emulated
 streams (``core.emulated_stream``) and the host summaries read one job late (``defer_host_reads``, which a
