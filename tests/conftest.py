@@ -16,7 +16,7 @@ import os
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
-from tests.ranks import cpuinfo_cache  # noqa: E402
+from tests.ranks import cpuinfo_cache, no_shm_comm  # noqa: E402
 
 # DeepSpeed's CPU probe answered from one file per machine, in this process and in every process the suite starts
 # (the ranks' start-up hook runs it: tests/ranks/cpu_hook/sitecustomize.py, first on the session's PYTHONPATH)
@@ -26,6 +26,10 @@ _here = os.path.dirname(os.path.realpath(__file__))
 _hook = os.path.join(_here, "ranks", "cpu_hook")  # tests/ranks/launch.CPU_RANKS_HOOK
 os.environ["PYTHONPATH"] = os.pathsep.join(dict.fromkeys([_hook, os.path.dirname(_here), *_paths]))
 cpuinfo_cache.install()
+# and without DeepSpeed's CPU shared-memory communication op (built, loaded and mapped by every rank; it serves only
+# inference_all_reduce, which then takes torch.distributed's all_reduce as on CUDA): tests/ranks/no_shm_comm.py
+os.environ.setdefault(no_shm_comm.ENV, "1")
+no_shm_comm.install()
 
 import contextlib  # noqa: E402
 import glob  # noqa: E402

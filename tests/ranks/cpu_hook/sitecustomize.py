@@ -18,7 +18,9 @@ without them), so an fp16 run under the HF Trainer or accelerate needs no line o
 
 With ``ACCO_DS_TEST_CPUINFO_CACHE`` set (tests/conftest.py sets it and puts this folder on the session's PYTHONPATH,
 so every process the suite starts runs this hook), DeepSpeed's CPU probe is answered from one file per machine
-(``tests/ranks/cpuinfo_cache.py``) instead of a fresh interpreter per op load.
+(``tests/ranks/cpuinfo_cache.py``) instead of a fresh interpreter per op load; with ``ACCO_DS_TEST_NO_SHM_COMM=1``
+(tests/conftest.py sets it too) DeepSpeed's CPU shared-memory communication op is neither built nor loaded
+(``tests/ranks/no_shm_comm.py``).
 """
 
 import importlib.machinery
@@ -63,6 +65,14 @@ def apply_rank_hooks() -> None:
             pass
         else:
             cpuinfo_cache.install()
+
+    if os.environ.get("ACCO_DS_TEST_NO_SHM_COMM") == "1":
+        try:
+            from tests.ranks import no_shm_comm
+        except ImportError:  # a process started outside the repository: DeepSpeed as it is
+            pass
+        else:
+            no_shm_comm.install()
 
 
 _hide_cuda()  # before the next hook on the path, which may import torch
