@@ -15,6 +15,7 @@ stop without cleaning up, as a crashed process does. Then:
   the 2 survivors resume from memory, their own records and the copies they hold, as from disk (acco, sync);
 - 3 ranks on 3 nodes lose nodes 1 and 2, so rank 1's records and their copy are both gone: no resume from memory
   (the error names rank 1), the disk checkpoint is loaded instead;
+- every one of those runs with memory_state on keeps ACCO's rounds per step (2 for acco, 1 for dpu and sync);
 - 2 ranks on 2 nodes, rank 1 SIGKILLed 1 or GAS - 1 micro-batches into the step after ``SAVE`` (copies and commits
   in flight) and its node's memory removed: rank 0 alone resumes at ``SAVE`` or ``SAVE - 1``, bit for bit in the
   state the uninterrupted run had at that step.
@@ -199,6 +200,21 @@ def test_a_lost_node_is_resumed_from_the_copies(runs, name):
     assert trained["copies"]["peer_copy_steps"] == SAVE
     assert trained["copies"]["peer_copy_bytes_sent"] > 0 and trained["copies"]["peer_copy_bytes_received"] > 0
     assert_same_run(f"{name}/nodes", runs[f"{name}/nodes@2/memory"], runs[f"{name}/nodes@2/disk"])
+
+
+TRAINED = [c["name"] for c in CASES] + [f"{n}/nodes" for n in NODE_LOST] + [f"{BOTH_LOST}/both"]
+
+
+@pytest.mark.parametrize("name", TRAINED)
+def test_the_rounds_per_step_are_those_of_a_run_without_memory_state(runs, name):
+    """With the records written after every commit (and copied to another node in the /nodes and /both runs), the
+    schedule is the mode's own: acco runs 2 rounds per step of GAS micro-batches (its peek after GAS/2, then the
+    commit), dpu and sync 1. sync commits inside its step; dpu and acco commit step k while the first round of step
+    k + 1 is out (the overlap), so when the worker sees commit k that round is already counted."""
+    mode = name.split("/")[0].split("_")[0]
+    per_step, in_flight = (2, 1) if mode == "acco" else (1, 0 if mode == "sync" else 1)
+    want = [per_step * k + in_flight for k in range(1, SAVE + 1)]
+    assert runs[name]["rounds"] == want, f"{name}: rounds when each commit was seen"
 
 
 def test_a_node_lost_with_its_copys_holder_falls_back_to_disk(runs):

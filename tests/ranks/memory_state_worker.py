@@ -107,14 +107,15 @@ def state(engine) -> dict:
 def run_train(job: dict, rank: int) -> dict:
     engine = make_engine(job, seed=0, memory_on=True, restart=0)
     opt = engine.optimizer
-    done, i = 0, 0
+    done, i, rounds = 0, 0, []
     while done < job["save_step"]:
         micro(engine, job, rank, i)
         i += 1
         if int(opt.committed_steps) > done:
             done = int(opt.committed_steps)
             memory.record_step(engine, done, {"acco_train_step": done})
-    rec = {"at_save": state(engine), "copies": opt.pipeline.memory_state.stats()}
+            rounds.append(int(opt.stats()["rounds"]))
+    rec = {"at_save": state(engine), "copies": opt.pipeline.memory_state.stats(), "rounds": rounds}
     engine.save_checkpoint(job["ckpt"], tag=f"step{done}", client_state={"acco_train_step": done})
     opt.pipeline.close()  # no finish(): the records stay as a crashed process leaves them
     return rec
