@@ -2,9 +2,10 @@
 "A crashed process"), ranks started as DeepSpeed's per-node launcher starts them, on CPU (the worker:
 tests/ranks/memory_state_worker.py).
 
-Two ranks train sync, dpu and acco in fp32, acco in bf16, acco in fp16 with overflows (the loss scaler moves)
-and acco with int8 rounds, recording every step in memory and saving a disk checkpoint at step ``SAVE``, then
-stop without cleaning up, as a crashed process does. Then:
+Two ranks train sync, dpu and acco in fp32, acco in bf16, acco in fp16 with overflows (the loss scaler moves),
+acco with int8 rounds, and acco and dpu in fp16 on the paths only a GPU rank takes (the CUDA executor on emulated
+streams, each job's host summary read one job late), recording every step in memory and saving a disk checkpoint
+at step ``SAVE``, then stop without cleaning up, as a crashed process does. Then:
 
 - on the same 2 ranks (a crashed process restarted on its live node), each resumes from memory at step ``SAVE``
   with the fp32 master and both moments bit for bit those of the save;
@@ -41,6 +42,9 @@ CASES = [
     {"name": "acco_bf16", "mode": "acco", "dtype": "bf16"},
     {"name": "acco_fp16", "mode": "acco", "dtype": "fp16"},
     {"name": "acco_int8", "mode": "acco", "dtype": "fp32", "compression": True},
+    # the paths only a GPU rank takes (the CUDA executor on emulated streams, host summaries read one job late)
+    {"name": "acco_fp16_cuda", "mode": "acco", "dtype": "fp16", "cuda_paths": True},
+    {"name": "dpu_fp16_cuda", "mode": "dpu", "dtype": "fp16", "cuda_paths": True},
 ]
 SAME_WORLD = ["acco", "acco_fp16", "sync"]
 KEYS = ("master", "exp_avg", "exp_avg_sq")
@@ -205,16 +209,23 @@ def test_a_lost_node_is_resumed_from_the_copies(runs, name):
 TRAINED = [c["name"] for c in CASES] + [f"{n}/nodes" for n in NODE_LOST] + [f"{BOTH_LOST}/both"]
 
 
+CUDA_PATHS = {c["name"] for c in CASES if c.get("cuda_paths")}
+
+
 @pytest.mark.parametrize("name", TRAINED)
 def test_the_rounds_per_step_are_those_of_a_run_without_memory_state(runs, name):
     """With the records written after every commit (and copied to another node in the /nodes and /both runs), the
     schedule is the mode's own: acco runs 2 rounds per step of GAS micro-batches (its peek after GAS/2, then the
-    commit), dpu and sync 1. sync commits inside its step; dpu and acco commit step k while the first round of step
-    k + 1 is out (the overlap), so when the worker sees commit k that round is already counted."""
+    commit), dpu and sync 1. The rounds counted when the worker sees commit k: sync commits inside its step (k);
+    dpu and acco commit step k while the first round of step k + 1 is out (one more); on the CUDA paths acco's
+    commit k is read with step k + 1's peek, one job late, at that step's boundary (two more)."""
+    cuda = ("StreamExecutor", True) if name in CUDA_PATHS else ("ThreadExecutor", False)
+    assert runs[name]["executor"] == cuda, f"{name}: (executor, defer_host_reads) {runs[name]['executor']}"
     mode = name.split("/")[0].split("_")[0]
-    per_step, in_flight = (2, 1) if mode == "acco" else (1, 0 if mode == "sync" else 1)
-    want = [per_step * k + in_flight for k in range(1, SAVE + 1)]
-    assert runs[name]["rounds"] == want, f"{name}: rounds when each commit was seen"
+    per_step = 2 if mode == "acco" else 1
+    out = 0 if mode == "sync" else (2 if mode == "acco" and name in CUDA_PATHS else 1)
+    want = [per_step * k + out for k in range(1, SAVE + 1)]
+    assert runs[name]["rounds"] == want, f"{name}: rounds counted when each commit was seen"
 
 
 def test_a_node_lost_with_its_copys_holder_falls_back_to_disk(runs):

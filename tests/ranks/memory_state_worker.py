@@ -14,7 +14,9 @@ model built from seed 1; memory_state off); records the state right after the lo
 micro-batches numbered from the resumed step, recording after each the committed state, the LR, the loss scale
 and the skipped steps.
 
-fp16 jobs poison the loss of a few micro-batches (times inf), so the loss scaler moves before and after the save.
+``cuda_paths``: every engine of the job (train and both resumes) runs the paths only a GPU rank takes, on CPU
+(tests/ranks/worker.py's scenario switch: the CUDA executor on emulated streams, each job's host summary read one
+job late). fp16 jobs poison the loss of a few micro-batches (times inf), so the loss scaler moves before and after the save.
 ``node_size``: the ranks are on nodes of that many ranks (torchrun's ``GROUP_RANK``), so that each rank's records
 are also copied to a rank on another node; a resume with ``expect_lost`` must find no complete state in memory
 (the test removed a node and the holder of its copies) and loads the disk checkpoint instead.
@@ -39,6 +41,7 @@ from acco_ds.deepspeed.checkpoint import memory
 from acco_ds.deepspeed.cpu_fp16 import allow_fp16_on_cpu
 from tests.ranks import rank_start, toy
 from tests.ranks.ckpt_reshard_worker import fast_state
+from tests.ranks.worker import emulated_stream_executor
 
 LR, WD, CLIP = 0.02, 0.1, 0.5
 FP16 = {"enabled": True, "initial_scale_power": 8, "loss_scale_window": 2, "hysteresis": 2}
@@ -75,9 +78,12 @@ def make_engine(job: dict, seed: int, memory_on: bool, restart: int):
     rank = torch.distributed.get_rank()
     os.environ["GROUP_RANK"] = str(rank // job["node_size"]) if job.get("node_size") else "0"
     model = toy.build(seed)
-    engine, _, _, _ = deepspeed.initialize(
-        model=model, config=config(job, memory_on), model_parameters=model.parameters()
-    )
+    with emulated_stream_executor(bool(job.get("cuda_paths"))):
+        engine, _, _, _ = deepspeed.initialize(
+            model=model, config=config(job, memory_on), model_parameters=model.parameters()
+        )
+    if job.get("cuda_paths"):
+        engine.optimizer.pipeline.defer_host_reads = True
     return engine
 
 
@@ -116,6 +122,7 @@ def run_train(job: dict, rank: int) -> dict:
             memory.record_step(engine, done, {"acco_train_step": done})
             rounds.append(int(opt.stats()["rounds"]))
     rec = {"at_save": state(engine), "copies": opt.pipeline.memory_state.stats(), "rounds": rounds}
+    rec["executor"] = (type(opt.pipeline.executor).__name__, bool(opt.pipeline.defer_host_reads))
     engine.save_checkpoint(job["ckpt"], tag=f"step{done}", client_state={"acco_train_step": done})
     opt.pipeline.close()  # no finish(): the records stay as a crashed process leaves them
     return rec
