@@ -15,8 +15,9 @@ micro-batches numbered from the resumed step, recording after each the committed
 and the skipped steps.
 
 ``cuda_paths``: every engine of the job (train and both resumes) runs the paths only a GPU rank takes, on CPU
-(tests/ranks/worker.py's scenario switch: the CUDA executor on emulated streams, each job's host summary read one
-job late). fp16 jobs poison the loss of a few micro-batches (times inf), so the loss scaler moves before and after the save.
+(``tests.ranks.worker.initialize``: the CUDA executor on emulated streams, each job's host summary read one job
+late). fp16 jobs poison the loss of a few micro-batches (times inf), so the loss scaler moves before and after the
+save.
 ``node_size``: the ranks are on nodes of that many ranks (torchrun's ``GROUP_RANK``), so that each rank's records
 are also copied to a rank on another node; a resume with ``expect_lost`` must find no complete state in memory
 (the test removed a node and the holder of its copies) and loads the disk checkpoint instead.
@@ -33,7 +34,6 @@ import json
 import os
 import signal
 
-import deepspeed
 import torch
 
 import acco_ds  # noqa: F401
@@ -41,7 +41,7 @@ from acco_ds.deepspeed.checkpoint import memory
 from acco_ds.deepspeed.cpu_fp16 import allow_fp16_on_cpu
 from tests.ranks import rank_start, toy
 from tests.ranks.ckpt_reshard_worker import fast_state
-from tests.ranks.worker import emulated_stream_executor
+from tests.ranks.worker import initialize
 
 LR, WD, CLIP = 0.02, 0.1, 0.5
 FP16 = {"enabled": True, "initial_scale_power": 8, "loss_scale_window": 2, "hysteresis": 2}
@@ -78,13 +78,7 @@ def make_engine(job: dict, seed: int, memory_on: bool, restart: int):
     rank = torch.distributed.get_rank()
     os.environ["GROUP_RANK"] = str(rank // job["node_size"]) if job.get("node_size") else "0"
     model = toy.build(seed)
-    with emulated_stream_executor(bool(job.get("cuda_paths"))):
-        engine, _, _, _ = deepspeed.initialize(
-            model=model, config=config(job, memory_on), model_parameters=model.parameters()
-        )
-    if job.get("cuda_paths"):
-        engine.optimizer.pipeline.defer_host_reads = True
-    return engine
+    return initialize(model, config(job, memory_on), bool(job.get("cuda_paths")))
 
 
 def poisoned(job: dict, rank: int, i: int) -> bool:

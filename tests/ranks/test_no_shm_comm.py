@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import glob
 import os
-import socket
 import subprocess
 import sys
 
 from acco_ds.cli import launch as cli_launch
 from tests.ranks import no_shm_comm
+from tests.ranks.launch import free_port
 
 # importlib, not ``import deepspeed.comm.torch as t``: deepspeed.comm's ``torch`` attribute is the torch package
 PROBE = "import importlib; t = importlib.import_module('deepspeed.comm.torch'); print(t.build_shm_op.__module__, {})"
@@ -40,9 +40,7 @@ def test_without_the_variable_deepspeed_keeps_its_op():
 def test_ranks_on_one_node_map_no_shm_buffer():
     """Two gloo ranks with ``LOCAL_SIZE`` = the world size (DeepSpeed's op would write a buffer each there) start
     through ``deepspeed.init_distributed``, sum a tensor and leave no /dev/shm buffer behind."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     code = (
         "import deepspeed, torch, torch.distributed as dist; deepspeed.init_distributed(dist_backend='gloo'); "
         "x = torch.ones(3); dist.all_reduce(x); print(int(x.sum()))"

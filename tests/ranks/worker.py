@@ -54,6 +54,17 @@ def emulated_stream_executor(on: bool):
         os.environ.pop(emulated_stream.EXECUTOR_ENV, None)
 
 
+def initialize(model, cfg: dict, cuda_paths: bool):
+    """``deepspeed.initialize`` of ``model`` with ``cfg``; with ``cuda_paths``, on the CPU test modes of the paths
+    only a GPU rank takes: the CUDA executor on emulated streams (core.emulated_stream: its switch set while the
+    engine builds the executor) and each job's host summary read one job late (defer_host_reads)."""
+    with emulated_stream_executor(cuda_paths):
+        engine, _, _, _ = deepspeed.initialize(model=model, config=cfg, model_parameters=model.parameters())
+    if cuda_paths:
+        engine.optimizer.pipeline.defer_host_reads = True
+    return engine
+
+
 def run_scenario(sc: dict, rank: int) -> dict:
     cfg = sc["config"]
     gas = cfg["gradient_accumulation_steps"]
@@ -65,14 +76,7 @@ def run_scenario(sc: dict, rank: int) -> dict:
     poison_param = {(p[0], p[1]): p[2] for p in sc.get("poison", []) if len(p) == 3}
     linear = sc.get("model") == "linear"  # toy.Linear: a micro-batch's gradient is toy.linear_input
     model = toy.Linear() if linear else toy.build()
-    # "cuda_paths": the CPU test modes of the paths only a GPU rank takes: the CUDA executor on emulated streams
-    # (core.emulated_stream: its switch set while the engine builds the executor) and the host summaries read one
-    # job late (defer_host_reads)
-    cuda_paths = bool(sc.get("cuda_paths"))
-    with emulated_stream_executor(cuda_paths):
-        engine, _, _, _ = deepspeed.initialize(model=model, config=cfg, model_parameters=model.parameters())
-    if cuda_paths:
-        engine.optimizer.pipeline.defer_host_reads = True
+    engine = initialize(model, cfg, bool(sc.get("cuda_paths")))
     if sc.get("defer_host_reads"):  # read each job's host summary one job later, as the pipeline does on CUDA
         engine.optimizer.pipeline.defer_host_reads = True
     params = toy.trainable(engine.module)
