@@ -1,7 +1,7 @@
 """DeepSpeed without its CPU shared-memory communication op in the processes the suite starts.
 
 DeepSpeed's CPU accelerator builds ``deepspeed_shm_comm`` at every ``init_distributed`` (``TorchBackend`` calls
-``deepspeed.comm.torch.build_shm_op``): a JIT compile of about 50 CPU-seconds once per environment, a load in every
+``deepspeed.comm.torch.build_shm_op``): a JIT compile once per environment, a load in every
 rank, and, when ``LOCAL_SIZE`` equals the world size (DeepSpeed's launcher, ``tests/ranks/launch.run_local``), a
 69 MB buffer written to /dev/shm by each rank, which then polls until it can open every peer's. The op serves only
 ``inference_all_reduce`` (AutoTP's row-parallel layers in eval mode); without it DeepSpeed takes torch.distributed's
@@ -9,7 +9,7 @@ rank, and, when ``LOCAL_SIZE`` equals the world size (DeepSpeed's launcher, ``te
 
 :func:`install` makes ``build_shm_op`` answer None in this process, now if ``deepspeed.comm.torch`` is imported and
 at its import otherwise (a finder first on ``sys.meta_path``: the start-up hook runs before anything imports
-DeepSpeed, and importing it here would cost every process that never uses it 1.5 CPU-seconds). Only the tests use it,
+DeepSpeed, and importing it here would make every process that never uses it pay for the import). Only the tests use it,
 when ``ACCO_DS_TEST_NO_SHM_COMM=1`` (tests/conftest.py sets it for the session): the product and its users' runs keep
 DeepSpeed as it is.
 """
