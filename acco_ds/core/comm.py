@@ -115,6 +115,28 @@ def _destroy_gloo_groups() -> None:
             dist.destroy_process_group()
 
 
+def release_groups(groups, busy: bool = False) -> bool:
+    """Destroy the gloo groups among ``groups`` (None and non-gloo entries are skipped) that this process created
+    with :func:`new_subgroup` and nothing runs on any more: each one's gloo device has an event-loop thread of its
+    own that wakes every 10 ms and its sockets, which an engine closed and replaced by another (a process that
+    builds several engines) would otherwise keep until the process exits. Local, not collective: a rank's last
+    collective on a group is complete once its own thread returned from it, and the bytes it sent stay
+    deliverable to a peer still finishing that collective. Skipped when ``busy`` (a thread may still be inside
+    a collective on one of them), after a failed round in this process (a collective may be stuck on a lost
+    peer) and without an initialized default group. NCCL groups are left to the process's end: their
+    communicators may still run a job's kernels on the device. Returns whether it released them; the caller then
+    drops its references (a group's gloo device and loop thread live as long as one does)."""
+    if busy or _SAW_COMM_FAILURE or not (dist.is_available() and dist.is_initialized()):
+        return False
+    for group in groups:
+        if group is None or group == dist.GroupMember.NON_GROUP_MEMBER:
+            continue
+        with contextlib.suppress(ValueError, RuntimeError):  # already destroyed (e.g. by the atexit hook)
+            if dist.get_backend(group) == "gloo":
+                dist.destroy_process_group(group)
+    return True
+
+
 @atexit.register
 def _close_open_executors() -> None:
     """Close (drain and join) the worker threads of engines never closed (e.g. under the HF Trainer)
@@ -211,6 +233,10 @@ class ThreadExecutor:
         _OPEN_EXECUTORS.discard(self)
         if self.monitor is not None:
             self.monitor.stop()
+
+    def running(self) -> bool:
+        """Whether the worker thread is still alive (after ``close``: a job outlived the join's timeout)."""
+        return self._thread.is_alive()
 
 
 class StreamExecutor(ThreadExecutor):

@@ -34,6 +34,7 @@ from typing import Dict, List, Sequence
 import torch
 import torch.distributed as dist
 
+from acco_ds.core.comm import release_groups
 from acco_ds.core.state_records import RecordFile
 
 HELD = "held_by_rank{}"
@@ -121,8 +122,11 @@ class PeerCopies:
             ) from self._error
 
     def close(self) -> None:
+        """End the copies' thread, then release its group (``core.comm.release_groups``)."""
         self._queue.put(None)
         self._thread.join(timeout=self.timeout_s)
+        if release_groups([self.group], busy=self._thread.is_alive()):
+            self.group = None
 
     # -- the copies' thread ------------------------------------------------------------------------
     def _loop(self) -> None:

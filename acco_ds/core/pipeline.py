@@ -66,7 +66,13 @@ import torch.distributed as dist
 from acco_ds.config import ACCOConfig, ACCOConfigError
 from acco_ds.core import schedule
 from acco_ds.core.buffers import GroupBuffers, GroupLayout
-from acco_ds.core.comm import check_reducible, make_control_group, make_executor, new_subgroup
+from acco_ds.core.comm import (
+    check_reducible,
+    make_control_group,
+    make_executor,
+    new_subgroup,
+    release_groups,
+)
 from acco_ds.core.compressed_comm import Compression
 from acco_ds.core.draining import Draining
 from acco_ds.core.fused_round_end import BlockOwners, FusedRoundEnd, ResidualRelease
@@ -523,8 +529,14 @@ class ACCOPipeline(RoundSchedule, RoundScale, InFlight, RoundHypers, Draining):
             b.point_grads()
 
     def close(self) -> None:
+        """End the worker threads (the executor's, the host step's, the memory state's), then release the gloo
+        groups the pipeline created (``core.comm.release_groups``): the pipeline runs no collective after this."""
         self.executor.close()
         if self.host_step is not None:
             self.host_step.close()
         if self.memory_state is not None:
             self.memory_state.close()
+        groups = [self.executor.group, self.control_group, self.tp_norm_group, self.tp_control_group]
+        if release_groups(groups, busy=self.executor.running()):
+            # a group's gloo device (and its event-loop thread) lives as long as a reference to the group
+            self.executor.group = self.control_group = self.tp_norm_group = self.tp_control_group = None

@@ -480,6 +480,12 @@ class ACCOZeroOptimizer(ZeROOptimizer):
         """End of training, on every rank: finish the work in flight, load theta into the model."""
         self.pipeline.finish()
 
+    def destroy(self) -> None:
+        """``DeepSpeedEngine.destroy()``'s part: the jobs already launched finish, the worker threads end and the
+        gloo groups the pipeline created are released (``ACCOPipeline.close``). It does not apply a commit still
+        in flight to the model: call :meth:`finish` first for the trained weights. Idempotent."""
+        self.pipeline.close()
+
     def stats(self) -> dict:
         out = self.pipeline.stats.as_dict()
         out.update(

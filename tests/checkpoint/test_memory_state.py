@@ -203,6 +203,7 @@ def test_a_lost_node_is_resumed_from_the_copies(runs, name):
     trained = runs[f"{name}/nodes"]
     assert trained["copies"]["peer_copy_steps"] == SAVE
     assert trained["copies"]["peer_copy_bytes_sent"] > 0 and trained["copies"]["peer_copy_bytes_received"] > 0
+    assert trained["copies_group_released"] is True  # closing the pipeline released the copies' gloo group
     assert_same_run(f"{name}/nodes", runs[f"{name}/nodes@2/memory"], runs[f"{name}/nodes@2/disk"])
 
 

@@ -230,10 +230,12 @@ def run_case(world, chunk, bs, bdt, gdt, rdt, bits, seed, specials=True, ties=Fa
 
 def cases():
     """(world, chunk, bs, (bdt, gdt, rdt), bits, one-block kernel, ties): every dtype combination at every
-    geometry and world, 8 and 4 bits in turn; the short blocks through the one-block kernel too; exact ties."""
-    for k, ((bs, chunk), world) in enumerate(itertools.product(GEOMETRIES, WORLDS)):
+    geometry, the worlds and 8 / 4 bits in turn (``k + j`` over geometry ``k`` and dtype combination ``j``: every
+    pair of geometry, dtype combination, world and bits meets); the short blocks through the one-block kernel too;
+    exact ties."""
+    for k, (bs, chunk) in enumerate(GEOMETRIES):
         for j, d in enumerate(DTYPES):
-            yield world, chunk, bs, d, 8 if (k + j) % 2 == 0 else 4, False, False
+            yield WORLDS[(k + j) % len(WORLDS)], chunk, bs, d, 8 if (k + j) % 2 == 0 else 4, False, False
     for (bs, chunk), world in itertools.product(GEOMETRIES[:3], WORLDS):
         for j in range(2):
             yield world, chunk, bs, DTYPES[(3 * world + j) % len(DTYPES)], 8 if j else 4, True, False

@@ -115,10 +115,14 @@ def run_train(job: dict, rank: int) -> dict:
             done = int(opt.committed_steps)
             memory.record_step(engine, done, {"acco_train_step": done})
             rounds.append(int(opt.stats()["rounds"]))
-    rec = {"at_save": state(engine), "copies": opt.pipeline.memory_state.stats(), "rounds": rounds}
+    rec = {"at_save": state(engine), "rounds": rounds}
     rec["executor"] = (type(opt.pipeline.executor).__name__, bool(opt.pipeline.defer_host_reads))
     engine.save_checkpoint(job["ckpt"], tag=f"step{done}", client_state={"acco_train_step": done})
     opt.pipeline.close()  # no finish(): the records stay as a crashed process leaves them
+    # after close: the copies' thread has sent every step queued (while training it may be one commit behind)
+    rec["copies"] = opt.pipeline.memory_state.stats()
+    copies = opt.pipeline.memory_state.copies
+    rec["copies_group_released"] = None if copies is None else copies.group is None
     return rec
 
 
