@@ -16,8 +16,10 @@ Contract:
 - Every rank records the same steps in the same order and names the same commits (the steps and commit counts are
   global), so the sends and receives of a step pair up on every rank: no other agreement is needed.
 - The copies of a rank are at most one commit behind its own records: ``MemoryState.after_job`` does not write
-  commit k before the copies have taken commit k - 1 out of its slot (:meth:`PeerCopies.wait_slot_free`; the job's
-  thread waits there only when the copies are slower than a round).
+  commit k before the copies of every step naming commit k - 1 or older are exchanged, the wards' copies stored
+  (:meth:`PeerCopies.wait_slot_free`; the job's thread waits there only when the copies are slower than a round).
+  The exchange is symmetric, so a holder has stored its ward's step k - 1 before it writes its own commit k: its
+  own records and its copy of the ward's always share a step, however an exchange in flight ends.
 - Bytes: the copies' sends and receives are counted (``bytes_sent``, ``bytes_received``): per step and rank,
   12 bytes per element of the shard (fp32 master, exp_avg, exp_avg_sq) once per commit, plus the metas.
 """
@@ -100,8 +102,9 @@ class PeerCopies:
             self._cond.notify_all()
 
     def wait_slot_free(self, key: int) -> None:
-        """Block until no step waiting to be copied needs commit ``key - 1`` or older: the slot commit ``key``
-        reuses holds commit ``key - 2``, and the copies stay at most one commit behind the rank's own records.
+        """Block until no step that names commit ``key - 1`` or older is still to be copied (exchanged, the wards'
+        copies stored): the slot commit ``key`` reuses holds commit ``key - 2``, and the copies stay at most one commit
+        behind the rank's own records.
         Raises :class:`PeerCopyError` after ``timeout_s``."""
         deadline = time.monotonic() + self.timeout_s
         with self._cond:
@@ -162,9 +165,6 @@ class PeerCopies:
         key = meta["last_commit"]
         new_commit = key != self._sent_commit
         commit = self._own_commit(key) if new_commit else None
-        with self._cond:
-            self._needed.remove(key)
-            self._cond.notify_all()
         commit_blob = pickle.dumps(commit.meta) if commit is not None else b""
         step_blob = pickle.dumps(meta)
         header = torch.tensor([int(new_commit), len(commit_blob), len(step_blob), step], dtype=torch.int64)
@@ -188,6 +188,9 @@ class PeerCopies:
             raw = wblob.numpy().tobytes()
             self._store(w, step, wflat if has else None, raw[:clen], raw[clen:])
         self.steps_copied += 1
+        with self._cond:  # only now: the holder may have this step only once the exchange is through
+            self._needed.remove(key)
+            self._cond.notify_all()
 
     def _exchange(self, send: List[torch.Tensor], recv: Dict[int, List[torch.Tensor]]) -> None:
         works = []

@@ -1,0 +1,79 @@
+"""``core.peer_copies.PeerCopies.wait_slot_free``: the job's thread writes commit k only once the copies of the steps
+naming commit k - 1 are through their exchange (the wards' copies stored), not as soon as the copies' thread has read
+the commit. A rank whose node survives then holds its ward's step k - 1 whenever its own records hold step k, so the
+two always share a step; with the wait released at the read, a ward lost during the exchange left the holder's copy
+two steps behind its own records and nothing to resume from (the node-loss benchmark's failure). Here the exchange
+is held open (no process group: ``_exchange`` replaced) and the wait must not return before it is let go.
+"""
+
+from __future__ import annotations
+
+import threading
+from types import SimpleNamespace
+
+import torch
+
+from acco_ds.core import peer_copies
+
+
+class _Commits:
+    numels = [3]
+
+    def __init__(self):
+        self.newest = None
+
+    def newest_key(self):
+        return self.newest
+
+    def read(self, key):
+        return [SimpleNamespace(meta={"key": key}, tensors=[torch.zeros(3)])]
+
+
+def _copies(tmp_path, exchange):
+    state = SimpleNamespace(commits=_Commits(), folder=str(tmp_path), rank=0, generation=0)
+    copies = peer_copies.PeerCopies(state, None, holder=1, wards=[], timeout_s=30.0)
+    copies._exchange = exchange
+    return copies, state
+
+
+def test_commit_k_waits_for_the_exchange_of_commit_k_minus_1(tmp_path):
+    in_exchange, release = threading.Event(), threading.Event()
+
+    def exchange(send, recv):
+        in_exchange.set()
+        assert release.wait(30)
+
+    copies, state = _copies(tmp_path, exchange)
+    try:
+        state.commits.newest = 4
+        copies.step_recorded(4, {"last_commit": 4})
+        assert in_exchange.wait(30)  # the copies' thread has read commit 4 and is exchanging it
+        done = threading.Event()
+        waiter = threading.Thread(target=lambda: (copies.wait_slot_free(5), done.set()), daemon=True)
+        waiter.start()
+        assert not done.wait(0.5), "commit 5 was let through while the exchange of commit 4 was still open"
+        release.set()
+        assert done.wait(30)
+        assert copies.steps_copied == 1
+        copies.wait_slot_free(4)  # nothing older is pending: returns at once
+    finally:
+        release.set()
+        copies.close()
+
+
+def test_the_wait_ends_with_the_copies_error(tmp_path):
+    def exchange(send, recv):
+        raise RuntimeError("Connection closed by peer")
+
+    copies, state = _copies(tmp_path, exchange)
+    try:
+        state.commits.newest = 2
+        copies.step_recorded(2, {"last_commit": 2})
+        try:
+            copies.wait_slot_free(3)
+        except peer_copies.PeerCopyError as err:
+            assert "Connection closed by peer" in str(err)
+        else:
+            raise AssertionError("wait_slot_free returned although the copy of commit 2 failed")
+    finally:
+        copies.close()
