@@ -9,7 +9,7 @@ setup:
 	bash scripts/setup_env.sh
 
 train: setup
-	$(PY) -m acco_ds.train
+	TORCH_EXTENSIONS_DIR="$$(bash scripts/extensions_dir.sh)" $(PY) -m acco_ds.train
 
 test: setup
 	bash scripts/run_tests.sh

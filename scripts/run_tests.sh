@@ -16,12 +16,10 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=$(bash scripts/project_python.sh) || exit 1
 export PATH="$(dirname "$PY"):$PATH"
-# DeepSpeed JIT-builds its CPU ops (fused_adam, the shm communication op) with torch's extension loader: keep
-# them in the project environment, built by its own ninja. A shared ~/.cache/torch_extensions is rebuilt every
-# time another ninja version touched it, and a build killed half-way there leaves a lock every later run
-# waits on forever.
+# DeepSpeed JIT-builds its CPU ops (fused_adam, cpu_adam) with torch's extension loader: into the project
+# environment (scripts/extensions_dir.sh), where the set-up built them already.
 PREFIX=$("$PY" -c 'import sys; print(sys.prefix)')
-TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$PREFIX/torch_extensions}
+TORCH_EXTENSIONS_DIR=$(bash scripts/extensions_dir.sh)
 export TORCH_EXTENSIONS_DIR
 # Triton's kernel cache (the compile checks of tests/compile) in the project environment too: a fresh clone
 # compiles every kernel, as a fresh machine does, instead of finding ~/.triton/cache warm from another clone.
