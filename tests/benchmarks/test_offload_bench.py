@@ -281,8 +281,11 @@ def test_tiny_end_to_end(tmp_path):
         assert c["samples_trained"] == 24 and c["params"] == meta["params"]  # the same samples for everyone
         assert c["idle_fraction"] is None and c["peak_gpu_bytes"] is None  # n/a on the CPU
         assert c["config"] == plan.ds_config(label, 2, 4)
-    for label in ("acco-offload-fixed", "acco-offload-adaptive"):
-        assert contenders[label]["acco_stats"]["committed_steps"] >= 3
+    # fixed rounds: 8 micro-batches at GAS 4 commit 3 steps (the last one drained); adaptive rounds end when the
+    # communication does, so how many fit depends on the machine's load (1 commit of 3 rounds in a loaded suite run)
+    assert contenders["acco-offload-fixed"]["acco_stats"]["committed_steps"] >= 3
+    adaptive = contenders["acco-offload-adaptive"]["acco_stats"]
+    assert adaptive["committed_steps"] >= 1 and adaptive["rounds"] >= 2 * adaptive["committed_steps"] >= 2
     # the same model, seed and data: ACCO + offload ends where ZeRO-Offload ends, within the loss goal
     rows = goals.judge(data)
     assert rows[3]["met"] is True and rows[4]["met"] is None and rows[6]["met"] is True, rows
