@@ -615,8 +615,8 @@ MUTANTS = [
         "M63",
         "a record in node memory marked complete before its data is written (a killed writer leaves it torn)",
         "acco_ds/core/state_records.py",
-        "        _SLOT.pack_into(self._mm, offset, seq, key, 0)\n",
-        "        _SLOT.pack_into(self._mm, offset, seq + 1, key, len(blob))\n",
+        "        _SLOT.pack_into(self._mm, self._slot_offsets[slot], seq, key, 0)\n",
+        "        _SLOT.pack_into(self._mm, self._slot_offsets[slot], seq + 1, key, 0)\n",
         ("tests/core/test_state_records.py::test_a_writer_killed_mid_write_leaves_its_previous_record",),
     ),
     Mutant(
@@ -637,10 +637,10 @@ MUTANTS = [
     ),
     Mutant(
         "M66",
-        "a node's copy one commit behind: the holder files each commit under the next commit's index",
+        "a node's copy one commit behind: each step's copy sends the commit before the one it names",
         "acco_ds/core/peer_copies.py",
-        '            commits.write(step_meta["last_commit"], list(flat.split(self.numels)), pickle.loads(commit_blob))\n',
-        '            commits.write(step_meta["last_commit"] + 1, list(flat.split(self.numels)), pickle.loads(commit_blob))\n',
+        "                    found = self.state.commits.view(key)\n",
+        "                    found = self.state.commits.view(key - 1) or self.state.commits.view(key)\n",
         ("tests/checkpoint/test_memory_state.py::test_a_lost_node_is_resumed_from_the_copies",),
     ),
     Mutant(

@@ -22,16 +22,21 @@ the one before it are not yet resumable.
 
 ``gen`` is the process generation (the launcher's restart count): a restarted process writes new files and
 leaves the previous generation's for the readers until its own first step is recorded, then removes them.
+The metas are pickled by :func:`dumps` (their tensors as bytes) and read back decoded by :func:`pairs`.
 Buffers: the commit record reads ``GroupBuffers.master/exp_avg/exp_avg_sq`` after the job wrote them, on the same
 thread, before the next job starts (jobs run one at a time).
 """
 
 from __future__ import annotations
 
+import pickle
 import re
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Sequence, Tuple
+
+import torch
 
 from acco_ds.core.round_job import RoundResult
 from acco_ds.core.schedule import Job
@@ -40,6 +45,47 @@ from acco_ds.core.state_records import Record, RecordFile
 
 KEYS = ("master", "exp_avg", "exp_avg_sq")
 _NAME = re.compile(r"rank(\d+)\.g(\d+)\.(commits|steps)$")
+
+
+def dumps(meta: Dict[str, Any]) -> bytes:
+    """A record's pickled meta, its tensors (any dtype, CPU or not) stored as their bytes: pickling a tensor itself
+    costs about ten times as much (torch serializes its storage)."""
+    return pickle.dumps(_encode(meta))
+
+
+def decode(meta: Any) -> Any:
+    """A record's meta as it was before :func:`dumps`: its tensors back as CPU tensors."""
+    if isinstance(meta, _TensorBytes):
+        flat = (
+            torch.frombuffer(bytearray(meta.data), dtype=torch.uint8)
+            if meta.data
+            else torch.empty(0, dtype=torch.uint8)
+        )
+        return flat.view(getattr(torch, meta.dtype)).reshape(meta.shape).clone()
+    if isinstance(meta, dict):
+        return {k: decode(v) for k, v in meta.items()}
+    if isinstance(meta, (list, tuple)):
+        return type(meta)(decode(v) for v in meta)
+    return meta
+
+
+@dataclass(frozen=True)
+class _TensorBytes:
+    dtype: str
+    shape: Tuple[int, ...]
+    data: bytes
+
+
+def _encode(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        t = x.detach().to("cpu").contiguous()
+        data = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+        return _TensorBytes(str(t.dtype).removeprefix("torch."), tuple(t.shape), data)
+    if isinstance(x, dict):
+        return {k: _encode(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(_encode(v) for v in x)
+    return x
 
 
 def run_folder(root: str, run_id: str) -> Path:
@@ -105,8 +151,8 @@ class MemoryState:
             if self.copies is not None:
                 self.copies.wait_slot_free(result.commit_index)
             t1 = time.perf_counter()
-            self.commits.write(
-                result.commit_index, tensors, {"result": _result_to_plain(result), "applied": applied}
+            self.commits.write_blob(
+                result.commit_index, tensors, dumps({"result": _result_to_plain(result), "applied": applied})
             )
             if self.copies is not None:
                 self.copies.commit_recorded()
@@ -128,9 +174,11 @@ class MemoryState:
             "in_flight_commit": in_flight,
             "extra": extra,
         }
-        self.steps.write(int(step), [], meta)
+        blob = dumps(meta)  # once: the record's and the copy's
+        self.steps.begin(int(step))
+        self.steps.finish(int(step), blob)
         if self.copies is not None and meta["last_commit"] >= 0:
-            self.copies.step_recorded(int(step), meta)
+            self.copies.step_recorded(int(step), meta["last_commit"], blob)
         if not self._older_removed:
             remove_older(self.folder, self.rank, self.generation)
             self._older_removed = True
@@ -197,9 +245,9 @@ def pairs(
     base = Path(folder) / f"rank{rank}.g{generation}"
     step_file, commit_file = RecordFile.open(f"{base}.steps"), RecordFile.open(f"{base}.commits")
     try:
-        commits = {r.key: r for r in commit_file.read(with_tensors)}
+        commits = {r.key: _decoded(r) for r in commit_file.read(with_tensors)}
         found = {}
-        for step in step_file.read():
+        for step in map(_decoded, step_file.read()):
             c = commits.get(step.meta["last_commit"])
             if c is not None:
                 found[step.key] = (step, c)
@@ -207,6 +255,10 @@ def pairs(
     finally:
         step_file.close()
         commit_file.close()
+
+
+def _decoded(record: Record) -> Record:
+    return Record(record.key, decode(record.meta), record.tensors)
 
 
 def clear(folder: Path, ranks: Sequence[int]) -> None:

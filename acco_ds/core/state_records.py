@@ -11,8 +11,13 @@ Contract:
   with ``key``. A process killed in the middle leaves the other slot, the previous record, complete and
   readable: the marks are plain stores into shared pages, so everything the writer stored before it died is
   there, in order, and a torn slot is never marked complete.
+- A write in two parts, for tensors that arrive into the slot itself (a receive): :meth:`RecordFile.begin` marks the
+  free slot as being written and returns its flat fp32 view, :meth:`RecordFile.finish` stores the pickled meta and
+  marks it complete. Between the two the writer fills the view; nothing else writes to the file.
 - :meth:`RecordFile.read` returns the complete records, newest ``key`` first, as copies; a record whose slot was
-  rewritten while it was read (a live writer) is left out, not returned torn.
+  rewritten while it was read (a live writer) is left out, not returned torn. :meth:`RecordFile.view` returns
+  the writer's own complete record without a copy: valid only while the writer does not rewrite that slot (the
+  caller holds the next-but-one write back).
 - Keys increase: a write with a key not above the newest record's is refused (a record one commit behind is a
   bug, never silently kept).
 - The tensors are written from whatever device they are on (``copy_`` into the mapped pages: from CUDA this is a
@@ -75,7 +80,9 @@ class RecordFile:
         first = HEADER_BYTES + static_bytes
         for s in range(NUM_SLOTS):
             self._slot_offsets.append(first + s * self._slot_bytes)
+        self._flats = [self._flat_view(s) for s in range(NUM_SLOTS)]
         self._views = [self._tensor_views(s) for s in range(NUM_SLOTS)]
+        self._open: tuple | None = None  # (slot, seq, key) of a write begun and not finished
 
     # -- making and opening ------------------------------------------------------------------------
     @classmethod
@@ -138,17 +145,21 @@ class RecordFile:
         return out
 
     def close(self) -> None:
-        self._views = []
+        self._views, self._flats = [], []
         self._mm.close()
 
     # -- slots -------------------------------------------------------------------------------------
-    def _tensor_views(self, slot: int) -> List[torch.Tensor]:
+    def _flat_view(self, slot: int) -> torch.Tensor:
         start = self._slot_offsets[slot] + _aligned(SLOT_HEADER_BYTES + self.meta_capacity)
         total = sum(self.numels)
         if total == 0:
-            return [torch.empty(0, dtype=torch.float32) for _ in self.numels]
-        flat = torch.frombuffer(self._mm, dtype=torch.float32, count=total, offset=start)
-        return list(flat.split(self.numels))
+            return torch.empty(0, dtype=torch.float32)
+        return torch.frombuffer(self._mm, dtype=torch.float32, count=total, offset=start)
+
+    def _tensor_views(self, slot: int) -> List[torch.Tensor]:
+        if not self.numels:
+            return []
+        return list(self._flats[slot].split(self.numels))
 
     def _slot_header(self, slot: int):
         return _SLOT.unpack_from(self._mm, self._slot_offsets[slot])
@@ -168,32 +179,69 @@ class RecordFile:
 
     def write(self, key: int, tensors: Sequence[torch.Tensor], meta: Dict[str, Any]) -> None:
         """Store a record under ``key`` (see the module docstring). ``tensors`` match the file's sizes."""
+        self.write_blob(key, tensors, pickle.dumps(meta))
+
+    def write_blob(self, key: int, tensors: Sequence[torch.Tensor], meta_blob: bytes) -> None:
+        """:meth:`write` with the meta already pickled (``meta_blob``)."""
         if len(tensors) != len(self.numels):
             raise RecordFileError(f"{self.path}: {len(tensors)} tensors for a file of {len(self.numels)}")
         for i, (t, n) in enumerate(zip(tensors, self.numels)):
             if t.numel() != n:
                 raise RecordFileError(f"{self.path}: tensor {i} has {t.numel()} elements, the file holds {n}")
-        blob = pickle.dumps(meta)
-        if len(blob) > self.meta_capacity:
+        blob = meta_blob
+        self._check_meta(len(blob))
+        self.begin(key)
+        slot = self._open[0]
+        with torch.no_grad():
+            for view, t in zip(self._views[slot], tensors):
+                view.copy_(t.detach().reshape(-1))
+        self.finish(key, blob)
+
+    def _check_meta(self, size: int) -> None:
+        if size > self.meta_capacity:
             raise RecordFileError(
-                f"{self.path}: a record's meta of {len(blob)} bytes exceeds the file's {self.meta_capacity}"
+                f"{self.path}: a record's meta of {size} bytes exceeds the file's {self.meta_capacity}"
             )
+
+    def begin(self, key: int) -> torch.Tensor:
+        """Begin the record ``key``: mark the slot not holding the newest record as being written and return its
+        flat fp32 view (``sum(numels)`` elements, the tensors back to back) for the caller to fill; the slot's
+        previous record is no longer readable. :meth:`finish` completes it."""
+        if self._open is not None:
+            raise RecordFileError(f"{self.path}: record {self._open[2]} was begun and not finished")
         newest = self._newest()
         if newest is not None and key <= newest[2]:
             raise RecordFileError(
                 f"{self.path}: record {key} is not newer than the newest held ({newest[2]})"
             )
         slot = 0 if newest is None else 1 - newest[0]
-        offset = self._slot_offsets[slot]
         seq, _, _ = self._slot_header(slot)
         seq = seq + 1 if seq % 2 == 0 else seq  # odd: being written
-        _SLOT.pack_into(self._mm, offset, seq, key, 0)
-        with torch.no_grad():
-            for view, t in zip(self._views[slot], tensors):
-                view.copy_(t.detach().reshape(-1))
+        _SLOT.pack_into(self._mm, self._slot_offsets[slot], seq, key, 0)
+        self._open = (slot, seq, key)
+        return self._flats[slot]
+
+    def finish(self, key: int, meta_blob: bytes) -> None:
+        """Complete the record :meth:`begin` began under ``key`` with ``meta_blob`` (the pickled meta dict)."""
+        if self._open is None or self._open[2] != key:
+            raise RecordFileError(f"{self.path}: record {key} was not begun")
+        self._check_meta(len(meta_blob))
+        slot, seq, _ = self._open
+        offset = self._slot_offsets[slot]
         meta_at = offset + SLOT_HEADER_BYTES
-        self._mm[meta_at : meta_at + len(blob)] = blob
-        _SLOT.pack_into(self._mm, offset, seq + 1, key, len(blob))  # even: complete
+        self._mm[meta_at : meta_at + len(meta_blob)] = meta_blob
+        _SLOT.pack_into(self._mm, offset, seq + 1, key, len(meta_blob))  # even: complete
+        self._open = None
+
+    def view(self, key: int) -> tuple | None:
+        """``(flat, meta_blob)`` of the complete record ``key`` without a copy (see the module docstring), or None
+        when no complete record has that key."""
+        for s in range(NUM_SLOTS):
+            seq, skey, meta_len = self._slot_header(s)
+            if seq > 0 and seq % 2 == 0 and skey == key:
+                meta_at = self._slot_offsets[s] + SLOT_HEADER_BYTES
+                return self._flats[s], bytes(self._mm[meta_at : meta_at + meta_len])
+        return None
 
     def read(self, with_tensors: bool = True, key: int | None = None) -> List[Record]:
         """The complete records, newest first (copies; see the module docstring); ``with_tensors=False``: their

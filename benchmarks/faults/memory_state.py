@@ -3,6 +3,7 @@ save, and what keeping the state costs while nothing fails.
 
     python -m benchmarks.faults.memory_state            # 3 seeds of node-lost + the cost pairs (about 10 min on 2 cores)
     python -m benchmarks.faults.memory_state --quick    # one seed of node-lost, 40 steps, no cost pairs (the test)
+    python -m benchmarks.faults.memory_state --cases cost --repeats 1   # the cost pairs only
 
 The nodes and agents are the faults benchmark's (``benchmarks.faults.agents``: two network namespaces joined by a
 tc-limited veth pair, one torchrun agent per node, ``--nnodes 1:2 --max-restarts N``), every job
@@ -21,8 +22,8 @@ own folder (``agents.node_memory``, bound to ``/dev/shm/acco_ds`` inside the nod
   size per rank at the end (the records and held copies).
 
 Writes ``<prefix>.md`` and ``<prefix>.json`` into ``--out`` (default ``benchmarks/results/faults/``). Exit status: 0
-when every node-lost job healed with at most one step lost; 1 otherwise (the results are still written); 2 when
-this machine cannot build the two-node network.
+when every node-lost job healed with at most one step lost (``--cases cost``: once the jobs ran); 1 otherwise (the
+results are still written); 2 when this machine cannot build the two-node network.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from acco_ds.cli.args import build_parser
 from acco_ds.cli.metrics import machine_info
 from acco_ds.core.state_records import RecordFile, RecordFileError
 from benchmarks.faults import agents
@@ -49,6 +51,10 @@ from benchmarks.harness.cli import parser
 from benchmarks.harness.records import results_dir
 from benchmarks.harness.sweep import seeds_arg
 
+# the jobs' model: the faults benchmark's (0.12M parameters, 512 tokens per step and rank: short jobs) or the main
+# job's default (acco-train's own defaults: 0.8M parameters, 4096 tokens per step and rank). The copies' bytes per step
+# are 12 per parameter / W whatever the tokens; the compute per step grows with them
+MODELS = {"faults": MODEL_ARGS, "main": []}
 MEMORY_ROOT = Path("/dev/shm") / f"acco_faults_memory_{os.getpid()}"  # the nodes' memory folders, this run's
 RATES = ("400mbit", "none")
 MAX_STEPS_LOST = 1
@@ -56,10 +62,20 @@ MAX_STEPS_LOST = 1
 
 def parse(argv=None) -> argparse.Namespace:
     ap = parser("faults.memory_state", __doc__)
-    ap.add_argument(
-        "--quick", action="store_true", help="one seed, 40 steps, the 400mbit cost pair only (the test)"
-    )
+    ap.add_argument("--quick", action="store_true", help="one seed, 40 steps, no cost pairs (the test)")
     ap.add_argument("--seeds", type=seeds_arg, default=None, help="default 0,1,2; quick 0")
+    ap.add_argument(
+        "--cases",
+        choices=("all", "cost", "node-lost"),
+        default="all",
+        help="which cases run (default all; quick: node-lost only)",
+    )
+    ap.add_argument(
+        "--model",
+        choices=tuple(MODELS),
+        default="faults",
+        help="the jobs' model (see MODELS; default faults)",
+    )
     ap.add_argument("--steps", type=int, default=None, help="optimizer steps per job (default 100, quick 40)")
     ap.add_argument("--per-node", type=int, default=1, help="ranks per node")
     ap.add_argument("--max-restarts", type=int, default=3, help="torchrun --max-restarts")
@@ -145,10 +161,16 @@ def _folder_bytes(folder: Path) -> int:
     return sum(p.stat().st_blocks * 512 for p in folder.rglob("*") if p.is_file()) if folder.exists() else 0
 
 
+def samples_per_step(model_args) -> int:
+    """Sequences per optimizer step and rank of an acco-train job with ``model_args`` (micro-batch x grad-accum)."""
+    a = build_parser().parse_args(list(model_args))
+    return a.micro_batch * a.grad_accum
+
+
 def cost_figures(rec: dict, setup, steps: int) -> dict:
     start = rec["starts"][-1] if rec["starts"] else {}
     world = start.get("world") or 0
-    batch = 4 * 2 * world  # MODEL_ARGS: micro-batch 4, grad-accum 2
+    batch = samples_per_step(setup.model_args) * world
     out = {"world": world, "train_s": start.get("train_s")}
     if start.get("train_s"):
         out["samples_per_s"] = steps * batch / start["train_s"]
@@ -168,7 +190,7 @@ def run(a) -> dict:
         max_restarts=a.max_restarts,
         last_call_timeout_s=a.last_call_timeout,
         join_timeout_s=a.join_timeout,
-        model_args=MODEL_ARGS,
+        model_args=MODELS[a.model],
     )
     work = Path(a.work or tempfile.mkdtemp(prefix="acco_faults_memory_"))
     res = {"args": dict(vars(a)), "machine": machine_info(), "cases": []}
@@ -184,7 +206,7 @@ def run(a) -> dict:
 
 def _run_cases(a, base, work: Path, res: dict) -> None:
     with nodes.TwoNodes() as net:
-        for rate in () if a.quick else RATES:
+        for rate in () if a.quick or a.cases == "node-lost" else RATES:
             net.set_rate(rate)
             for rep in range(a.repeats):
                 for memory in (False, True):  # paired, alternating: the machine's drift hits both alike
@@ -200,7 +222,7 @@ def _run_cases(a, base, work: Path, res: dict) -> None:
                     )
         net.set_rate("400mbit")
         res["link"] = {"rate": "400mbit", "qdisc_node0": net.qdisc(0)}
-        for seed in a.seeds:
+        for seed in () if a.cases == "cost" else a.seeds:
             name = f"lost_s{seed}"
             setup = dataclasses.replace(base, memory_root=str(MEMORY_ROOT / name))
             step = random.Random(seed).randint(a.steps // 5, a.steps // 2)
@@ -235,7 +257,8 @@ def render(res: dict) -> str:
         "",
         f"`{res['command']}` on {res['machine'].get('cpu', 'this machine')} ({res['date']}); written by",
         "`benchmarks/faults/memory_state.py` from this folder's JSON. No disk checkpoint in any job. The model: "
-        f"acco-train {' '.join(MODEL_ARGS)}, fp32, acco, one rank per node, 2 nodes.",
+        f"acco-train {' '.join(MODELS[res['args'].get('model', 'faults')]) or '(its defaults)'}, fp32, acco, one rank "
+        "per node, 2 nodes.",
         "",
         "| node lost (seed) | killed at recorded step | last step before | resumed at | steps lost | detection s "
         "| restart s | kill to training s | final steps | val loss | healed |",
@@ -296,6 +319,8 @@ def write(res: dict, out: Path, prefix: str) -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{prefix}.md").write_text(render(res))
     lost = [c for c in res["cases"] if c["case"] == "node-lost"]
+    if res["args"].get("cases") == "cost":
+        return 0
     return 0 if lost and all(c.get("healed") for c in lost) else 1
 
 

@@ -3,7 +3,7 @@ naming commit k - 1 are through their exchange (the wards' copies stored), not a
 the commit. A rank whose node survives then holds its ward's step k - 1 whenever its own records hold step k, so the
 two always share a step; with the wait released at the read, a ward lost during the exchange left the holder's copy
 two steps behind its own records and nothing to resume from (the node-loss benchmark's failure). Here the exchange
-is held open (no process group: ``_exchange`` replaced) and the wait must not return before it is let go.
+is held open (no process group: ``_send`` replaced) and the wait must not return before it is let go.
 """
 
 from __future__ import annotations
@@ -25,28 +25,29 @@ class _Commits:
     def newest_key(self):
         return self.newest
 
-    def read(self, key):
-        return [SimpleNamespace(meta={"key": key}, tensors=[torch.zeros(3)])]
+    def view(self, key):
+        return torch.zeros(3), b"meta"
 
 
 def _copies(tmp_path, exchange):
     state = SimpleNamespace(commits=_Commits(), folder=str(tmp_path), rank=0, generation=0)
     copies = peer_copies.PeerCopies(state, None, holder=1, wards=[], timeout_s=30.0)
-    copies._exchange = exchange
+    copies._send = exchange
     return copies, state
 
 
 def test_commit_k_waits_for_the_exchange_of_commit_k_minus_1(tmp_path):
     in_exchange, release = threading.Event(), threading.Event()
 
-    def exchange(send, recv):
+    def exchange(messages):
         in_exchange.set()
         assert release.wait(30)
+        return []
 
     copies, state = _copies(tmp_path, exchange)
     try:
         state.commits.newest = 4
-        copies.step_recorded(4, {"last_commit": 4})
+        copies.step_recorded(4, 4, b"step")
         assert in_exchange.wait(30)  # the copies' thread has read commit 4 and is exchanging it
         done = threading.Event()
         waiter = threading.Thread(target=lambda: (copies.wait_slot_free(5), done.set()), daemon=True)
@@ -62,13 +63,13 @@ def test_commit_k_waits_for_the_exchange_of_commit_k_minus_1(tmp_path):
 
 
 def test_the_wait_ends_with_the_copies_error(tmp_path):
-    def exchange(send, recv):
+    def exchange(messages):
         raise RuntimeError("Connection closed by peer")
 
     copies, state = _copies(tmp_path, exchange)
     try:
         state.commits.newest = 2
-        copies.step_recorded(2, {"last_commit": 2})
+        copies.step_recorded(2, 2, b"step")
         try:
             copies.wait_slot_free(3)
         except peer_copies.PeerCopyError as err:
@@ -77,3 +78,13 @@ def test_the_wait_ends_with_the_copies_error(tmp_path):
             raise AssertionError("wait_slot_free returned although the copy of commit 2 failed")
     finally:
         copies.close()
+
+
+def test_metas_past_the_fixed_message_go_in_a_message_of_their_own():
+    for size in (0, 10, peer_copies.META_BYTES - 64, peer_copies.META_BYTES * 3 + 5):
+        commit_blob, step_blob = b"c" * 17, bytes(range(256)) * (size // 256) + b"s" * (size % 256)
+        fixed, rest = peer_copies.pack_metas(12, 9, commit_blob, step_blob)
+        assert fixed.numel() == peer_copies.META_BYTES
+        step, key, clen, slen, head, over = peer_copies.unpack_metas(fixed.clone())
+        assert (step, key, clen, slen, over) == (12, 9, 17, len(step_blob), rest.numel())
+        assert head + rest.numpy().tobytes() == commit_blob + step_blob

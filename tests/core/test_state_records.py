@@ -6,12 +6,14 @@ and readable, never a torn one; keys must increase; bad files and bad writes are
 from __future__ import annotations
 
 import os
+import pickle
 import signal
 import time
 
 import pytest
 import torch
 
+from acco_ds.core import commit_records
 from acco_ds.core.state_records import RecordFile, RecordFileError
 
 NUMELS = [5, 0, 17]
@@ -105,3 +107,58 @@ def test_a_writer_killed_mid_write_leaves_its_previous_record(tmp_path):
         torn_seen += sum(f._slot_header(s)[0] % 2 for s in range(2))
         f.close()
     assert torn_seen > 0, "no kill landed inside a write: the check above proved nothing"
+
+
+def test_a_write_in_two_parts_and_a_view_without_copy(tmp_path):
+    """``begin`` hides the slot's previous record at once and shows nothing new until ``finish``; ``view`` is the
+    slot itself (a receive into it lands in the record); out-of-order parts are refused."""
+    f = RecordFile.create(tmp_path / "r", NUMELS, {})
+    f.write(1, _tensors(1), {"key": 1})
+    f.write(2, _tensors(2), {"key": 2})
+    flat = f.begin(3)
+    assert flat.numel() == sum(NUMELS)
+    assert [r.key for r in RecordFile.open(tmp_path / "r").read()] == [2]  # record 1's slot is being written
+    with pytest.raises(RecordFileError, match="record 3 was begun and not finished"):
+        f.begin(4)
+    flat.copy_(torch.cat(_tensors(3)))
+    with pytest.raises(RecordFileError, match="record 4 was not begun"):
+        f.finish(4, b"")
+    f.finish(3, pickle.dumps({"key": 3}))
+    got = RecordFile.open(tmp_path / "r").read()
+    assert [r.key for r in got] == [3, 2] and got[0].meta == {"key": 3}
+    assert all(torch.equal(t, e) for t, e in zip(got[0].tensors, _tensors(3)))
+    view, blob = f.view(3)
+    assert pickle.loads(blob) == {"key": 3} and f.view(1) is None
+    view.fill_(7.0)  # the view is the slot: what is written through it is the record
+    assert all(torch.equal(t, torch.full_like(t, 7.0)) for t in f.read(key=3)[0].tensors)
+    with pytest.raises(RecordFileError, match="record 3 is not newer than the newest held \\(3\\)"):
+        f.begin(3)
+
+
+def test_record_metas_keep_their_tensors_dtypes_and_shapes():
+    """``commit_records.dumps``/``decode``: a meta's tensors come back equal in dtype, shape and every bit (bf16, a
+    0-d scalar, an empty one, nested in lists, tuples and dicts); other values unchanged."""
+    meta = {
+        "scale": torch.tensor(65536.0),
+        "summary": torch.tensor([0.0, 1.0, 4.0, 2.0]),
+        "nested": [torch.tensor([1.5, -2.25], dtype=torch.bfloat16), (torch.zeros(0, 3), 7, "x")],
+        "counts": torch.tensor([[3, 4]], dtype=torch.int64),
+        "plain": {"lr": 1e-3, "none": None},
+    }
+    back = commit_records.decode(pickle.loads(commit_records.dumps(meta)))
+    flat_in, flat_out = _leaves(meta), _leaves(back)
+    assert len(flat_in) == len(flat_out) == 9
+    for a, b in zip(flat_in, flat_out):
+        if isinstance(a, torch.Tensor):
+            assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+        else:
+            assert a == b and type(a) is type(b)
+    assert isinstance(back["nested"][1], tuple)
+
+
+def _leaves(x):
+    if isinstance(x, dict):
+        return [v for k in sorted(x) for v in _leaves(x[k])]
+    if isinstance(x, (list, tuple)):
+        return [v for item in x for v in _leaves(item)]
+    return [x]
