@@ -83,6 +83,11 @@ def parse(argv=None) -> argparse.Namespace:
     ap.add_argument("--join-timeout", type=int, default=60, help="rendezvous join_timeout (s)")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds a job may take")
     ap.add_argument("--repeats", type=int, default=3, help="cost pairs per link rate (median reported)")
+    ap.add_argument(
+        "--rates",
+        default=",".join(RATES),
+        help=f"the cost pairs' link rates, comma-separated (default {','.join(RATES)})",
+    )
     ap.add_argument("--out", default=str(results_dir("faults")), help="folder of the table and JSON")
     ap.add_argument(
         "--prefix", default=None, help="file name prefix (default memory_state, quick: memory_state_quick)"
@@ -206,7 +211,7 @@ def run(a) -> dict:
 
 def _run_cases(a, base, work: Path, res: dict) -> None:
     with nodes.TwoNodes() as net:
-        for rate in () if a.quick or a.cases == "node-lost" else RATES:
+        for rate in () if a.quick or a.cases == "node-lost" else a.rates.split(","):
             net.set_rate(rate)
             for rep in range(a.repeats):
                 for memory in (False, True):  # paired, alternating: the machine's drift hits both alike

@@ -29,6 +29,19 @@ def test_committed_run_rerenders_its_table(tmp_path):
     assert (tmp_path / "again.md").read_text() == (RESULTS / "memory_state.md").read_text()
 
 
+def test_committed_main_model_run_rerenders_its_table(tmp_path):
+    res = json.loads((RESULTS / "memory_state_main.json").read_text())
+    assert memory_state.write(res, tmp_path, "again") == 0  # cost pairs only: nothing to heal
+    assert (tmp_path / "again.md").read_text() == (RESULTS / "memory_state_main.md").read_text()
+
+
+def test_the_cases_rates_and_model_options():
+    a = memory_state.parse(["--cases", "cost", "--rates", "400mbit", "--model", "main"])
+    assert (a.cases, a.rates, memory_state.MODELS[a.model]) == ("cost", "400mbit", [])
+    assert memory_state.samples_per_step(memory_state.MODELS["faults"]) == 4 * 2
+    assert memory_state.samples_per_step(memory_state.MODELS["main"]) == 8 * 4  # acco-train's defaults
+
+
 def test_a_job_that_lost_more_than_one_step_is_not_healed():
     rec = {
         "starts": [{"restart": 1, "resumed_at_step": 10, "world": 1, "first_step_unix": 5.0, "steps": 40,
