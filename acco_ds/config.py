@@ -56,9 +56,10 @@ ALLOWED = {
     "compression.error_feedback": "true or false",
     "compression.all_gather": "'none', 'int8' or 'int4'",
     "compression.fuse_round_end": "true or false",
-    "memory_state": 'an object with keys among enabled, dir, peer_copy, run_id, e.g. {"enabled": true}',
+    "memory_state": 'an object with keys among enabled, dir, peer_copy, peer_copy_form, run_id, e.g. {"enabled": true}',
     "memory_state.enabled": "true or false",
     "memory_state.peer_copy": "true or false",
+    "memory_state.peer_copy_form": "'inputs' or 'state'",
     "memory_state.dir": "an absolute path to a folder in a memory file system (default /dev/shm/acco_ds)",
     "memory_state.run_id": "null (the launcher's run id, TORCHELASTIC_RUN_ID) or a non-empty string",
 }
@@ -167,6 +168,13 @@ class MemoryStateConfig(BaseModel):
     peer_copy: bool = True
     """Copy each rank's records into the memory of a rank on another node after every step (``core.peer_copies``;
     the node layout is the launcher's), so that a lost node costs at most one step. One node: no copies."""
+
+    peer_copy_form: Literal["inputs", "state"] = "inputs"
+    """What a copy sends after a commit: "inputs", the commit's reduced gradient shard and its step scalars, with which
+    the holder steps its copy with the host AdamW (the bits of the rank's own step; a third of the state's bytes in
+    fp32), checked against a digest of the rank's result (a mismatch switches that rank's copies to "state"); or
+    "state", the fp32 master shard and both moments. Commits whose step is not the plain AdamW (gradients compressed
+    and read unsummed, compressed parameters, offload) and the first copy of a process are sent as the state."""
 
     run_id: str | None = None
     """The run the records belong to (a folder under ``dir``); None: the launcher's ``TORCHELASTIC_RUN_ID``

@@ -162,6 +162,13 @@ def build_parser() -> argparse.ArgumentParser:
         "memory and copied to a rank on another node; a run restarted by torchrun resumes from it, no disk save "
         "needed (docs/RELIABILITY.md)",
     )
+    ckpt.add_argument(
+        "--memory-state-form",
+        choices=("inputs", "state"),
+        default=None,
+        help="with --memory-state: optimizer.params.memory_state.peer_copy_form, what a copy to the other node sends "
+        "after a commit (default: the config's, inputs)",
+    )
     het = ap.add_argument_group("heterogeneous workers (demo)")
     het.add_argument("--slow-rank", type=int, default=-1, help="this rank gets extra compute per micro-batch")
     het.add_argument(
@@ -321,6 +328,8 @@ def parse(argv=None) -> argparse.Namespace:
     _check_fp16(ap, a)
     _check_model(ap, a)
     _check_tp(ap, a)
+    if a.memory_state_form is not None and not a.memory_state:
+        ap.error(f"--memory-state-form {a.memory_state_form} applies with --memory-state only")
     if len(set(a.mode)) != len(a.mode):
         ap.error(f"--mode lists a mode twice: {' '.join(a.mode)}")
     if a.eval_every is None:

@@ -61,6 +61,7 @@ class Knobs:
     memory_state: bool = (
         False  # ACCO's optimizer.params.memory_state.enabled (the committed state in node memory)
     )
+    memory_state_form: str | None = None  # its peer_copy_form (None: the config's default)
     num_params: int = 0  # sizes the DeepSpeed buckets
     tp: int = 1  # tensor-parallel size (AutoTP); the data-parallel world is world_size / tp
 
@@ -138,6 +139,8 @@ def build_config(contender: str, k: Knobs) -> dict:
             params["peek_lr_scale"] = k.peek_lr_scale
         if k.memory_state:
             params["memory_state"] = {"enabled": True}
+            if k.memory_state_form is not None:
+                params["memory_state"]["peer_copy_form"] = k.memory_state_form
         cfg["optimizer"] = {"type": "ACCO", "params": params}
         cfg["zero_optimization"] = {"stage": 1}
         return cfg

@@ -96,6 +96,7 @@ def plan_runs(a, model_cfg: dict, n_params: int) -> list:
         accumulation=a.accumulation,
         peek_lr_scale=a.peek_lr_scale,
         memory_state=a.memory_state,
+        memory_state_form=a.memory_state_form,
         num_params=n_params,
         tp=a.tp,
     )

@@ -33,6 +33,7 @@ import pickle
 import re
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Sequence, Tuple
 
@@ -110,6 +111,7 @@ class MemoryState:
         self.commits = RecordFile.create(f"{base}.commits", numels, info)
         self.steps = RecordFile.create(f"{base}.steps", [], info)
         self.copies = None
+        self.inputs = None  # core.commit_inputs.CommitInputs: the commits' step inputs (inputs-form copies)
         self._older_removed = False
         # seconds: the job's thread waiting for the copies and writing commit records, the training thread's step
         # records
@@ -128,14 +130,25 @@ class MemoryState:
             **self._static,
         }
 
-    def copy_to_peer(self, group, holder: int, wards, timeout_s: float) -> None:
-        """From now on every recorded step is also copied to ``holder``'s memory (``core.peer_copies``)."""
+    def copy_to_peer(self, group, holder: int, wards, timeout_s: float, form: str = "state") -> None:
+        """From now on every recorded step is also copied to ``holder``'s memory (``core.peer_copies``); ``form``
+        "inputs": a commit's copy is its AdamW inputs where it has them (``core.commit_inputs``), else the state."""
+        from acco_ds.core.commit_inputs import CommitInputs
         from acco_ds.core.peer_copies import PeerCopies
 
+        if form not in ("inputs", "state"):
+            raise ValueError(
+                f"acco_ds: memory_state.peer_copy_form must be 'inputs' or 'state', got {form!r}"
+            )
+        if form == "inputs":
+            self.inputs = CommitInputs(self.pipeline.groups, self.pipeline.device)
         self.copies = PeerCopies(self, group, holder, wards, timeout_s)
 
-    def wrap(self, job: Callable[[], RoundResult]) -> Callable[[], RoundResult]:
-        """``job`` followed by :meth:`after_job` on the same thread."""
+    def wrap(self, job: Callable[..., RoundResult], commit_index: int) -> Callable[[], RoundResult]:
+        """``job`` (a COMMIT's ``run_round_job``, its keywords bound) followed by :meth:`after_job` on the same thread;
+        with inputs-form copies, the job also captures its step inputs (``core.commit_inputs``)."""
+        if self.inputs is not None:
+            job = partial(job, commit_inputs=self.inputs.capture(commit_index))
 
         def run() -> RoundResult:
             return self.after_job(job())
@@ -185,14 +198,18 @@ class MemoryState:
         self.seconds["step_record_s"] += time.perf_counter() - t0
 
     def stats(self) -> Dict[str, float]:
-        """The copies' bytes, steps and seconds (their thread's) so far (zeros without copies), and the seconds the
-        records took on the job's thread and on the training thread."""
+        """The copies' bytes, steps, seconds (their thread's), commits sent by form and the wards' inputs that did not
+        give their state, so far (zeros without copies), and the seconds the records took on the job's thread and on
+        the training thread."""
         c = self.copies
         return {
             "peer_copy_bytes_sent": 0 if c is None else c.bytes_sent,
             "peer_copy_bytes_received": 0 if c is None else c.bytes_received,
             "peer_copy_steps": 0 if c is None else c.steps_copied,
             "peer_copy_s": 0.0 if c is None else c.seconds,
+            "peer_copy_commits_as_state": 0 if c is None else c.commits_sent["state"],
+            "peer_copy_commits_as_inputs": 0 if c is None else c.commits_sent["inputs"],
+            "peer_copy_mismatches": 0 if c is None else c.mismatches,
             **{f"memory_{k}": v for k, v in self.seconds.items()},
         }
 

@@ -511,7 +511,7 @@ class ACCOPipeline(RoundSchedule, RoundScale, InFlight, RoundHypers, Draining):
             **self._loss_scale_args(plan),
         )
         if plan.job is Job.COMMIT and self.memory_state is not None:
-            job = self.memory_state.wrap(job)
+            job = self.memory_state.wrap(job, commit_index)
         name = f"round {self.round_index} ({plan.job.value} of step {commit_index})"
         self.in_flight = (self.executor.launch(name, job), plan)
         self._in_flight_releases = releases

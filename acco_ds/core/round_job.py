@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from acco_ds.core.buffers import GroupBuffers
 from acco_ds.core.comm import all_gather_single, reduce_scatter_single
+from acco_ds.core.commit_inputs import Capture
 from acco_ds.core.compressed_comm import (
     Compression,
     Traffic,
@@ -309,6 +310,7 @@ def run_round_job(
     predivide: bool = False,
     tilde_factor: float = 1.0,
     offload: HostStep | None = None,
+    commit_inputs: Capture | None = None,
 ) -> RoundResult:
     """One round's communication. ``roles[i]`` is group i's ``(grad buffer, param target)`` index pair
     from ``GroupBuffers.start_job``.
@@ -356,7 +358,11 @@ def run_round_job(
     runs there (its inputs copied to the host, the new parameters back) between the norm and its all-gather. Every
     group's inputs are staged right after the norm; then per group: its host step, its copy back, its all-gather,
     so that group i+1's step overlaps group i's all-gather (on gloo the uncompressed all-gather's transfers stay in
-    flight meanwhile; the compressed one, ``exchange_quantized_difference``, returns done)."""
+    flight meanwhile; the compressed one, ``exchange_quantized_difference``, returns done).
+
+    ``commit_inputs`` (a COMMIT with the memory state's peer copies in the inputs form, ``core.commit_inputs``):
+    each group's step inputs are copied there before any group's step runs (a step may overwrite its gradient);
+    a step that is not the plain ``adamw_step``, or runs in host memory (offload), marks it as holding none."""
     dev = groups[0].device
     clock = PhaseClock(dev)
     if unscale_ready:
@@ -517,6 +523,11 @@ def run_round_job(
                 fn = partial(adamw_step, commit=commit)
                 tensors = dict(grad=source, **step)
         calls.append((b, fn, tensors, out, target))
+        if commit_inputs is not None and commit:
+            if offload is None:
+                commit_inputs.take(i, fn, tensors)
+            else:
+                commit_inputs.none()
     # offload (core.host_step): every group's inputs go to the host before the first all-gather is issued, so that
     # group i+1's host step runs while group i's all-gather does (CUDA: on this stream; gloo: its transfers left in
     # flight, at most one all-gather at a time, waited before the next is issued and before the job returns)

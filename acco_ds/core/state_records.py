@@ -14,6 +14,7 @@ Contract:
 - A write in two parts, for tensors that arrive into the slot itself (a receive): :meth:`RecordFile.begin` marks the
   free slot as being written and returns its flat fp32 view, :meth:`RecordFile.finish` stores the pickled meta and
   marks it complete. Between the two the writer fills the view; nothing else writes to the file.
+  :meth:`RecordFile.abandon` gives a begun record up (it is never read).
 - :meth:`RecordFile.read` returns the complete records, newest ``key`` first, as copies; a record whose slot was
   rewritten while it was read (a live writer) is left out, not returned torn. :meth:`RecordFile.view` returns
   the writer's own complete record without a copy: valid only while the writer does not rewrite that slot (the
@@ -231,6 +232,13 @@ class RecordFile:
         meta_at = offset + SLOT_HEADER_BYTES
         self._mm[meta_at : meta_at + len(meta_blob)] = meta_blob
         _SLOT.pack_into(self._mm, offset, seq + 1, key, len(meta_blob))  # even: complete
+        self._open = None
+
+    def abandon(self, key: int) -> None:
+        """Give up the record :meth:`begin` began under ``key``: its slot stays marked as being written (never read),
+        the newest complete record stays the newest, and the next :meth:`begin` takes the same slot."""
+        if self._open is None or self._open[2] != key:
+            raise RecordFileError(f"{self.path}: record {key} was not begun")
         self._open = None
 
     def view(self, key: int) -> tuple | None:

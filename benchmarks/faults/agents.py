@@ -48,6 +48,7 @@ class Setup:
     model_args: List[str]
     threads: int = 1
     memory_root: str | None = None  # acco-train --memory-state, node n's memory at <memory_root>/node<n>
+    memory_form: str | None = None  # acco-train --memory-state-form (None: the config's default)
 
 
 def agent_command(
@@ -72,7 +73,8 @@ def agent_command(
     # folder takes its memory with it
     mine = node_memory(setup, node)
     script = f'mkdir -p {shlex.quote(str(mine))} {MEMORY_DIR} && mount --bind {shlex.quote(str(mine))} {MEMORY_DIR} && exec "$@"'
-    return ["sh", "-c", script, "sh", *cmd, "--memory-state"]
+    form = [] if setup.memory_form is None else ["--memory-state-form", setup.memory_form]
+    return ["sh", "-c", script, "sh", *cmd, "--memory-state", *form]
 
 
 MEMORY_DIR = "/dev/shm/acco_ds"

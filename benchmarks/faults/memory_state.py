@@ -58,6 +58,7 @@ MODELS = {"faults": MODEL_ARGS, "main": []}
 MEMORY_ROOT = Path("/dev/shm") / f"acco_faults_memory_{os.getpid()}"  # the nodes' memory folders, this run's
 RATES = ("400mbit", "none")
 MAX_STEPS_LOST = 1
+FORMS = ("inputs", "state")
 
 
 def parse(argv=None) -> argparse.Namespace:
@@ -88,6 +89,12 @@ def parse(argv=None) -> argparse.Namespace:
         default=",".join(RATES),
         help=f"the cost pairs' link rates, comma-separated (default {','.join(RATES)})",
     )
+    ap.add_argument(
+        "--forms",
+        default="inputs",
+        help="the copies' forms the cost pairs measure (memory_state.peer_copy_form), comma-separated: inputs, "
+        "state (default inputs; node-lost runs the first)",
+    )
     ap.add_argument("--out", default=str(results_dir("faults")), help="folder of the table and JSON")
     ap.add_argument(
         "--prefix", default=None, help="file name prefix (default memory_state, quick: memory_state_quick)"
@@ -95,6 +102,10 @@ def parse(argv=None) -> argparse.Namespace:
     ap.add_argument("--work", default=None, help="scratch folder of the jobs (default: a new temp folder)")
     ap.add_argument("--from-json", default=None, help="re-render the table from a saved raw JSON")
     a = ap.parse_args(argv)
+    a.forms = [f.strip() for f in a.forms.split(",") if f.strip()]
+    bad = [f for f in a.forms if f not in FORMS]
+    if bad or not a.forms:
+        ap.error(f"--forms: {', '.join(bad) or 'none given'}; allowed: {', '.join(FORMS)}")
     a.seeds = a.seeds or ([0] if a.quick else [0, 1, 2])
     a.steps = a.steps or (40 if a.quick else 100)
     a.prefix = a.prefix or ("memory_state_quick" if a.quick else "memory_state")
@@ -214,27 +225,29 @@ def _run_cases(a, base, work: Path, res: dict) -> None:
         for rate in () if a.quick or a.cases == "node-lost" else a.rates.split(","):
             net.set_rate(rate)
             for rep in range(a.repeats):
-                for memory in (False, True):  # paired, alternating: the machine's drift hits both alike
-                    name = f"cost_{rate}_{'memory' if memory else 'plain'}_{rep}"
-                    setup = dataclasses.replace(base, memory_root=str(MEMORY_ROOT / name) if memory else None)
+                # paired, alternating: the machine's drift hits each alike
+                for form in (None, *a.forms):
+                    memory = form is not None
+                    name = f"cost_{rate}_{form or 'plain'}_{rep}"
+                    setup = dataclasses.replace(
+                        base, memory_root=str(MEMORY_ROOT / name) if memory else None, memory_form=form
+                    )
                     rec = run_job(net, setup, work / name, "acco", 0, a.timeout)
-                    rec.update(case="cost", rate=rate, memory_state=memory, repeat=rep)
+                    rec.update(case="cost", rate=rate, memory_state=memory, form=form, repeat=rep)
                     rec.update(cost_figures(rec, setup, a.steps))
                     res["cases"].append(rec)
-                    print(
-                        f"cost {rate} memory_state={memory} #{rep}: {rec.get('samples_per_s')} samples/s",
-                        flush=True,
-                    )
+                    print(f"cost {rate} form={form} #{rep}: {rec.get('samples_per_s')} samples/s", flush=True)
         net.set_rate("400mbit")
         res["link"] = {"rate": "400mbit", "qdisc_node0": net.qdisc(0)}
         for seed in () if a.cases == "cost" else a.seeds:
             name = f"lost_s{seed}"
-            setup = dataclasses.replace(base, memory_root=str(MEMORY_ROOT / name))
+            setup = dataclasses.replace(base, memory_root=str(MEMORY_ROOT / name), memory_form=a.forms[0])
             step = random.Random(seed).randint(a.steps // 5, a.steps // 2)
             rec = run_job(
                 net, setup, work / name, "acco", seed, a.timeout, kill_node1_at(step, setup, a.timeout)
             )
-            rec.update(case="node-lost", seed=seed, drawn_step=step, **healed(rec, a.steps, a.per_node))
+            rec.update(case="node-lost", seed=seed, drawn_step=step, form=a.forms[0])
+            rec.update(healed(rec, a.steps, a.per_node))
             res["cases"].append(rec)
             print(f"node-lost seed {seed}: {summary_line(rec)}", flush=True)
 
@@ -264,12 +277,19 @@ def render(res: dict) -> str:
         "`benchmarks/faults/memory_state.py` from this folder's JSON. No disk checkpoint in any job. The model: "
         f"acco-train {' '.join(MODELS[res['args'].get('model', 'faults')]) or '(its defaults)'}, fp32, acco, one rank "
         "per node, 2 nodes.",
-        "",
-        "| node lost (seed) | killed at recorded step | last step before | resumed at | steps lost | detection s "
-        "| restart s | kill to training s | final steps | val loss | healed |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for r in (c for c in res["cases"] if c["case"] == "node-lost"):
+    lost = [c for c in res["cases"] if c["case"] == "node-lost"]
+    if lost:
+        forms = sorted({c.get("form") or "state" for c in lost})
+        lines += [
+            "",
+            f"Node lost, the copies in the {' and '.join(forms)} form:",
+            "",
+            "| node lost (seed) | killed at recorded step | last step before | resumed at | steps lost | detection s "
+            "| restart s | kill to training s | final steps | val loss | healed |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
+    for r in lost:
         lines.append(
             f"| {r['seed']} | {r.get('kill_at_recorded_step')} | {r.get('last_step_before')} | "
             f"{r.get('resumed_at_step')} | {r.get('steps_lost')} | {_f(r.get('detection_s'))} | "
@@ -278,22 +298,25 @@ def render(res: dict) -> str:
         )
     lines += [
         "",
-        "| link | memory_state | samples/s | samples/s lost | rounds' bytes/step (rank 0) | copies' bytes/step (rank 0) "
-        "| node memory per rank (MiB) |",
+        "| link | memory_state (copies' form) | samples/s | samples/s lost | rounds' bytes/step (rank 0) "
+        "| copies' bytes/step (rank 0) | node memory per rank (MiB) |",
         "|---|---|---|---|---|---|---|",
     ]
     costs = [c for c in res["cases"] if c["case"] == "cost"]
     for rate in dict.fromkeys(c["rate"] for c in costs):
+        at_rate = [c for c in costs if c["rate"] == rate]
+        forms = [None, *dict.fromkeys(_form(c) for c in at_rate if c["memory_state"])]
         med = {
-            m: _median_row([c for c in costs if c["rate"] == rate and c["memory_state"] == m]) for m in (0, 1)
+            f: _median_row([c for c in at_rate if (_form(c) if c["memory_state"] else None) == f])
+            for f in forms
         }
-        for m in (False, True):
-            r, cost = med[m], None
-            if m and med[False]["samples_per_s"] and r["samples_per_s"]:
-                cost = 100.0 * (1.0 - r["samples_per_s"] / med[False]["samples_per_s"])
+        for f in forms:
+            r, cost = med[f], None
+            if f is not None and med[None]["samples_per_s"] and r["samples_per_s"]:
+                cost = 100.0 * (1.0 - r["samples_per_s"] / med[None]["samples_per_s"])
             mem = r.get("memory_bytes_per_rank")
             lines.append(
-                f"| {rate} | {'on' if m else 'off'} | {_f(r['samples_per_s'])} ({r['spread']}) | "
+                f"| {rate} | {'off' if f is None else f'on ({f})'} | {_f(r['samples_per_s'])} ({r['spread']}) | "
                 f"{'-' if cost is None else f'{cost:.1f} %'} | {r['rounds_bytes_per_step']:.0f} | "
                 f"{r['copies_bytes_per_step']:.0f} | {'-' if mem is None else f'{mem / 2**20:.2f}'} |"
             )
@@ -304,6 +327,11 @@ def render(res: dict) -> str:
         "(its rank's two records and the two of the copy it holds, each with its meta area) per rank.",
     ]
     return "\n".join(lines) + "\n"
+
+
+def _form(rec: dict) -> str:
+    """The copies' form of a job with memory_state on (results before the forms were measured: the state)."""
+    return rec.get("form") or "state"
 
 
 def _median_row(rows: list) -> dict:

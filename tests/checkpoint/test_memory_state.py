@@ -13,7 +13,9 @@ at step ``SAVE``, then stop without cleaning up, as a crashed process does. Then
   continue bit for bit alike (fp32 master, moments, step count, LR, loss scale, skipped steps) for ``MORE`` steps
   and after ``finish()``;
 - 4 ranks on 2 nodes (each rank's records copied to a rank of the other node every step) lose the second node:
-  the 2 survivors resume from memory, their own records and the copies they hold, as from disk (acco, sync);
+  the 2 survivors resume from memory, their own records and the copies they hold, as from disk (acco, sync, acco in
+  bf16, fp16 and with int8 rounds; the copies sent as each commit's AdamW inputs, stepped by the holder, or as the
+  state; and with a holder whose step of the inputs is planted one bit off: the pair switches to the state);
 - 3 ranks on 3 nodes lose nodes 1 and 2, so rank 1's records and their copy are both gone: no resume from memory
   (the error names rank 1), the disk checkpoint is loaded instead;
 - every one of those runs with memory_state on keeps ACCO's rounds per step (2 for acco, 1 for dpu and sync);
@@ -52,7 +54,18 @@ SCALARS = ("step", "lr", "scale", "skipped", "global_steps")
 WORKER = launch.REPO / "tests" / "ranks" / "memory_state_worker.py"
 
 
-NODE_LOST = ["acco", "sync"]  # 4 ranks on 2 nodes, the second lost; 2 ranks resume
+# 4 ranks on 2 nodes, the second lost; 2 ranks resume. {variant: (case, extra job keys)}: the copies in the inputs
+# form (the default) in every dtype, with a loss scale that moves (skipped commits) and with int8 rounds, in the
+# state form, and with a planted mismatch (the pair switches to the state)
+NODE_LOST = {
+    "acco": ("acco", {}),
+    "sync": ("sync", {}),
+    "acco_bf16": ("acco_bf16", {}),
+    "acco_fp16": ("acco_fp16", {}),
+    "acco_int8": ("acco_int8", {}),
+    "acco_state": ("acco", {"peer_copy_form": "state"}),
+    "acco_mismatch": ("acco", {"plant_mismatch": True}),
+}
 BOTH_LOST = "acco"  # 3 ranks on 3 nodes, nodes 1 and 2 lost: rank 1's records and its copy are gone
 
 
@@ -75,9 +88,11 @@ def _jobs(tmp) -> list:
             jobs.append(
                 {**base, "name": f"{c['name']}@3/{source}", "kind": "resume", "source": source, "launch": 3}
             )
-        if c["name"] in NODE_LOST:
-            node = {**base, "name": f"{c['name']}/nodes", "run_id": f"{c['name']}-nodes", "node_size": 2}
-            node["ckpt"] = str(tmp / "ckpt" / f"{c['name']}-nodes")
+        for variant, (case, extra) in NODE_LOST.items():
+            if case != c["name"]:
+                continue
+            node = {**base, **extra, "name": f"{variant}/nodes", "run_id": f"{variant}-nodes", "node_size": 2}
+            node["ckpt"] = str(tmp / "ckpt" / f"{variant}-nodes")
             jobs.append({**node, "kind": "train", "launch": 1})
             for source in ("memory", "disk"):
                 jobs.append(
@@ -196,7 +211,7 @@ def test_memory_resume_equals_the_disk_resume(runs, case):
         assert len(scales) > 1 or mem["final"]["skipped"] > 0, "the loss scaler never moved: no fp16 check"
 
 
-@pytest.mark.parametrize("name", NODE_LOST)
+@pytest.mark.parametrize("name", list(NODE_LOST))
 def test_a_lost_node_is_resumed_from_the_copies(runs, name):
     """4 ranks on 2 nodes copy their records to the other node each step; the second node is lost (its memory with
     it) and its 2 ranks' state comes from the copies the first node holds: the same run as from disk."""
@@ -207,7 +222,42 @@ def test_a_lost_node_is_resumed_from_the_copies(runs, name):
     assert_same_run(f"{name}/nodes", runs[f"{name}/nodes@2/memory"], runs[f"{name}/nodes@2/disk"])
 
 
+@pytest.mark.parametrize("name", list(NODE_LOST))
+def test_the_copies_are_sent_in_the_form_each_commit_allows(runs, name):
+    """Rank 0's copies (it sends its own to rank 2 and steps rank 2's): the first commit as the state (the holder has
+    nothing to step), every later one as its inputs (with int8 rounds too: at 4 ranks the commit stores the sum and
+    steps it with the plain AdamW), except in the state form and after the planted mismatch (one commit stepped
+    wrongly, abandoned, then the state)."""
+    c = runs[f"{name}/nodes"]["copies"]
+    state, inputs, mismatches = (
+        c["peer_copy_commits_as_state"], c["peer_copy_commits_as_inputs"], c["peer_copy_mismatches"]
+    )  # fmt: skip
+    commits = state + inputs
+    assert commits >= SAVE - 1, c
+    if name == "acco_state":
+        assert (state, inputs, mismatches) == (commits, 0, 0), c
+    elif name == "acco_mismatch":
+        assert (state, inputs, mismatches) == (commits - 1, 1, 1), c
+    else:
+        assert (state, inputs, mismatches) == (1, commits - 1, 0), c
+
+
+def test_inputs_copies_send_a_third_of_the_bytes_of_state_copies(runs):
+    """fp32, the toy's one group: a commit's state is 12 bytes per shard element; its inputs 4 bytes per element
+    plus 40 bytes of step scalars, and an 8-byte verdict back; every step adds its fixed meta message."""
+    from acco_ds.core.peer_copies import META_BYTES
+
+    a, b = runs["acco/nodes"]["copies"], runs["acco_state/nodes"]["copies"]
+    assert a["peer_copy_steps"] == b["peer_copy_steps"] == SAVE
+    commits = b["peer_copy_commits_as_state"]
+    state_bytes = (b["peer_copy_bytes_sent"] - SAVE * META_BYTES) // commits
+    assert state_bytes % 12 == 0 and state_bytes > 0
+    want = SAVE * META_BYTES + state_bytes + (commits - 1) * (state_bytes // 3 + 40 + 8)
+    assert a["peer_copy_bytes_sent"] == want, (a, b)
+
+
 TRAINED = [c["name"] for c in CASES] + [f"{n}/nodes" for n in NODE_LOST] + [f"{BOTH_LOST}/both"]
+MODE_OF = {f"{v}/nodes": case for v, (case, _) in NODE_LOST.items()}
 
 
 CUDA_PATHS = {c["name"] for c in CASES if c.get("cuda_paths")}
@@ -222,7 +272,7 @@ def test_the_rounds_per_step_are_those_of_a_run_without_memory_state(runs, name)
     commit k is read with step k + 1's peek, one job late, at that step's boundary (two more)."""
     cuda = ("StreamExecutor", True) if name in CUDA_PATHS else ("ThreadExecutor", False)
     assert runs[name]["executor"] == cuda, f"{name}: (executor, defer_host_reads) {runs[name]['executor']}"
-    mode = name.split("/")[0].split("_")[0]
+    mode = MODE_OF.get(name, name).split("/")[0].split("_")[0]
     per_step = 2 if mode == "acco" else 1
     out = 0 if mode == "sync" else (2 if mode == "acco" and name in CUDA_PATHS else 1)
     want = [per_step * k + out for k in range(1, SAVE + 1)]

@@ -30,7 +30,7 @@ class _Commits:
 
 
 def _copies(tmp_path, exchange):
-    state = SimpleNamespace(commits=_Commits(), folder=str(tmp_path), rank=0, generation=0)
+    state = SimpleNamespace(commits=_Commits(), folder=str(tmp_path), rank=0, generation=0, inputs=None)
     copies = peer_copies.PeerCopies(state, None, holder=1, wards=[], timeout_s=30.0)
     copies._send = exchange
     return copies, state
@@ -83,8 +83,9 @@ def test_the_wait_ends_with_the_copies_error(tmp_path):
 def test_metas_past_the_fixed_message_go_in_a_message_of_their_own():
     for size in (0, 10, peer_copies.META_BYTES - 64, peer_copies.META_BYTES * 3 + 5):
         commit_blob, step_blob = b"c" * 17, bytes(range(256)) * (size // 256) + b"s" * (size % 256)
-        fixed, rest = peer_copies.pack_metas(12, 9, commit_blob, step_blob)
+        fixed, rest = peer_copies.pack_metas(12, 9, commit_blob, step_blob, peer_copies.INPUTS, -(2**40) - 3)
         assert fixed.numel() == peer_copies.META_BYTES
-        step, key, clen, slen, head, over = peer_copies.unpack_metas(fixed.clone())
+        step, key, clen, slen, form, digest, head, over = peer_copies.unpack_metas(fixed.clone())
         assert (step, key, clen, slen, over) == (12, 9, 17, len(step_blob), rest.numel())
+        assert (form, digest) == (peer_copies.INPUTS, -(2**40) - 3)
         assert head + rest.numpy().tobytes() == commit_blob + step_blob

@@ -18,6 +18,8 @@ and the skipped steps.
 (``tests.ranks.worker.initialize``: the CUDA executor on emulated streams, each job's host summary read one job
 late). fp16 jobs poison the loss of a few micro-batches (times inf), so the loss scaler moves before and after the
 save.
+``peer_copy_form``: the copies' form (default: the config's, the inputs); ``plant_mismatch``: every holder's first
+step of a ward's inputs gives a state one bit off (the pair must switch to sending the state).
 ``node_size``: the ranks are on nodes of that many ranks (torchrun's ``GROUP_RANK``), so that each rank's records
 are also copied to a rank on another node; a resume with ``expect_lost`` must find no complete state in memory
 (the test removed a node and the holder of its copies) and loads the disk checkpoint instead.
@@ -37,6 +39,7 @@ import signal
 import torch
 
 import acco_ds  # noqa: F401
+from acco_ds.core import peer_copies
 from acco_ds.deepspeed.checkpoint import memory
 from acco_ds.deepspeed.cpu_fp16 import allow_fp16_on_cpu
 from tests.ranks import rank_start, toy
@@ -53,6 +56,8 @@ def config(job: dict, memory_on: bool) -> dict:
         params["compression"] = {"commit": "int8", **({"peek": "int8"} if job["mode"] == "acco" else {})}
     if memory_on:
         params["memory_state"] = {"enabled": True, "dir": job["dir"], "run_id": job["run_id"]}
+        if job.get("peer_copy_form"):
+            params["memory_state"]["peer_copy_form"] = job["peer_copy_form"]
     if job.get("comm_timeout_s"):
         params["comm_timeout_s"] = job["comm_timeout_s"]
     cfg = {
@@ -104,7 +109,31 @@ def state(engine) -> dict:
     return s
 
 
+def planted_mismatch():
+    """``peer_copies.step_copy`` whose first call flips the last bit of the copy's first element: the holder's step
+    of a ward's inputs then does not give the ward's state (what a host AdamW with other bits would do)."""
+    real, calls = peer_copies.step_copy, []
+
+    def step_copy(state, inputs, layout):
+        real(state, inputs, layout)
+        if not calls:
+            state.view(torch.int32)[0] ^= 1
+        calls.append(1)
+
+    return step_copy
+
+
 def run_train(job: dict, rank: int) -> dict:
+    real_step_copy = peer_copies.step_copy
+    if job.get("plant_mismatch"):
+        peer_copies.step_copy = planted_mismatch()
+    try:
+        return _run_train(job, rank)
+    finally:
+        peer_copies.step_copy = real_step_copy
+
+
+def _run_train(job: dict, rank: int) -> dict:
     engine = make_engine(job, seed=0, memory_on=True, restart=0)
     opt = engine.optimizer
     done, i, rounds = 0, 0, []

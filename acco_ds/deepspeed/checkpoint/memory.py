@@ -93,7 +93,7 @@ def attach(opt, cfg) -> None:
         if holders:
             group = new_subgroup(pipeline.dp_group, "gloo", cfg.comm_timeout_s)
             wards = [r for r, h in holders.items() if h == pipeline.rank]
-            state.copy_to_peer(group, holders[pipeline.rank], wards, cfg.comm_timeout_s)
+            state.copy_to_peer(group, holders[pipeline.rank], wards, cfg.comm_timeout_s, ms.peer_copy_form)
         elif pipeline.rank == 0:
             logger.info(
                 "acco_ds: memory_state: every rank is on one node, so the committed state is kept in this node's "
