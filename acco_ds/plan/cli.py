@@ -329,7 +329,9 @@ def render(plan, rec: dict) -> str:
     lines.append(
         f"memory_state (optimizer.params.memory_state): {d['memory_state_bytes_per_step'] / 1e6:,.1f} MB per rank and "
         f"step to its copy's holder on another node ({ms * d['memory_state_inter_s']:.1f} ms of the node's link for "
-        f"all its ranks, beside the rounds), {d['memory_state_host_bytes'] / 2**30:.2f} GiB of host memory per rank"
+        f"all its ranks, beside the rounds; peer_copy_form 'state': {d['memory_state_state_bytes_per_step'] / 1e6:,.1f} "
+        f"MB, {ms * d['memory_state_state_inter_s']:.1f} ms), {d['memory_state_host_bytes'] / 2**30:.2f} GiB of host "
+        "memory per rank"
     )
     if i.get("offload"):
         lines += [

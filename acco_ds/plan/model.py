@@ -271,15 +271,20 @@ def _derived(i: PlanInputs) -> dict:
         "reduce_buckets": max(1, math.ceil(n_g / i.reduce_bucket)),
         "bucket_frac": i.reduce_bucket / n_g,
         "tokens_per_micro_batch": i.tokens_per_micro_batch,
-        # optimizer.params.memory_state (acco_ds.core.commit_records, core.peer_copies): per rank and step, the fp32
-        # master shard and both moments sent to the copy's holder on another node (one node: none); in host memory
-        # the rank's two records and the two of the rank it holds the copies of
-        "memory_state_bytes_per_step": STATE_COPY_BYTES * shard if i.nodes > 1 else 0.0,
+        # optimizer.params.memory_state (acco_ds.core.commit_records, core.peer_copies): per rank and step, to the
+        # copy's holder on another node (one node: none), the commit's inputs (peer_copy_form 'inputs', the
+        # default: the reduced gradient shard in the communication dtype, core.commit_inputs) or its state (fp32
+        # master shard and both moments); in host memory the rank's two records and the two of the rank it holds
+        # the copies of, and with inputs the rank's two slots of them and the one of its ward's it receives
+        "memory_state_bytes_per_step": C * shard if i.nodes > 1 else 0.0,
+        "memory_state_state_bytes_per_step": STATE_COPY_BYTES * shard if i.nodes > 1 else 0.0,
         # every rank of a node sends its copy through the node's link at the same time
-        "memory_state_inter_s": STATE_COPY_BYTES * shard * i.gpus_per_node / i.inter_bw
+        "memory_state_inter_s": C * shard * i.gpus_per_node / i.inter_bw if i.nodes > 1 else 0.0,
+        "memory_state_state_inter_s": STATE_COPY_BYTES * shard * i.gpus_per_node / i.inter_bw
         if i.nodes > 1
         else 0.0,
-        "memory_state_host_bytes": STATE_COPY_BYTES * shard * (4 if i.nodes > 1 else 2),
+        "memory_state_host_bytes": STATE_COPY_BYTES * shard * (4 if i.nodes > 1 else 2)
+        + (3 * C * shard if i.nodes > 1 else 0.0),
     }
 
 

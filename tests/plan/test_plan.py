@@ -134,6 +134,21 @@ def test_each_contender_against_a_hand_computed_case():
     assert plan.row("acco").samples_per_s == pytest.approx(8 * 2 * 4 / HAND["acco"])
 
 
+def test_the_memory_states_copies_against_a_hand_computed_case():
+    """4e9 parameters per GPU over 8 data-parallel ranks: a shard of 5e8 elements. The inputs form sends the bf16
+    gradient shard (2 bytes per element), the state form 12; the 8 ranks of a node share its 50 GB/s; host memory:
+    4 records of 12 bytes, 3 slots of inputs of 2."""
+    d = predict(COMM_BOUND).derived
+    assert d["memory_state_bytes_per_step"] == pytest.approx(2 * 5e8)
+    assert d["memory_state_state_bytes_per_step"] == pytest.approx(12 * 5e8)
+    assert d["memory_state_inter_s"] == pytest.approx(2 * 5e8 * 8 / 50e9)
+    assert d["memory_state_state_inter_s"] == pytest.approx(12 * 5e8 * 8 / 50e9)
+    assert d["memory_state_host_bytes"] == pytest.approx((4 * 12 + 3 * 2) * 5e8)
+    one_node = predict(dataclasses.replace(COMM_BOUND, nodes=1, gpus_per_node=16)).derived
+    assert one_node["memory_state_bytes_per_step"] == one_node["memory_state_state_bytes_per_step"] == 0.0
+    assert one_node["memory_state_host_bytes"] == pytest.approx(2 * 12 * one_node["params_per_gpu"] / 8)
+
+
 def test_compressed_rounds_against_a_hand_computed_case():
     """COMM_BOUND with int8 rounds (blocks of 256): a collective moves 4e9 x (1 + 4/256) = 4.0625e9 bytes,
     reduce-scatter 3/4 x 4.0625e9 / 100e9 + 1/2 x 4.0625e9 / 25e9 = 0.11171875 s; the quantize passes
