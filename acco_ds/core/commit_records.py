@@ -198,7 +198,7 @@ class MemoryState:
         self.seconds["step_record_s"] += time.perf_counter() - t0
 
     def stats(self) -> Dict[str, float]:
-        """The copies' bytes, steps, seconds (their thread's), commits sent by form and the wards' inputs that did not
+        """The copies' bytes, steps, seconds and CPU seconds (their thread's), commits sent by form and the wards' inputs that did not
         give their state, so far (zeros without copies), and the seconds the records took on the job's thread and on
         the training thread."""
         c = self.copies
@@ -207,6 +207,7 @@ class MemoryState:
             "peer_copy_bytes_received": 0 if c is None else c.bytes_received,
             "peer_copy_steps": 0 if c is None else c.steps_copied,
             "peer_copy_s": 0.0 if c is None else c.seconds,
+            "peer_copy_cpu_s": 0.0 if c is None else c.cpu_seconds,
             "peer_copy_commits_as_state": 0 if c is None else c.commits_sent["state"],
             "peer_copy_commits_as_inputs": 0 if c is None else c.commits_sent["inputs"],
             "peer_copy_mismatches": 0 if c is None else c.mismatches,

@@ -104,6 +104,7 @@ class PeerCopies:
         self.commits_sent = {"state": 0, "inputs": 0}  # this rank's copies of commits, by form
         self.mismatches = 0  # wards' inputs whose step did not give their state (this rank as holder)
         self.seconds = 0.0  # the thread's time in its copies (the waits for the commits' records included)
+        self.cpu_seconds = 0.0  # the CPU time the thread spent in them (time.thread_time)
         self._held: Dict[int, tuple] = {}
         self._needed: List[int] = []  # the commits named by the steps handed over and not yet copied
         self._cond = threading.Condition()
@@ -172,9 +173,10 @@ class PeerCopies:
                 item = self._queue.get()
                 if item is None:
                     return
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.thread_time()
                 self._copy(*item)
                 self.seconds += time.perf_counter() - t0
+                self.cpu_seconds += time.thread_time() - c0
         except BaseException as err:  # noqa: BLE001 - reported to the training thread by check()
             self._error = err
             with self._cond:

@@ -192,6 +192,9 @@ def cost_figures(rec: dict, setup, steps: int) -> dict:
         out["samples_per_s"] = steps * batch / start["train_s"]
     out["rounds_bytes_per_step"] = (start.get("bytes_sent") or 0) / steps
     out["copies_bytes_per_step"] = (start.get("peer_copy_bytes_sent") or 0) / steps
+    cpu = (start.get("memory_state_s") or {}).get("peer_copy_cpu_s")
+    if cpu is not None:
+        out["copies_cpu_ms_per_step"] = 1000.0 * cpu / steps
     if setup.memory_root is not None:
         per_node = [_folder_bytes(agents.node_memory(setup, n)) for n in range(2)]
         out["memory_bytes_per_rank"] = max(per_node) / max(1, setup.per_node)
@@ -299,8 +302,8 @@ def render(res: dict) -> str:
     lines += [
         "",
         "| link | memory_state (copies' form) | samples/s | samples/s lost | rounds' bytes/step (rank 0) "
-        "| copies' bytes/step (rank 0) | node memory per rank (MiB) |",
-        "|---|---|---|---|---|---|---|",
+        "| copies' bytes/step (rank 0) | copies' CPU ms/step (rank 0) | node memory per rank (MiB) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     costs = [c for c in res["cases"] if c["case"] == "cost"]
     for rate in dict.fromkeys(c["rate"] for c in costs):
@@ -318,12 +321,15 @@ def render(res: dict) -> str:
             lines.append(
                 f"| {rate} | {'off' if f is None else f'on ({f})'} | {_f(r['samples_per_s'])} ({r['spread']}) | "
                 f"{'-' if cost is None else f'{cost:.1f} %'} | {r['rounds_bytes_per_step']:.0f} | "
-                f"{r['copies_bytes_per_step']:.0f} | {'-' if mem is None else f'{mem / 2**20:.2f}'} |"
+                f"{r['copies_bytes_per_step']:.0f} | {_f(r.get('copies_cpu_ms_per_step'), 2)} | "
+                f"{'-' if mem is None else f'{mem / 2**20:.2f}'} |"
             )
     lines += [
         "",
         f"samples/s: the median of {res['args'].get('repeats', 1)} jobs (min-max in brackets), pairs run alternately; "
-        "samples/s lost: 1 - on/off of the medians. Bytes: rank 0's, per step. Node memory: a node's memory folder at the end "
+        "samples/s lost: 1 - on/off of the medians. Bytes: rank 0's, per step. CPU: the CPU time of rank 0's copies' "
+        "thread per step (the digests, host steps, metas and posting the transfers; gloo's transfer threads not "
+        "included), the median (- where not measured). Node memory: a node's memory folder at the end "
         "(its rank's two records and the two of the copy it holds, each with its meta area) per rank.",
     ]
     return "\n".join(lines) + "\n"
@@ -345,6 +351,9 @@ def _median_row(rows: list) -> dict:
     }
     if mid.get("memory_bytes_per_rank") is not None:
         out["memory_bytes_per_rank"] = mid["memory_bytes_per_rank"]
+    cpu = sorted(r["copies_cpu_ms_per_step"] for r in rows if r.get("copies_cpu_ms_per_step") is not None)
+    if cpu:
+        out["copies_cpu_ms_per_step"] = statistics.median(cpu)
     return out
 
 

@@ -6,6 +6,7 @@ the committed full run (benchmarks/results/faults/memory_state.json)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.faults import memory_state
+from benchmarks.faults import agents, memory_state
 from benchmarks.harness import nodes
 from tests.benchmarks import communicate_or_kill
 
@@ -29,10 +30,11 @@ def test_committed_run_rerenders_its_table(tmp_path):
     assert (tmp_path / "again.md").read_text() == (RESULTS / "memory_state.md").read_text()
 
 
-def test_committed_main_model_run_rerenders_its_table(tmp_path):
-    res = json.loads((RESULTS / "memory_state_main.json").read_text())
+@pytest.mark.parametrize("prefix", ["memory_state_main", "memory_state_main_r3"])
+def test_committed_main_model_runs_rerender_their_tables(tmp_path, prefix):
+    res = json.loads((RESULTS / f"{prefix}.json").read_text())
     assert memory_state.write(res, tmp_path, "again") == 0  # cost pairs only: nothing to heal
-    assert (tmp_path / "again.md").read_text() == (RESULTS / "memory_state_main.md").read_text()
+    assert (tmp_path / "again.md").read_text() == (RESULTS / f"{prefix}.md").read_text()
 
 
 def test_the_cases_rates_and_model_options():
@@ -40,6 +42,30 @@ def test_the_cases_rates_and_model_options():
     assert (a.cases, a.rates, memory_state.MODELS[a.model]) == ("cost", "400mbit", [])
     assert memory_state.samples_per_step(memory_state.MODELS["faults"]) == 4 * 2
     assert memory_state.samples_per_step(memory_state.MODELS["main"]) == 8 * 4  # acco-train's defaults
+
+
+def test_the_forms_option_and_the_agents_flag(capsys):
+    a = memory_state.parse(["--forms", "inputs, state"])
+    assert a.forms == ["inputs", "state"]
+    for bad in ("inputs,diff", ","):
+        with pytest.raises(SystemExit):
+            memory_state.parse(["--forms", bad])
+        assert "--forms" in capsys.readouterr().err
+    base = agents.Setup(steps=1, save_every=0, per_node=1, max_restarts=0, last_call_timeout_s=1,
+                        join_timeout_s=1, model_args=[], memory_root="/tmp/x")  # fmt: skip
+    argv = agents.agent_command(base, ["10.0.0.1", "10.0.0.2"], 0, 1, "r", Path("/tmp/o"), "acco", 0)
+    assert argv[-1] == "--memory-state"
+    argv = agents.agent_command(
+        dataclasses.replace(base, memory_form="state"),
+        ["10.0.0.1", "10.0.0.2"],
+        0,
+        1,
+        "r",
+        Path("/tmp/o"),
+        "acco",
+        0,
+    )
+    assert argv[-3:] == ["--memory-state", "--memory-state-form", "state"]
 
 
 def test_a_job_that_lost_more_than_one_step_is_not_healed():

@@ -82,6 +82,13 @@ def test_configs_share_everything_but_the_optimizer_section():
     ahead = dsconfig.Knobs(micro_batch=4, grad_accum=4, world_size=2, peek_lr_scale=1.5)
     assert dsconfig.build_config("acco", ahead)["optimizer"]["params"]["peek_lr_scale"] == 1.5
     assert "peek_lr_scale" not in dsconfig.build_config("dpu", ahead)["optimizer"]["params"]
+    kept = dsconfig.Knobs(micro_batch=4, grad_accum=4, world_size=2, memory_state=True)
+    assert dsconfig.build_config("acco", kept)["optimizer"]["params"]["memory_state"] == {"enabled": True}
+    kept = dsconfig.Knobs(
+        micro_batch=4, grad_accum=4, world_size=2, memory_state=True, memory_state_form="state"
+    )
+    ms = dsconfig.build_config("acco", kept)["optimizer"]["params"]["memory_state"]
+    assert ms == {"enabled": True, "peer_copy_form": "state"}
 
 
 def test_user_config_batch_is_checked(tmp_path):
@@ -102,6 +109,7 @@ def test_options_are_checked(capsys):
         (["--steps", "0"], "--steps must be >= 1"),
         (["--peek-lr-scale", "0"], "--peek-lr-scale must be in (0, 4]"),
         (["--peek-lr-scale", "1.5", "--mode", "sync"], "--peek-lr-scale applies to the acco run"),
+        (["--memory-state-form", "state"], "--memory-state-form state applies with --memory-state only"),
     ):
         with pytest.raises(SystemExit):
             parse(bad)
