@@ -135,10 +135,16 @@ BAD_PARAMS = [
     ),
     ({"memory_state": {"run_id": " "}}, "memory_state.run_id", "' '", ALLOWED["memory_state.run_id"]),
     (
+        {"memory_state": {"peer_copy_form": "diff"}},
+        "memory_state.peer_copy_form",
+        "'diff'",
+        ALLOWED["memory_state.peer_copy_form"],
+    ),
+    (
         {"memory_state": {"peer": 1}},
         "memory_state.peer",
         "1",
-        "Allowed keys: dir, enabled, peer_copy, run_id",
+        "Allowed keys: dir, enabled, peer_copy, peer_copy_form, run_id",
     ),
     ({"memory_state": True}, "memory_state", "True", ALLOWED["memory_state"]),
     ({"momentum": 0.9}, "momentum", "0.9", "Allowed keys: accumulation, betas"),

@@ -18,6 +18,8 @@ and the skipped steps.
 (``tests.ranks.worker.initialize``: the CUDA executor on emulated streams, each job's host summary read one job
 late). fp16 jobs poison the loss of a few micro-batches (times inf), so the loss scaler moves before and after the
 save.
+``offload``: the optimizer state offloaded (``zero_optimization.offload_optimizer``, the host step's staged path
+as a GPU rank runs it: ``ACCO_DS_HOST_STEP_STAGING=1`` for its engines).
 ``peer_copy_form``: the copies' form (default: the config's, the inputs); ``plant_mismatch``: every holder's first
 step of a ward's inputs gives a state one bit off (the pair must switch to sending the state).
 ``node_size``: the ranks are on nodes of that many ranks (torchrun's ``GROUP_RANK``), so that each rank's records
@@ -40,6 +42,7 @@ import torch
 
 import acco_ds  # noqa: F401
 from acco_ds.core import peer_copies
+from acco_ds.core.host_step import STAGING_ENV
 from acco_ds.deepspeed.checkpoint import memory
 from acco_ds.deepspeed.cpu_fp16 import allow_fp16_on_cpu
 from tests.ranks import rank_start, toy
@@ -68,7 +71,10 @@ def config(job: dict, memory_on: bool) -> dict:
             "type": "WarmupLR",
             "params": {"warmup_min_lr": LR / 4, "warmup_max_lr": LR, "warmup_num_steps": 5},
         },
-        "zero_optimization": {"stage": 1},
+        "zero_optimization": {
+            "stage": 1,
+            **({"offload_optimizer": {"device": "cpu"}} if job.get("offload") else {}),
+        },
         "gradient_clipping": CLIP,
         "bf16": {"enabled": job["dtype"] == "bf16"},
         "steps_per_print": 10**9,
@@ -82,6 +88,7 @@ def make_engine(job: dict, seed: int, memory_on: bool, restart: int):
     os.environ[memory.RESTART_COUNT] = str(restart)
     rank = torch.distributed.get_rank()
     os.environ["GROUP_RANK"] = str(rank // job["node_size"]) if job.get("node_size") else "0"
+    os.environ[STAGING_ENV] = "1" if job.get("offload") else "0"
     model = toy.build(seed)
     return initialize(model, config(job, memory_on), bool(job.get("cuda_paths")))
 
