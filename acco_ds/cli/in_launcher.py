@@ -74,7 +74,7 @@ def run_rank(a) -> int:
                         "memory_state_s": {
                             k: v
                             for k, v in summary["stats"].items()
-                            if k.startswith(("memory_", "peer_copy_s", "peer_copy_c", "peer_copy_mis"))
+                            if k.startswith(("memory_", "peer_copy_")) and "_bytes_" not in k
                         },
                         "bytes_sent": summary["stats"].get("bytes_sent"),
                     }

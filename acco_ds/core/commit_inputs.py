@@ -50,7 +50,7 @@ class InputsLayout:
         offsets, at = [], 0
         for n, dt in zip(numels, dtypes):
             offsets.append(at)
-            at += _aligned(int(n) * torch.empty(0, dtype=dt).element_size())
+            at += _aligned(int(n) * dt.itemsize)
         scalars_at = at
         return cls(tuple(int(n) for n in numels), tuple(dtypes), tuple(offsets), scalars_at,
                    scalars_at + 4 * SCALARS * len(numels))  # fmt: skip
@@ -63,8 +63,7 @@ class InputsLayout:
     def grads(self, flat: torch.Tensor) -> List[torch.Tensor]:
         out = []
         for n, dt, at in zip(self.numels, self.dtypes, self.offsets):
-            size = n * torch.empty(0, dtype=dt).element_size()
-            out.append(flat[at : at + size].view(dt))
+            out.append(flat[at : at + n * dt.itemsize].view(dt))
         return out
 
     def scalars(self, flat: torch.Tensor) -> torch.Tensor:
@@ -100,10 +99,6 @@ class CommitInputs:
         if not self.has(key):
             raise KeyError(f"no inputs of commit {key} are held")
         return self._flats[key % 2]
-
-    @property
-    def nbytes(self) -> int:
-        return 2 * self.layout.nbytes
 
 
 class Capture:

@@ -283,7 +283,7 @@ def render(res: dict) -> str:
     ]
     lost = [c for c in res["cases"] if c["case"] == "node-lost"]
     if lost:
-        forms = sorted({c.get("form") or "state" for c in lost})
+        forms = sorted({_form(c) for c in lost})
         lines += [
             "",
             f"Node lost, the copies in the {' and '.join(forms)} form:",
@@ -309,10 +309,7 @@ def render(res: dict) -> str:
     for rate in dict.fromkeys(c["rate"] for c in costs):
         at_rate = [c for c in costs if c["rate"] == rate]
         forms = [None, *dict.fromkeys(_form(c) for c in at_rate if c["memory_state"])]
-        med = {
-            f: _median_row([c for c in at_rate if (_form(c) if c["memory_state"] else None) == f])
-            for f in forms
-        }
+        med = {f: _median_row([c for c in at_rate if _form(c) == f]) for f in forms}
         for f in forms:
             r, cost = med[f], None
             if f is not None and med[None]["samples_per_s"] and r["samples_per_s"]:
@@ -335,8 +332,11 @@ def render(res: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _form(rec: dict) -> str:
-    """The copies' form of a job with memory_state on (results before the forms were measured: the state)."""
+def _form(rec: dict) -> str | None:
+    """The copies' form of a job: None with memory_state off (node-lost jobs always have it on); results from before
+    the forms were measured: the state."""
+    if rec["case"] == "cost" and not rec["memory_state"]:
+        return None
     return rec.get("form") or "state"
 
 
