@@ -19,7 +19,8 @@ Contract:
   after that wait, and jobs run one at a time), so a slot is never rewritten while it is sent.
 - :func:`step_copy` steps a held copy with the host AdamW (``ops.adamw.adamw_step`` on CPU tensors: the CPU extension,
   whose bits are the CUDA kernel's, tests/gpu/test_kernels_gpu.py). :func:`state_digest` is the check of the result:
-  both sides compute it over the whole flat state (every group's master, exp_avg, exp_avg_sq, padding included).
+  both sides compute it on the copies' thread over the whole flat state (every group's master, exp_avg, exp_avg_sq,
+  padding included).
 """
 
 from __future__ import annotations
@@ -27,12 +28,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Sequence
 
+import numpy as np
 import torch
 
 from acco_ds.ops.adamw import adamw_step
 
 SCALARS = 10  # per group: hyper_tensor (8), scale_tensor, noop_flag
 _ALIGN = 16
+_MASK64 = (1 << 64) - 1
 
 
 @dataclass(frozen=True)
@@ -153,8 +156,14 @@ def step_copy(state: torch.Tensor, inputs: torch.Tensor, layout: InputsLayout) -
 
 
 def state_digest(state: torch.Tensor) -> int:
-    """A check of a flat fp32 state: the sum of its elements' bit patterns as signed 64-bit integers (equal states
-    give equal digests; one element's bits changed changes it)."""
-    if state.numel() == 0:
-        return 0
-    return int(state.view(torch.int32).sum(dtype=torch.int64))
+    """A check of a flat fp32 state in host memory: the sum, modulo 2**64, of its bytes read as unsigned 64-bit words
+    (an odd last element as a 32-bit one), as a signed 64-bit integer. Equal states give equal digests; any one
+    element's bits changed changes it (the word it is in changes by less than 2**64). One pass over the bytes without
+    widening them (numpy's unsigned sum wraps): a twentieth of the time of a widening sum of the int32 patterns."""
+    words = state.detach().reshape(-1).numpy().view(np.uint32)
+    even = words.size - words.size % 2
+    total = int(words[:even].view(np.uint64).sum(dtype=np.uint64)) if even else 0
+    if even != words.size:
+        total += int(words[-1])
+    total &= _MASK64
+    return total - (1 << 64) if total >> 63 else total

@@ -16,10 +16,11 @@ own folder (``agents.node_memory``, bound to ``/dev/shm/acco_ds`` inside the nod
   they hold. Recorded: the steps lost (the survivor's last completed step minus the step the restart resumed at;
   goal <= 1), the seconds from the kill to training again, split into detection (kill -> the survivor's failure
   record) and restart (-> the first optimizer step of the restarted start), the final step count and val loss.
-- ``cost`` (per rate: 400mbit and none, i.e. unthrottled; ``--repeats`` pairs run alternately): the same job with
-  nothing killed, with and without ``--memory-state``; samples/s of each (rank 0's training seconds; the median
-  reported), the copies' bytes per step and the rounds' bytes per step of rank 0, and each node's memory folder's
-  size per rank at the end (the records and held copies).
+- ``cost`` (per rate: 400mbit and none, i.e. unthrottled; ``--repeats`` pairs run alternately, every other repeat
+  in the reverse order): the same job with nothing killed, with and without ``--memory-state``; samples/s of each
+  (rank 0's training seconds; the median reported, and the median of each repeat's pair), the copies' bytes per
+  step and the rounds' bytes per step of rank 0, and each node's memory folder's size per rank at the end (the
+  records and held copies).
 
 Writes ``<prefix>.md`` and ``<prefix>.json`` into ``--out`` (default ``benchmarks/results/faults/``). Exit status: 0
 when every node-lost job healed with at most one step lost (``--cases cost``: once the jobs ran); 1 otherwise (the
@@ -58,6 +59,8 @@ MODELS = {"faults": MODEL_ARGS, "main": []}
 MEMORY_ROOT = Path("/dev/shm") / f"acco_faults_memory_{os.getpid()}"  # the nodes' memory folders, this run's
 RATES = ("400mbit", "none")
 MAX_STEPS_LOST = 1
+# the cost jobs' order within a repeat (older results: the same in every repeat)
+REVERSED_EVERY_OTHER = "reversed every other repeat"
 FORMS = ("inputs", "state")
 
 
@@ -212,7 +215,7 @@ def run(a) -> dict:
         model_args=MODELS[a.model],
     )
     work = Path(a.work or tempfile.mkdtemp(prefix="acco_faults_memory_"))
-    res = {"args": dict(vars(a)), "machine": machine_info(), "cases": []}
+    res = {"args": dict(vars(a)), "machine": machine_info(), "cases": [], "order": REVERSED_EVERY_OTHER}
     nodes.remove_stale()
     try:
         _run_cases(a, base, work, res)
@@ -228,8 +231,10 @@ def _run_cases(a, base, work: Path, res: dict) -> None:
         for rate in () if a.quick or a.cases == "node-lost" else a.rates.split(","):
             net.set_rate(rate)
             for rep in range(a.repeats):
-                # paired, alternating: the machine's drift hits each alike
-                for form in (None, *a.forms):
+                # paired, alternating, the order reversed every other repeat: the machine's drift and the jobs'
+                # place in a repeat hit each form alike
+                order = (None, *a.forms)
+                for form in order if rep % 2 == 0 else order[::-1]:
                     memory = form is not None
                     name = f"cost_{rate}_{form or 'plain'}_{rep}"
                     setup = dataclasses.replace(
@@ -301,9 +306,10 @@ def render(res: dict) -> str:
         )
     lines += [
         "",
-        "| link | memory_state (copies' form) | samples/s | samples/s lost | rounds' bytes/step (rank 0) "
-        "| copies' bytes/step (rank 0) | copies' CPU ms/step (rank 0) | node memory per rank (MiB) |",
-        "|---|---|---|---|---|---|---|---|",
+        "| link | memory_state (copies' form) | samples/s | samples/s lost | samples/s lost, paired "
+        "| rounds' bytes/step (rank 0) | copies' bytes/step (rank 0) | copies' CPU ms/step (rank 0) "
+        "| node memory per rank (MiB) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     costs = [c for c in res["cases"] if c["case"] == "cost"]
     for rate in dict.fromkeys(c["rate"] for c in costs):
@@ -317,16 +323,19 @@ def render(res: dict) -> str:
             mem = r.get("memory_bytes_per_rank")
             lines.append(
                 f"| {rate} | {'off' if f is None else f'on ({f})'} | {_f(r['samples_per_s'])} ({r['spread']}) | "
-                f"{'-' if cost is None else f'{cost:.1f} %'} | {r['rounds_bytes_per_step']:.0f} | "
+                f"{'-' if cost is None else f'{cost:.1f} %'} | {_paired_cost(at_rate, f)} | "
+                f"{r['rounds_bytes_per_step']:.0f} | "
                 f"{r['copies_bytes_per_step']:.0f} | {_f(r.get('copies_cpu_ms_per_step'), 2)} | "
                 f"{'-' if mem is None else f'{mem / 2**20:.2f}'} |"
             )
     lines += [
         "",
-        f"samples/s: the median of {res['args'].get('repeats', 1)} jobs (min-max in brackets), pairs run alternately; "
-        "samples/s lost: 1 - on/off of the medians. Bytes: rank 0's, per step. CPU: the CPU time of rank 0's copies' "
-        "thread per step (the digests, host steps, metas and posting the transfers; gloo's transfer threads not "
-        "included), the median (- where not measured). Node memory: a node's memory folder at the end "
+        f"samples/s: the median of {res['args'].get('repeats', 1)} jobs (min-max in brackets), pairs run alternately"
+        f"{', the order ' + res['order'] if res.get('order') else ''}; "
+        "samples/s lost: 1 - on/off of the medians; paired: 1 - on/off of each repeat's jobs (run one after the other), "
+        "the median over the repeats (min to max in brackets). Bytes: rank 0's, per step. CPU: the CPU time of rank 0's "
+        "copies' thread per step (the digests, host steps, metas and posting the transfers; gloo's transfer threads "
+        "not included), the median (- where not measured). Node memory: a node's memory folder at the end "
         "(its rank's two records and the two of the copy it holds, each with its meta area) per rank.",
     ]
     return "\n".join(lines) + "\n"
@@ -338,6 +347,22 @@ def _form(rec: dict) -> str | None:
     if rec["case"] == "cost" and not rec["memory_state"]:
         return None
     return rec.get("form") or "state"
+
+
+def _paired_cost(at_rate: list, form: str | None) -> str:
+    """The cost of ``form``'s copies from each repeat's pair (its job and the same repeat's job without copies, run
+    one after the other, so that the machine's drift between repeats cancels): the median in percent, min to max."""
+    if form is None:
+        return "-"
+    off = {c["repeat"]: c.get("samples_per_s") for c in at_rate if _form(c) is None}
+    costs = sorted(
+        100.0 * (1.0 - c["samples_per_s"] / off[c["repeat"]])
+        for c in at_rate
+        if _form(c) == form and c.get("samples_per_s") and off.get(c["repeat"])
+    )
+    if not costs:
+        return "-"
+    return f"{statistics.median(costs):.1f} % ({costs[0]:.1f} to {costs[-1]:.1f})"
 
 
 def _median_row(rows: list) -> dict:

@@ -96,10 +96,27 @@ def test_a_slot_is_complete_only_once_every_group_was_taken():
     assert not inputs.has(3)
 
 
-def test_the_digest_sees_one_bit():
-    x = torch.randn(1000, generator=torch.Generator().manual_seed(3))
-    y = x.clone()
-    y.view(torch.int32)[517] ^= 1
-    assert state_digest(x) != state_digest(y)
+@pytest.mark.parametrize("numel", [1000, 1001, 1, 2])
+def test_the_digest_sees_one_bit(numel):
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(3))
+    for at in {0, numel // 2, numel - 1}:  # the odd tail element included
+        y = x.clone()
+        y.view(torch.int32)[at] ^= 1
+        assert state_digest(x) != state_digest(y), at
     assert state_digest(torch.empty(0)) == 0
     assert commit_inputs.state_digest(x.clone()) == state_digest(x)
+
+
+def test_the_digest_is_the_sum_of_the_words_modulo_2_64():
+    # words of all ones wrap: the definition, computed with Python's integers
+    x = torch.full((7,), -1, dtype=torch.int32).view(torch.float32)
+    words = [0xFFFFFFFFFFFFFFFF] * 3 + [0xFFFFFFFF]
+    want = sum(words) % 2**64
+    assert state_digest(x) == (want - 2**64 if want >= 2**63 else want)
+    z = torch.randn(513, generator=torch.Generator().manual_seed(5))
+    raw = z.numpy().tobytes()
+    total = sum(int.from_bytes(raw[i : i + 8], "little") for i in range(0, 512 * 4, 8)) + int.from_bytes(
+        raw[-4:], "little"
+    )
+    total %= 2**64
+    assert state_digest(z) == (total - 2**64 if total >= 2**63 else total)
