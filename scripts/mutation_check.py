@@ -724,6 +724,41 @@ MUTANTS = [
         ("tests/core/test_commit_inputs.py", "tests/checkpoint/test_memory_state.py"),
     ),
     Mutant(
+        "M80",
+        "the state digest blind to an odd last element (a copy wrong in that element kept)",
+        "acco_ds/core/commit_inputs.py",
+        "        total += int(words[-1])\n",
+        "        pass\n",
+        ("tests/core/test_commit_inputs.py",),
+    ),
+    Mutant(
+        "M81",
+        "the state digest summing the 64-bit words' low halves only (a change in an odd element's bits unseen)",
+        "acco_ds/core/commit_inputs.py",
+        "    total = int(words[:even].view(np.uint64).sum(dtype=np.uint64)) if even else 0\n",
+        "    total = int((words[:even].view(np.uint64) & 0xFFFFFFFF).sum(dtype=np.uint64)) if even else 0\n",
+        ("tests/core/test_commit_inputs.py",),
+    ),
+    Mutant(
+        "M82",
+        "a commit's captured inputs read before the job's host read ends its stream work (non-blocking copies unlanded)",
+        "acco_ds/core/commit_records.py",
+        "                self.inputs.synchronized()\n",
+        "                pass\n",
+        ("tests/checkpoint/test_memory_state.py",),
+    ),
+    Mutant(
+        "M83",
+        "a commit's copy's form decided before the commit is recorded (its inputs' capture may still be running)",
+        "acco_ds/core/peer_copies.py",
+        '        flat, commit_blob = self._own_commit(key) if new_commit else (None, b"")\n'
+        "        # the commit is recorded, its job over: only now is its form the holder's too (see _form)\n"
+        "        form = self._form(key, self._to_state) if new_commit else NO_COMMIT\n",
+        "        form = self._form(key, self._to_state) if new_commit else NO_COMMIT\n"
+        '        flat, commit_blob = self._own_commit(key) if new_commit else (None, b"")\n',
+        ("tests/checkpoint/test_memory_state.py",),
+    ),
+    Mutant(
         "M73",
         "Triton fused round end: the folded sum not rounded to the buffer's dtype before it is quantized",
         "acco_ds/ops/triton_kernels/fold_quantize.py",

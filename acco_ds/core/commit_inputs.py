@@ -11,7 +11,12 @@ Contract:
 - :class:`CommitInputs` has two slots, commit k in slot ``k % 2``. ``run_round_job`` fills a COMMIT's slot on the
   job's thread (the communication worker thread) right before each group's step, through :class:`Capture`: copies
   enqueued on that thread's current stream (non-blocking into pinned memory on CUDA); the job's own host read of
-  the applied count (``MemoryState.after_job``) then orders them before the slot is read. A commit whose step is
+  the applied count (``MemoryState.after_job``) then orders them before the slot is read, and right after that read
+  the job calls :meth:`CommitInputs.synchronized`. Its CPU test mode (``emulate_async``: on the CUDA executor on
+  emulated streams, ``core.emulated_stream``) lands a capture's data only there, as a GPU's copies land when the
+  stream's work is done: each take keeps its source's value of that moment (the step after it may overwrite the
+  gradient) and writes the slot at :meth:`~CommitInputs.synchronized`, so a slot read before that point holds the
+  previous commit's inputs, a mismatch the copies report. A commit whose step is
   not the plain ``adamw_step`` (compressed gradients read unsummed, compressed parameters, offload) marks its slot
   as holding no inputs (:meth:`CommitInputs.has`): its copy is sent as the state.
 - The copies' thread reads slot k until the copies of the steps naming commit k are through; the job of commit
@@ -80,12 +85,31 @@ def _aligned(n: int) -> int:
 class CommitInputs:
     """The rank's two slots of commit inputs (see the module docstring); ``groups``: the pipeline's groups."""
 
-    def __init__(self, groups, device: torch.device):
+    def __init__(self, groups, device: torch.device, emulate_async: bool = False):
         self.layout = InputsLayout.of_groups(groups)
         pin = device.type == "cuda"
         self._flats = [torch.zeros(self.layout.nbytes, dtype=torch.uint8, pin_memory=pin) for _ in range(2)]
         self._keys: List[int | None] = [None, None]  # the commit each slot holds complete inputs of
         self._non_blocking = pin
+        self._pending: List[tuple] | None = (
+            [] if emulate_async else None
+        )  # (slot view, source's value) to land
+        self.landed = 0  # copies landed late by the CPU test mode (a test sees it ran)
+
+    def synchronized(self) -> None:
+        """The job's thread, right after the host read that ends the job's stream work: the captures' copies are in
+        their slots (CUDA, CPU: nothing to do; the CPU test mode writes them now)."""
+        if self._pending:
+            for dst, value in self._pending:
+                dst.copy_(value)
+            self.landed += len(self._pending)
+            self._pending.clear()
+
+    def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        if self._pending is not None:
+            self._pending.append((dst, src.detach().clone()))
+        else:
+            dst.copy_(src, non_blocking=self._non_blocking)
 
     def capture(self, key: int) -> Capture:
         """The writer of commit ``key``'s slot (the slot's previous inputs are gone from now on)."""
@@ -125,13 +149,12 @@ class Capture:
             return
         owner = self._owner
         flat = owner._flats[self._slot]
-        nb = owner._non_blocking
         with torch.no_grad():
-            owner.layout.grads(flat)[group].copy_(tensors["grad"].reshape(-1), non_blocking=nb)
+            owner._copy(owner.layout.grads(flat)[group], tensors["grad"].reshape(-1))
             row = owner.layout.scalars(flat)[group]
-            row[:8].copy_(tensors["hyper_tensor"].reshape(-1), non_blocking=nb)
-            row[8:9].copy_(tensors["scale_tensor"].reshape(-1)[:1], non_blocking=nb)
-            row[9:10].copy_(tensors["noop_flag"].reshape(-1)[:1].to(torch.float32), non_blocking=nb)
+            owner._copy(row[:8], tensors["hyper_tensor"].reshape(-1))
+            owner._copy(row[8:9], tensors["scale_tensor"].reshape(-1)[:1])
+            owner._copy(row[9:10], tensors["noop_flag"].reshape(-1)[:1].to(torch.float32))
         self._taken += 1
         if self._taken == len(owner.layout.numels):
             owner._keys[self._slot] = self._key

@@ -134,6 +134,7 @@ class MemoryState:
         """From now on every recorded step is also copied to ``holder``'s memory (``core.peer_copies``); ``form``
         "inputs": a commit's copy is its AdamW inputs where it has them (``core.commit_inputs``), else the state."""
         from acco_ds.core.commit_inputs import CommitInputs
+        from acco_ds.core.emulated_stream import EmulatedCuda
         from acco_ds.core.peer_copies import PeerCopies
 
         if form not in ("inputs", "state"):
@@ -141,7 +142,8 @@ class MemoryState:
                 f"acco_ds: memory_state.peer_copy_form must be 'inputs' or 'state', got {form!r}"
             )
         if form == "inputs":
-            self.inputs = CommitInputs(self.pipeline.groups, self.pipeline.device)
+            emulated = isinstance(getattr(self.pipeline.executor, "cuda", None), EmulatedCuda)
+            self.inputs = CommitInputs(self.pipeline.groups, self.pipeline.device, emulate_async=emulated)
         self.copies = PeerCopies(self, group, holder, wards, timeout_s)
 
     def wrap(self, job: Callable[..., RoundResult], commit_index: int) -> Callable[[], RoundResult]:
@@ -160,7 +162,9 @@ class MemoryState:
         if result.job is Job.COMMIT:
             t0 = time.perf_counter()
             tensors = [getattr(b, k) for b in self.pipeline.groups for k in KEYS]
-            applied = int(self.pipeline.applied_dev[0].item())
+            applied = int(self.pipeline.applied_dev[0].item())  # ends the job's stream work (CUDA)
+            if self.inputs is not None:
+                self.inputs.synchronized()
             if self.copies is not None:
                 self.copies.wait_slot_free(result.commit_index)
             t1 = time.perf_counter()
@@ -198,9 +202,9 @@ class MemoryState:
         self.seconds["step_record_s"] += time.perf_counter() - t0
 
     def stats(self) -> Dict[str, float]:
-        """The copies' bytes, steps, seconds and CPU seconds (their thread's), commits sent by form and the wards' inputs that did not
-        give their state, so far (zeros without copies), and the seconds the records took on the job's thread and on
-        the training thread."""
+        """The copies' bytes, steps, seconds and CPU seconds (their thread's), commits sent by form, the wards' inputs
+        that did not give their state and the captures' copies the CPU test mode landed late, so far (zeros without
+        copies), and the seconds the records took on the job's thread and on the training thread."""
         c = self.copies
         return {
             "peer_copy_bytes_sent": 0 if c is None else c.bytes_sent,
@@ -211,6 +215,7 @@ class MemoryState:
             "peer_copy_commits_as_state": 0 if c is None else c.commits_sent["state"],
             "peer_copy_commits_as_inputs": 0 if c is None else c.commits_sent["inputs"],
             "peer_copy_mismatches": 0 if c is None else c.mismatches,
+            "peer_copy_inputs_landed_late": 0 if self.inputs is None else self.inputs.landed,
             **{f"memory_{k}": v for k, v in self.seconds.items()},
         }
 

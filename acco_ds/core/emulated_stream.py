@@ -30,9 +30,11 @@ The emulation, and what it stands for:
 What it covers: ``StreamExecutor`` itself (``_before_launch``, ``_run``, ``done``, ``wait``), the pipeline's
 ``sync_in_flight`` (``ticket.cuda_done.synchronize()``), and every caller of ``executor.done`` / ``executor.wait``
 (adaptive round ends, the fused round end's residual wait on a job that failed, the accessors, the module
-``state_dict`` hook, the committed view) seeing a job finished on the host but not yet on the "device". The
-pipeline's ``defer_host_reads`` (the other CUDA default on this path) is a separate switch (the pipeline's
-attribute, which the CPU tests set).
+``state_dict`` hook, the committed view) seeing a job finished on the host but not yet on the "device"; and with
+the memory state's copies in the inputs form, a commit's captured step inputs (``core.commit_inputs``, pinned
+non-blocking copies on CUDA) written into their slot only where the job's host read ends its stream work
+(``CommitInputs.synchronized``). The pipeline's ``defer_host_reads`` (the other CUDA default on this path) is a
+separate switch (the pipeline's attribute, which the CPU tests set).
 
 What it does not cover: the branches on ``device.type == "cuda"`` inside the job and beside the executor stay on
 their CPU forms, because the CPU rank's device is still the CPU: the round job's host summary (CUDA: a pinned

@@ -207,8 +207,9 @@ class PeerCopies:
         commit (:meth:`_store_stepped`)."""
         self._read_verdict()
         new_commit = key != self._sent_commit
-        form = self._form(key, self._to_state) if new_commit else NO_COMMIT
         flat, commit_blob = self._own_commit(key) if new_commit else (None, b"")
+        # the commit is recorded, its job over: only now is its form the holder's too (see _form)
+        form = self._form(key, self._to_state) if new_commit else NO_COMMIT
         digest = 0
         if form == INPUTS:
             digest = state_digest(flat)
@@ -272,7 +273,9 @@ class PeerCopies:
         """The form of commit ``key``'s copy between a ward and its holder, decided alike on both sides: the inputs
         when the form is configured, the pair has not switched to the state (``as_state``), the previous copy was of
         commit ``key - 1`` (the holder's base) and commit ``key`` has inputs (its step was the plain AdamW: the same
-        job on every rank, so this rank's own slot says it for the ward's too)."""
+        job on every rank, so this rank's own slot says it for the ward's too). Only once this rank's commit record
+        ``key`` is written: before, the commit's job may still be capturing its inputs (a step is recorded while its
+        commit is in flight), and the two sides would decide at different points of it."""
         inputs = self.state.inputs
         if inputs is None or as_state or self._sent_commit != key - 1 or not inputs.has(key):
             return STATE

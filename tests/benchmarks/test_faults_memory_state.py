@@ -30,7 +30,10 @@ def test_committed_run_rerenders_its_table(tmp_path):
     assert (tmp_path / "again.md").read_text() == (RESULTS / "memory_state.md").read_text()
 
 
-@pytest.mark.parametrize("prefix", ["memory_state_main", "memory_state_main_run1", "memory_state_main_run2"])
+@pytest.mark.parametrize(
+    "prefix",
+    ["memory_state_main", "memory_state_main_run1", "memory_state_main_run2", "memory_state_main_run3"],
+)
 def test_committed_main_model_runs_rerender_their_tables(tmp_path, prefix):
     res = json.loads((RESULTS / f"{prefix}.json").read_text())
     assert memory_state.write(res, tmp_path, "again") == 0  # cost pairs only: nothing to heal

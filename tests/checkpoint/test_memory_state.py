@@ -55,13 +55,15 @@ WORKER = launch.REPO / "tests" / "ranks" / "memory_state_worker.py"
 
 
 # 4 ranks on 2 nodes, the second lost; 2 ranks resume. {variant: (case, extra job keys)}: the copies in the inputs
-# form (the default) in every dtype, with a loss scale that moves (skipped commits) and with int8 rounds, in the
-# state form, with a planted mismatch (the pair switches to the state), and with the optimizer state offloaded
+# form (the default) in every dtype, with a loss scale that moves (skipped commits), on the paths only a GPU rank
+# takes (the inputs' captures landing only at the job's host read, as non-blocking copies do) and with int8 rounds;
+# in the state form, with a planted mismatch (the pair switches to the state), and with the optimizer state offloaded
 NODE_LOST = {
     "acco": ("acco", {}),
     "sync": ("sync", {}),
     "acco_bf16": ("acco_bf16", {}),
     "acco_fp16": ("acco_fp16", {}),
+    "acco_fp16_cuda": ("acco_fp16_cuda", {}),
     "acco_int8": ("acco_int8", {}),
     "acco_state": ("acco", {"peer_copy_form": "state"}),
     "acco_mismatch": ("acco", {"plant_mismatch": True}),
@@ -230,8 +232,9 @@ def test_a_lost_node_is_resumed_from_the_copies(runs, name):
 def test_the_copies_are_sent_in_the_form_each_commit_allows(runs, name):
     """Rank 0's copies (it sends its own to rank 2 and steps rank 2's): the first commit as the state (the holder has
     nothing to step), every later one as its inputs (with int8 rounds too: at 4 ranks the commit stores the sum and
-    steps it with the plain AdamW), except in the state form, with offload (the step runs in host memory on the
-    staged inputs) and after the planted mismatch (one commit stepped wrongly, abandoned, then the state)."""
+    steps it with the plain AdamW, and with the captures landing late: none is read before its job's host read),
+    except in the state form, with offload (the step runs in host memory on the staged inputs) and after the planted
+    mismatch (one commit stepped wrongly, abandoned, then the state)."""
     c = runs[f"{name}/nodes"]["copies"]
     state, inputs, mismatches = (
         c["peer_copy_commits_as_state"], c["peer_copy_commits_as_inputs"], c["peer_copy_mismatches"]
@@ -244,6 +247,9 @@ def test_the_copies_are_sent_in_the_form_each_commit_allows(runs, name):
         assert (state, inputs, mismatches) == (commits - 1, 1, 1), c
     else:
         assert (state, inputs, mismatches) == (1, commits - 1, 0), c
+    # the CPU test mode of the non-blocking captures ran where the CUDA executor is emulated, and only there
+    landed = c["peer_copy_inputs_landed_late"]
+    assert (landed > 0) == (name == "acco_fp16_cuda"), c
 
 
 def test_inputs_copies_send_a_third_of_the_bytes_of_state_copies(runs):
@@ -274,11 +280,13 @@ def test_the_rounds_per_step_are_those_of_a_run_without_memory_state(runs, name)
     commit), dpu and sync 1. The rounds counted when the worker sees commit k: sync commits inside its step (k);
     dpu and acco commit step k while the first round of step k + 1 is out (one more); on the CUDA paths acco's
     commit k is read with step k + 1's peek, one job late, at that step's boundary (two more)."""
-    cuda = ("StreamExecutor", True) if name in CUDA_PATHS else ("ThreadExecutor", False)
+    case = MODE_OF.get(name, name).split("/")[0]
+    on_cuda_paths = case in CUDA_PATHS
+    cuda = ("StreamExecutor", True) if on_cuda_paths else ("ThreadExecutor", False)
     assert runs[name]["executor"] == cuda, f"{name}: (executor, defer_host_reads) {runs[name]['executor']}"
-    mode = MODE_OF.get(name, name).split("/")[0].split("_")[0]
+    mode = case.split("_")[0]
     per_step = 2 if mode == "acco" else 1
-    out = 0 if mode == "sync" else (2 if mode == "acco" and name in CUDA_PATHS else 1)
+    out = 0 if mode == "sync" else (2 if mode == "acco" and on_cuda_paths else 1)
     want = [per_step * k + out for k in range(1, SAVE + 1)]
     assert runs[name]["rounds"] == want, f"{name}: rounds counted when each commit was seen"
 

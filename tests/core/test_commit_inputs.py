@@ -38,7 +38,10 @@ def _step_tensors(i, n, dtype, noop, gen):
 
 @pytest.mark.parametrize("dtypes", [(torch.float32,) * 3, (torch.bfloat16, torch.float32, torch.float16)])
 @pytest.mark.parametrize("noop", [0, 1])
-def test_a_copy_stepped_with_the_inputs_has_the_bits_of_the_ranks_own_step(dtypes, noop):
+@pytest.mark.parametrize("emulate_async", [False, True])
+def test_a_copy_stepped_with_the_inputs_has_the_bits_of_the_ranks_own_step(dtypes, noop, emulate_async):
+    """``emulate_async``: the CPU test mode of the non-blocking captures (data in the slot only once the job's thread
+    says its stream work is done), each holding its source's value at the take, however the source changes later."""
     gen = torch.Generator().manual_seed(0)
     state = torch.randn(3 * sum(NUMELS), generator=gen)
     state[1 :: 3 * 7].abs_()  # some positive second moments anywhere is enough: the layout is what is checked
@@ -47,14 +50,19 @@ def test_a_copy_stepped_with_the_inputs_has_the_bits_of_the_ranks_own_step(dtype
         views[k].abs_()
     own, copy = state.clone(), state.clone()
     own_views = own.split([n for n in NUMELS for _ in range(3)])
-    inputs = CommitInputs(_groups(dtypes), torch.device("cpu"))
+    inputs = CommitInputs(_groups(dtypes), torch.device("cpu"), emulate_async=emulate_async)
     capture = inputs.capture(7)
     fn = partial(adamw_step, commit=True)
     for i, (n, dt) in enumerate(zip(NUMELS, dtypes)):
         tensors = _step_tensors(i, n, dt, noop, gen)
         capture.take(i, fn, tensors)
         fn(*own_views[3 * i : 3 * i + 3], **tensors)
+        for t in tensors.values():  # the job's later use of its buffers
+            t.add_(1)
     assert inputs.has(7) and not inputs.has(5) and not inputs.has(9)
+    assert bool(inputs.flat(7).any()) != emulate_async  # landed late: nothing in the slot yet
+    inputs.synchronized()
+    assert inputs.landed == (4 * len(NUMELS) if emulate_async else 0)
     step_copy(copy, inputs.flat(7), inputs.layout)
     assert torch.equal(copy.view(torch.int32), own.view(torch.int32))
     assert state_digest(copy) == state_digest(own)
