@@ -719,8 +719,8 @@ MUTANTS = [
         "M79",
         "a commit's skip flag not captured with its inputs (a skipped commit stepped on the copy)",
         "acco_ds/core/commit_inputs.py",
-        '            row[9:10].copy_(tensors["noop_flag"].reshape(-1)[:1].to(torch.float32), non_blocking=nb)\n',
-        "            row[9:10].zero_()\n",
+        '            owner._copy(row[9:10], tensors["noop_flag"].reshape(-1)[:1].to(torch.float32))\n',
+        "            owner._copy(row[9:10], torch.zeros_like(row[9:10]))\n",
         ("tests/core/test_commit_inputs.py", "tests/checkpoint/test_memory_state.py"),
     ),
     Mutant(
