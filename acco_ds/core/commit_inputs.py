@@ -15,8 +15,8 @@ Contract:
   the job calls :meth:`CommitInputs.synchronized`. Its CPU test mode (``emulate_async``: on the CUDA executor on
   emulated streams, ``core.emulated_stream``) lands a capture's data only there, as a GPU's copies land when the
   stream's work is done: each take keeps its source's value of that moment (the step after it may overwrite the
-  gradient) and writes the slot at :meth:`~CommitInputs.synchronized`, so a slot read before that point holds the
-  previous commit's inputs, a mismatch the copies report. A commit whose step is
+  gradient) and writes the slot at :meth:`~CommitInputs.synchronized`, so a slot read before that point holds an
+  older commit's inputs (or none), a mismatch the copies report. A commit whose step is
   not the plain ``adamw_step`` (compressed gradients read unsummed, compressed parameters, offload) marks its slot
   as holding no inputs (:meth:`CommitInputs.has`): its copy is sent as the state.
 - The copies' thread reads slot k until the copies of the steps naming commit k are through; the job of commit
@@ -91,9 +91,8 @@ class CommitInputs:
         self._flats = [torch.zeros(self.layout.nbytes, dtype=torch.uint8, pin_memory=pin) for _ in range(2)]
         self._keys: List[int | None] = [None, None]  # the commit each slot holds complete inputs of
         self._non_blocking = pin
-        self._pending: List[tuple] | None = (
-            [] if emulate_async else None
-        )  # (slot view, source's value) to land
+        # the CPU test mode's copies not landed yet: (slot view, the source's value at the take)
+        self._pending: List[tuple] | None = [] if emulate_async else None
         self.landed = 0  # copies landed late by the CPU test mode (a test sees it ran)
 
     def synchronized(self) -> None:
