@@ -12,8 +12,8 @@ steps. When a node is lost, the ranks that are left fail their round (a lost pee
 restart them at the new world size: the restarted ranks resume from the last save. Rank 0 appends one line
 per completed start to the run folder's ``starts.jsonl`` (world size, resume step, first step's time, val
 loss, the engine's skipped steps and the loss scale (fp16; None otherwise), save times, checkpoint bytes, training
-seconds, rank 0's bytes sent by its rounds and by its memory_state copies) and warns when torchrun shares its rendezvous store with the workers
-(``SHARED_STORE_WARNING``). Returns 0.
+seconds and CPU seconds, rank 0's bytes sent by its rounds and by its memory_state copies, its seconds in each of ``PHASE_KEYS``)
+and warns when torchrun shares its rendezvous store with the workers (``SHARED_STORE_WARNING``). Returns 0.
 """
 
 from __future__ import annotations
@@ -22,6 +22,12 @@ import json
 import os
 import sys
 from pathlib import Path
+
+from acco_ds.core.overlap import JOB_PHASES
+
+# where rank 0's time went (the optimizer's stats, core.pipeline.PipelineStats): the training thread's waits for the
+# round jobs, its own work in the round ends, and the jobs' phases
+PHASE_KEYS = ("comm_wait_s", "round_end_host_s", *JOB_PHASES)
 
 SHARED_STORE_WARNING = (
     "acco-train: torchrun hands the workers its rendezvous store, the same one after every restart: a restart "
@@ -70,6 +76,7 @@ def run_rank(a) -> int:
                         "checkpoint_bytes": summary["checkpoint_bytes"],
                         "first_step_unix": summary["first_step_unix"],
                         "train_s": summary["train_s"],
+                        "train_cpu_s": summary["train_cpu_s"],
                         "peer_copy_bytes_sent": summary["stats"].get("peer_copy_bytes_sent"),
                         "memory_state_s": {
                             k: v
@@ -77,6 +84,7 @@ def run_rank(a) -> int:
                             if k.startswith(("memory_", "peer_copy_")) and "_bytes_" not in k
                         },
                         "bytes_sent": summary["stats"].get("bytes_sent"),
+                        "phases_s": {k: summary["stats"].get(k) for k in PHASE_KEYS},
                     }
                 )
                 + "\n"

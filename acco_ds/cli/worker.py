@@ -181,6 +181,7 @@ def run(spec) -> dict:
         done=resumed_at,
         on_step=on_step,
     )
+    cpu0 = time.process_time()
     try:
         if spec.accumulation == "adaptive" and hasattr(engine.optimizer, "committed_steps"):
             train_s = loop.train_adaptive(engine, batches, **common)
@@ -196,6 +197,7 @@ def run(spec) -> dict:
     finish_s = time.perf_counter() - t
     wire.uninstall()
     train_s = t + finish_s - common["start"] - curve.seconds
+    train_cpu_s = time.process_time() - cpu0  # all of this process's threads, the evaluations included
     log.step(loop.step_counter(engine)(), train_s)  # the commits the drain completed
     saver(loop.step_counter(engine)(), final=True)
     bar.update(log.last_step, log.recent_loss(), log.mb * spec.micro_batch * dp_world, train_s)
@@ -212,6 +214,7 @@ def run(spec) -> dict:
         "tp": spec.tp,
         "train_s": train_s,
         "finish_s": finish_s,
+        "train_cpu_s": train_cpu_s,
         "steps": log.last_step,
         "micro_batches_local": log.mb,
         "val_loss": val_loss,

@@ -64,6 +64,7 @@ def all_gather_single(output: torch.Tensor, input: torch.Tensor, group=None) -> 
 
 
 SIDE_STREAM_PRIORITY = -100
+WAIT_OVER_POLL_S = 0.001  # StreamExecutor.wait_over's polls of a job's side-stream event
 """Priority of the CUDA side stream (lower is higher; torch clamps it to the device's highest)."""
 
 
@@ -200,6 +201,12 @@ class ThreadExecutor:
     def done(self, ticket: Ticket) -> bool:
         return ticket.finished.is_set()
 
+    def wait_over(self, ticket: Ticket, timeout_s: float) -> bool:
+        """Block the calling thread (any but the training thread's stream: nothing is ordered on a stream) until
+        ``ticket``'s job is over, its error included (CPU: it ran), or ``timeout_s``; whether it is over. For a
+        thread that should leave the link to the job (``core.peer_copies``); the job's result stays ``wait``'s."""
+        return ticket.finished.wait(timeout_s)
+
     def _wait_host(self, ticket: Ticket) -> None:
         """Until the worker thread is through with ``ticket`` (CPU: the job ran; CUDA: it is enqueued), or raise."""
         if not ticket.finished.wait(self.timeout_s):
@@ -278,6 +285,18 @@ class StreamExecutor(ThreadExecutor):
         if not ticket.finished.is_set():
             return False
         return ticket.cuda_done is None or ticket.cuda_done.query()
+
+    def wait_over(self, ticket: Ticket, timeout_s: float) -> bool:
+        """As ``ThreadExecutor.wait_over``, the job's side-stream work included: the calling thread polls
+        ``cuda_done`` (no stream waits on it)."""
+        deadline = time.monotonic() + timeout_s
+        if not ticket.finished.wait(timeout_s):
+            return False
+        while not self.done(ticket):
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(WAIT_OVER_POLL_S)
+        return True
 
     def wait(self, ticket: Ticket) -> Any:
         self._wait_host(ticket)

@@ -144,7 +144,7 @@ class MemoryState:
         if form == "inputs":
             emulated = isinstance(getattr(self.pipeline.executor, "cuda", None), EmulatedCuda)
             self.inputs = CommitInputs(self.pipeline.groups, self.pipeline.device, emulate_async=emulated)
-        self.copies = PeerCopies(self, group, holder, wards, timeout_s)
+        self.copies = PeerCopies(self, group, holder, wards, timeout_s, self.pipeline.executor)
 
     def wrap(self, job: Callable[..., RoundResult], commit_index: int) -> Callable[[], RoundResult]:
         """``job`` (a COMMIT's ``run_round_job``, its keywords bound) followed by :meth:`after_job` on the same thread;
@@ -195,16 +195,18 @@ class MemoryState:
         self.steps.begin(int(step))
         self.steps.finish(int(step), blob)
         if self.copies is not None and meta["last_commit"] >= 0:
-            self.copies.step_recorded(int(step), meta["last_commit"], blob)
+            job = None if p.in_flight is None else p.in_flight[0]
+            self.copies.step_recorded(int(step), meta["last_commit"], blob, after=job)
         if not self._older_removed:
             remove_older(self.folder, self.rank, self.generation)
             self._older_removed = True
         self.seconds["step_record_s"] += time.perf_counter() - t0
 
     def stats(self) -> Dict[str, float]:
-        """The copies' bytes, steps, seconds and CPU seconds (their thread's), commits sent by form, the wards' inputs
-        that did not give their state and the captures' copies the CPU test mode landed late, so far (zeros without
-        copies), and the seconds the records took on the job's thread and on the training thread."""
+        """The copies' bytes, steps, seconds and CPU seconds (their thread's), their waits for the rounds in flight at
+        the steps' records, commits sent by form, the wards' inputs that did not give their state and the captures'
+        copies the CPU test mode landed late, so far (zeros without copies), and the seconds the records took on the
+        job's thread and on the training thread."""
         c = self.copies
         return {
             "peer_copy_bytes_sent": 0 if c is None else c.bytes_sent,
@@ -212,6 +214,7 @@ class MemoryState:
             "peer_copy_steps": 0 if c is None else c.steps_copied,
             "peer_copy_s": 0.0 if c is None else c.seconds,
             "peer_copy_cpu_s": 0.0 if c is None else c.cpu_seconds,
+            "peer_copy_after_round_s": 0.0 if c is None else c.after_round_s,
             "peer_copy_commits_as_state": 0 if c is None else c.commits_sent["state"],
             "peer_copy_commits_as_inputs": 0 if c is None else c.commits_sent["inputs"],
             "peer_copy_mismatches": 0 if c is None else c.mismatches,

@@ -8,10 +8,12 @@ node, and r's wards are the ranks whose holder it is (:func:`holders`). One node
 Contract:
 - :class:`PeerCopies` runs one thread per rank with its own gloo group over all ranks (created collectively).
   The training thread hands it every recorded step (:meth:`PeerCopies.step_recorded`, the step record's pickled meta);
-  for each step, in order, the thread waits for the commit record the step names (written by the job's thread,
-  ``MemoryState.after_job``), then sends its ward-side copy to the holder: a fixed-size message with the step, the
-  commit's key and both records' pickled metas (their overflow in a message of its own), and the commit's tensors
-  once per commit, sent from the commit record's own slot (no copy); and receives its wards' copies of the same
+  for each step, in order, the thread waits for the round job in flight when the step was recorded (the link is
+  the round's first: a copy sent beside it lengthens the round, most where the link is slow) and for the commit
+  record the step names (written by the job's thread, ``MemoryState.after_job``), then sends its ward-side copy to
+  the holder: a fixed-size message with the step, the commit's key and both records' pickled metas (their overflow
+  in a message of its own), and the commit's tensors once per commit, sent from the commit record's own slot (no
+  copy); and receives its wards' copies of the same
   step into record files of ``<folder>/held_by_rank<me>/``, named as the wards' own
   (``rank<w>.g<gen>.{commits,steps}``): a ward's tensors straight into the slot of its held commit record, which is
   completed once the exchange is through, before the held step record, so that a held step's commit is there
@@ -88,9 +90,10 @@ class PeerCopyError(RuntimeError):
 
 class PeerCopies:
     """This rank's side of the copies (see the module docstring). ``state``: the rank's ``MemoryState``;
-    ``group``: a gloo group over all ranks; ``holder``/``wards``: from :func:`holders`."""
+    ``group``: a gloo group over all ranks; ``holder``/``wards``: from :func:`holders`; ``executor``: the round jobs'
+    (``core.comm``), whose job in flight at a step's record the step's copy waits for (None: no wait)."""
 
-    def __init__(self, state, group, holder: int, wards: List[int], timeout_s: float):
+    def __init__(self, state, group, holder: int, wards: List[int], timeout_s: float, executor=None):
         self.state = state
         self.group = group
         self.holder = holder
@@ -105,6 +108,8 @@ class PeerCopies:
         self.mismatches = 0  # wards' inputs whose step did not give their state (this rank as holder)
         self.seconds = 0.0  # the thread's time in its copies (the waits for the commits' records included)
         self.cpu_seconds = 0.0  # the CPU time the thread spent in them (time.thread_time)
+        self.after_round_s = 0.0  # the thread's waits for the round job in flight at a step's record
+        self.executor = executor
         self._held: Dict[int, tuple] = {}
         self._needed: List[int] = []  # the commits named by the steps handed over and not yet copied
         self._cond = threading.Condition()
@@ -123,13 +128,14 @@ class PeerCopies:
         self._thread.start()
 
     # -- the training thread and the job's thread --------------------------------------------------
-    def step_recorded(self, step: int, commit: int, meta_blob: bytes) -> None:
+    def step_recorded(self, step: int, commit: int, meta_blob: bytes, after=None) -> None:
         """Copy step ``step`` (its record's pickled meta ``meta_blob``, naming commit ``commit``) once that commit is
-        recorded. Raises the thread's error."""
+        recorded and the round job ``after`` (``core.comm.Ticket``: the job in flight when the step was recorded, or
+        None) is over. Raises the thread's error."""
         self.check()
         with self._cond:
             self._needed.append(int(commit))
-        self._queue.put((int(step), int(commit), meta_blob))
+        self._queue.put((int(step), int(commit), meta_blob, after))
 
     def commit_recorded(self) -> None:
         with self._cond:
@@ -173,8 +179,13 @@ class PeerCopies:
                 item = self._queue.get()
                 if item is None:
                     return
+                *copy, after = item
+                if after is not None and self.executor is not None:
+                    t0 = time.perf_counter()
+                    self.executor.wait_over(after, self.timeout_s)
+                    self.after_round_s += time.perf_counter() - t0
                 t0, c0 = time.perf_counter(), time.thread_time()
-                self._copy(*item)
+                self._copy(*copy)
                 self.seconds += time.perf_counter() - t0
                 self.cpu_seconds += time.thread_time() - c0
         except BaseException as err:  # noqa: BLE001 - reported to the training thread by check()

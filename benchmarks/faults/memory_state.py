@@ -198,6 +198,11 @@ def cost_figures(rec: dict, setup, steps: int) -> dict:
     cpu = (start.get("memory_state_s") or {}).get("peer_copy_cpu_s")
     if cpu is not None:
         out["copies_cpu_ms_per_step"] = 1000.0 * cpu / steps
+    if start.get("train_cpu_s") is not None:
+        out["cpu_ms_per_step"] = 1000.0 * start["train_cpu_s"] / steps
+    phases = {k: v for k, v in (start.get("phases_s") or {}).items() if v is not None}
+    if phases:
+        out["phases_ms_per_step"] = {k: 1000.0 * v / steps for k, v in phases.items()}
     if setup.memory_root is not None:
         per_node = [_folder_bytes(agents.node_memory(setup, n)) for n in range(2)]
         out["memory_bytes_per_rank"] = max(per_node) / max(1, setup.per_node)

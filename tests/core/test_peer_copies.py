@@ -4,6 +4,10 @@ the commit. A rank whose node survives then holds its ward's step k - 1 whenever
 two always share a step; with the wait released at the read, a ward lost during the exchange left the holder's copy
 two steps behind its own records and nothing to resume from (the node-loss benchmark's failure). Here the exchange
 is held open (no process group: ``_send`` replaced) and the wait must not return before it is let go.
+
+And a step's copy leaves the link to the round job in flight when the step was recorded: its exchange starts only
+once that job is over, on the CPU executor (the job ran) and on the CUDA one (its side-stream work done, here on the
+emulated streams).
 """
 
 from __future__ import annotations
@@ -11,9 +15,11 @@ from __future__ import annotations
 import threading
 from types import SimpleNamespace
 
+import pytest
 import torch
 
-from acco_ds.core import peer_copies
+from acco_ds.core import comm, peer_copies
+from acco_ds.core.emulated_stream import EmulatedCuda
 
 
 class _Commits:
@@ -29,9 +35,9 @@ class _Commits:
         return torch.zeros(3), b"meta"
 
 
-def _copies(tmp_path, exchange):
+def _copies(tmp_path, exchange, executor=None):
     state = SimpleNamespace(commits=_Commits(), folder=str(tmp_path), rank=0, generation=0, inputs=None)
-    copies = peer_copies.PeerCopies(state, None, holder=1, wards=[], timeout_s=30.0)
+    copies = peer_copies.PeerCopies(state, None, holder=1, wards=[], timeout_s=30.0, executor=executor)
     copies._send = exchange
     return copies, state
 
@@ -89,3 +95,36 @@ def test_metas_past_the_fixed_message_go_in_a_message_of_their_own():
         assert (step, key, clen, slen, over) == (12, 9, 17, len(step_blob), rest.numel())
         assert (form, digest) == (peer_copies.INPUTS, -(2**40) - 3)
         assert head + rest.numpy().tobytes() == commit_blob + step_blob
+
+
+@pytest.mark.parametrize("executor", ["thread", "stream"])
+def test_a_copy_starts_only_once_the_round_in_flight_at_its_step_is_over(tmp_path, executor):
+    if executor == "thread":
+        ex = comm.ThreadExecutor(group=None, timeout_s=30.0)
+    else:  # the job's device work ends 0.3 s after its thread is through with it
+        ex = comm.StreamExecutor(
+            group=None, timeout_s=30.0, device=torch.device("cpu"), cuda=EmulatedCuda(0.3)
+        )
+    release_job, entered = threading.Event(), threading.Event()
+    seen = {}
+
+    def exchange(messages):
+        seen["job_over"] = ex.done(ticket)
+        entered.set()
+        return []
+
+    copies, state = _copies(tmp_path, exchange, ex)
+    try:
+        ticket = ex.launch("round 9 (peek of step 5)", lambda: release_job.wait(30))
+        state.commits.newest = 4
+        copies.step_recorded(4, 4, b"step", after=ticket)
+        assert not entered.wait(0.5), "the copy went out while the round in flight at its step still ran"
+        release_job.set()
+        assert entered.wait(30)
+        assert seen["job_over"], "the copy went out before the round's (device) work was over"
+        copies.wait_slot_free(5)
+        assert copies.after_round_s >= 0.5
+    finally:
+        release_job.set()
+        copies.close()
+        ex.close()
