@@ -15,7 +15,8 @@ When the store stops answering, its host is gone too (rank 0 with the ``deepspee
 env:// / tcp:// initialisation, which runs the store in rank 0's process); the view taken until then
 still names a rank that fell silent before it, else the store host is the lost peer. The store
 host, when it fails itself, keeps the store up for three more periods before raising, so that the
-others can still read the view.
+others can still read the view; not when every other rank is found lost (no one is left to read it, and a
+two-node job's survivor would only restart later).
 
 Cost: one store increment and one multi-get per rank per period (a tenth of comm_timeout_s, within
 [0.2, 5] s), off the training path. No DeepSpeed here; the store is the default group's.
@@ -187,8 +188,8 @@ class PeerMonitor:
             self._store.add(f"{self.prefix}/hb/{self.rank}", FAILING)
 
     def report(self) -> PeerReport:
-        """Name the lost peers (blocks up to four heartbeat periods; three more on the store host, to
-        keep the store up for the others). Never raises."""
+        """Name the lost peers (blocks up to four heartbeat periods; three more on the store host while
+        another rank may still be reading the view: one not found lost). Never raises."""
         if self._store is None or self._thread is None:
             return PeerReport(unavailable=self._why or "the heartbeat monitor is not running")
         self._mark_failing()
@@ -211,7 +212,8 @@ class PeerMonitor:
             if lost or store_down or time.monotonic() - t0 >= 4 * p:
                 break
             time.sleep(p / 4)
-        if _hosts_store(self.rank):
+        readers = [r for r in self.ranks if r != self.rank and r not in lost]
+        if _hosts_store(self.rank) and readers:
             time.sleep(3 * p)  # keep the store up for the peers that are still reading the view
         if not lost and store_down:
             return PeerReport(store_lost=True, store_host=host, failing=failing)

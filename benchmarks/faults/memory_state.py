@@ -44,6 +44,7 @@ from pathlib import Path
 
 from acco_ds.cli.args import build_parser
 from acco_ds.cli.metrics import machine_info
+from acco_ds.core.overlap import JOB_PHASES
 from acco_ds.core.state_records import RecordFile, RecordFileError
 from benchmarks.faults import agents
 from benchmarks.faults.cli import MODEL_ARGS, run_job
@@ -333,6 +334,7 @@ def render(res: dict) -> str:
                 f"{r['copies_bytes_per_step']:.0f} | {_f(r.get('copies_cpu_ms_per_step'), 2)} | "
                 f"{'-' if mem is None else f'{mem / 2**20:.2f}'} |"
             )
+    lines += _phases_table(costs)
     lines += [
         "",
         f"samples/s: the median of {res['args'].get('repeats', 1)} jobs (min-max in brackets), pairs run alternately"
@@ -344,6 +346,52 @@ def render(res: dict) -> str:
         "(its rank's two records and the two of the copy it holds, each with its meta area) per rank.",
     ]
     return "\n".join(lines) + "\n"
+
+
+# the phases table's columns: (heading, the per-step figure of a cost job)
+PHASE_COLUMNS = (
+    ("training CPU", lambda c: c.get("cpu_ms_per_step")),
+    ("waits for the rounds", lambda c: c["phases_ms_per_step"].get("comm_wait_s")),
+    ("round jobs", lambda c: sum(c["phases_ms_per_step"].get(k, 0.0) for k in JOB_PHASES)),
+    ("reduce-scatter", lambda c: c["phases_ms_per_step"].get("job_reduce_scatter_s")),
+    ("norm", lambda c: c["phases_ms_per_step"].get("job_norm_s")),
+    ("all-gather", lambda c: c["phases_ms_per_step"].get("job_all_gather_s")),
+    ("copies' waits for the round in flight", lambda c: _ms_per_step(c, "peer_copy_after_round_s")),
+)
+
+
+def _ms_per_step(rec: dict, key: str) -> float | None:
+    """Rank 0's memory_state figure ``key`` (seconds) of a job's last start, in ms per step; None without it."""
+    secs = (rec["starts"][-1].get("memory_state_s") or {}).get(key) if rec.get("starts") else None
+    return None if secs is None else 1000.0 * secs / rec["starts"][-1]["steps"]
+
+
+def _phases_table(costs: list) -> list:
+    """Where rank 0's time went, per link and form: the median over the repeats of each figure of
+    ``PHASE_COLUMNS`` (ms per step); empty for results from before the phases were recorded."""
+    costs = [c for c in costs if c.get("phases_ms_per_step")]
+    if not costs:
+        return []
+    lines = [
+        "",
+        "Where rank 0's time went, ms per step (the median over the repeats): its process's CPU time in training "
+        "(all threads, the evaluations included), the training thread's waits for the round jobs, and the jobs' own "
+        "time with three of its phases (the communication worker thread's clock); the copies' thread's waits for the "
+        "round job in flight at each step's record before it sends:",
+        "",
+        "| link | memory_state | " + " | ".join(h for h, _ in PHASE_COLUMNS) + " |",
+        "|---|---|" + "---|" * len(PHASE_COLUMNS),
+    ]
+    for rate in dict.fromkeys(c["rate"] for c in costs):
+        at_rate = [c for c in costs if c["rate"] == rate]
+        for f in [None, *dict.fromkeys(_form(c) for c in at_rate if c["memory_state"])]:
+            rows = [c for c in at_rate if _form(c) == f]
+            cells = []
+            for _, figure in PHASE_COLUMNS:
+                vals = [v for v in (figure(c) for c in rows) if v is not None]
+                cells.append(f"{statistics.median(vals):.1f}" if vals else "-")
+            lines.append(f"| {rate} | {'off' if f is None else f'on ({f})'} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def _form(rec: dict) -> str | None:

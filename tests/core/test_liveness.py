@@ -1,13 +1,18 @@
 """PeerMonitor names the lost peer from the heartbeat view (acco_ds/core/liveness.py), here with an
 in-process store whose death can be timed: when the store host dies, the view freezes, and a rank is
 named only if it had already fallen silent when the last view was read (the store calls that fail can
-take seconds to return: that wait must not count as the silence of the ranks that were alive)."""
+take seconds to return: that wait must not count as the silence of the ranks that were alive). The store
+host keeps the store up after its report while a peer may still read the view, and not when every peer
+is lost (a two-node job's survivor: it would only delay the restart)."""
 
 from __future__ import annotations
 
 import threading
 import time
 
+import pytest
+
+from acco_ds.core import liveness
 from acco_ds.core.liveness import PeerMonitor
 
 PERIOD = 0.1
@@ -87,3 +92,29 @@ def test_rank_silent_before_the_store_died_is_named():
         for m in mons:
             m.stop()
     assert report.lost == [1], report.describe()
+
+
+@pytest.mark.parametrize("ranks, kept_up", [([0, 1], False), ([0, 1, 2], True)])
+def test_the_store_host_keeps_the_store_up_only_for_live_readers(monkeypatch, ranks, kept_up):
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)  # rank 0 hosts the store
+    sleeps = []
+    real_sleep = time.sleep
+
+    def recording_sleep(s):
+        sleeps.append(s)
+        real_sleep(s)
+
+    monkeypatch.setattr(liveness.time, "sleep", recording_sleep)
+    backing = _Backing(fail_after_s=PERIOD)
+    mons = [PeerMonitor(ranks, r, PERIOD, "t", store=_Store(backing)) for r in ranks]
+    for m in mons:
+        m.start()
+    try:
+        real_sleep(6 * PERIOD)
+        mons[1].stop()  # rank 1 is lost; rank 2, where there is one, is alive and reads the view too
+        report = mons[0].report()
+    finally:
+        for m in mons:
+            m.stop()
+    assert report.lost == [1], report.describe()
+    assert (3 * PERIOD in sleeps) == kept_up, sleeps
