@@ -32,7 +32,7 @@ def test_committed_run_rerenders_its_table(tmp_path):
 
 @pytest.mark.parametrize(
     "prefix",
-    ["memory_state_main", *(f"memory_state_main_run{i}" for i in range(1, 5))],
+    ["memory_state_main", *(f"memory_state_main_run{i}" for i in range(1, 6))],
 )
 def test_committed_main_model_runs_rerender_their_tables(tmp_path, prefix):
     res = json.loads((RESULTS / f"{prefix}.json").read_text())
