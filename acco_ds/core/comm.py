@@ -64,8 +64,9 @@ def all_gather_single(output: torch.Tensor, input: torch.Tensor, group=None) -> 
 
 
 SIDE_STREAM_PRIORITY = -100
-WAIT_OVER_POLL_S = 0.001  # StreamExecutor.wait_over's polls of a job's side-stream event
 """Priority of the CUDA side stream (lower is higher; torch clamps it to the device's highest)."""
+WAIT_OVER_POLL_S = 0.001
+"""Seconds between ``StreamExecutor.wait_over``'s polls of a job's side-stream event."""
 
 
 class CommTimeoutError(RuntimeError):

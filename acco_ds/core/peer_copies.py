@@ -13,11 +13,10 @@ Contract:
   record the step names (written by the job's thread, ``MemoryState.after_job``), then sends its ward-side copy to
   the holder: a fixed-size message with the step, the commit's key and both records' pickled metas (their overflow
   in a message of its own), and the commit's tensors once per commit, sent from the commit record's own slot (no
-  copy); and receives its wards' copies of the same
-  step into record files of ``<folder>/held_by_rank<me>/``, named as the wards' own
-  (``rank<w>.g<gen>.{commits,steps}``): a ward's tensors straight into the slot of its held commit record, which is
-  completed once the exchange is through, before the held step record, so that a held step's commit is there
-  whenever the step is.
+  copy); and receives its wards' copies of the same step into record files of ``<folder>/held_by_rank<me>/``,
+  named as the wards' own (``rank<w>.g<gen>.{commits,steps}``): a ward's tensors straight into the slot of its held
+  commit record, which is completed once the exchange is through, before the held step record, so that a held
+  step's commit is there whenever the step is.
 - Every rank records the same steps in the same order and names the same commits (the steps and commit counts are
   global), so the sends and receives of a step pair up on every rank: no other agreement is needed.
 - The copies of a rank are at most one commit behind its own records: ``MemoryState.after_job`` does not write
