@@ -93,7 +93,7 @@ def run(spec) -> dict:
     from deepspeed.accelerator import get_accelerator
 
     import acco_ds  # noqa: F401  (registers the ACCO optimizer type)
-    from acco_ds.cli import checkpoints, loop
+    from acco_ds.cli import checkpoints, loop, thread_cpu
     from acco_ds.cli.dsconfig import fp16_enabled
     from acco_ds.cli.progress import Progress
     from acco_ds.cli.slowdown import Spinner, calibrate
@@ -181,7 +181,7 @@ def run(spec) -> dict:
         done=resumed_at,
         on_step=on_step,
     )
-    cpu0 = time.process_time()
+    threads0, cpu0 = thread_cpu.sample(), time.process_time()
     try:
         if spec.accumulation == "adaptive" and hasattr(engine.optimizer, "committed_steps"):
             train_s = loop.train_adaptive(engine, batches, **common)
@@ -198,6 +198,7 @@ def run(spec) -> dict:
     wire.uninstall()
     train_s = t + finish_s - common["start"] - curve.seconds
     train_cpu_s = time.process_time() - cpu0  # all of this process's threads, the evaluations included
+    threads_cpu_s = thread_cpu.by_name(threads0, thread_cpu.sample(), train_cpu_s)
     log.step(loop.step_counter(engine)(), train_s)  # the commits the drain completed
     saver(loop.step_counter(engine)(), final=True)
     bar.update(log.last_step, log.recent_loss(), log.mb * spec.micro_batch * dp_world, train_s)
@@ -215,6 +216,7 @@ def run(spec) -> dict:
         "train_s": train_s,
         "finish_s": finish_s,
         "train_cpu_s": train_cpu_s,
+        "thread_cpu_s": threads_cpu_s,
         "steps": log.last_step,
         "micro_batches_local": log.mb,
         "val_loss": val_loss,

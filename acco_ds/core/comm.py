@@ -96,6 +96,7 @@ class Ticket:
 
 
 _OPEN_EXECUTORS: weakref.WeakSet[ThreadExecutor] = weakref.WeakSet()
+WORKER_THREAD = "acco-comm"  # the name of the round jobs' thread (ThreadExecutor)
 _SAW_COMM_FAILURE = False  # a round's communication failed or timed out in this process
 
 
@@ -167,7 +168,7 @@ class ThreadExecutor:
         self.timeout_s = timeout_s
         self.monitor = monitor
         self._queue: queue.Queue = queue.Queue()
-        self._thread = threading.Thread(target=self._loop, name="acco-comm", daemon=True)
+        self._thread = threading.Thread(target=self._loop, name=WORKER_THREAD, daemon=True)
         self._thread.start()
         _OPEN_EXECUTORS.add(self)
 

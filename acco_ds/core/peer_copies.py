@@ -63,6 +63,7 @@ HELD = "held_by_rank{}"
 _TAGS = {"fixed": 7741, "flat": 7742, "overflow": 7743, "verdict": 7744}
 META_BYTES = 4096  # the fixed meta message of every step's copy (longer metas add a message)
 _META_HEAD = struct.Struct("<qqQQqq")  # step, commit key, commit meta length, step meta length, form, digest
+THREAD = "acco_ds-peer-copies"  # the name of the copies' thread
 NO_COMMIT, STATE, INPUTS = 0, 1, 2  # a step's copy: no new commit, the commit's state, the commit's inputs
 
 
@@ -123,7 +124,7 @@ class PeerCopies:
         self._verdict_in = torch.zeros(1, dtype=torch.int64)
         self._verdict_out: Dict[int, torch.Tensor] = {}
         self._verdict_work = None
-        self._thread = threading.Thread(target=self._loop, name="acco_ds-peer-copies", daemon=True)
+        self._thread = threading.Thread(target=self._loop, name=THREAD, daemon=True)
         self._thread.start()
 
     # -- the training thread and the job's thread --------------------------------------------------

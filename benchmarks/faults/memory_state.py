@@ -44,7 +44,9 @@ from pathlib import Path
 
 from acco_ds.cli.args import build_parser
 from acco_ds.cli.metrics import machine_info
+from acco_ds.core.comm import WORKER_THREAD
 from acco_ds.core.overlap import JOB_PHASES
+from acco_ds.core.peer_copies import THREAD as COPIES_THREAD
 from acco_ds.core.state_records import RecordFile, RecordFileError
 from benchmarks.faults import agents
 from benchmarks.faults.cli import MODEL_ARGS, run_job
@@ -201,6 +203,8 @@ def cost_figures(rec: dict, setup, steps: int) -> dict:
         out["copies_cpu_ms_per_step"] = 1000.0 * cpu / steps
     if start.get("train_cpu_s") is not None:
         out["cpu_ms_per_step"] = 1000.0 * start["train_cpu_s"] / steps
+    if start.get("thread_cpu_s"):
+        out["threads_ms_per_step"] = {k: 1000.0 * v / steps for k, v in start["thread_cpu_s"].items()}
     phases = {k: v for k, v in (start.get("phases_s") or {}).items() if v is not None}
     if phases:
         out["phases_ms_per_step"] = {k: 1000.0 * v / steps for k, v in phases.items()}
@@ -335,6 +339,7 @@ def render(res: dict) -> str:
                 f"{'-' if mem is None else f'{mem / 2**20:.2f}'} |"
             )
     lines += _phases_table(costs)
+    lines += _threads_table(costs)
     lines += [
         "",
         f"samples/s: the median of {res['args'].get('repeats', 1)} jobs (min-max in brackets), pairs run alternately"
@@ -390,6 +395,50 @@ def _phases_table(costs: list) -> list:
             for _, figure in PHASE_COLUMNS:
                 vals = [v for v in (figure(c) for c in rows) if v is not None]
                 cells.append(f"{statistics.median(vals):.1f}" if vals else "-")
+            lines.append(f"| {rate} | {'off' if f is None else f'on ({f})'} | " + " | ".join(cells) + " |")
+    return lines
+
+
+# the threads table's columns: (heading, whether a thread of that name belongs there); the last: every other thread
+THREAD_COLUMNS = (
+    ("training thread", lambda name: name == "MainThread"),
+    ("round jobs' thread", lambda name: name == WORKER_THREAD),
+    ("copies' thread", lambda name: name == COPIES_THREAD),
+    ("gloo's threads", lambda name: name.startswith(("gloo", "pt_gloo"))),
+)
+
+
+def _thread_figures(rec: dict) -> list:
+    """A cost job's rank 0 CPU ms per step in each of ``THREAD_COLUMNS`` and in the other threads (the ended ones
+    included)."""
+    threads = rec["threads_ms_per_step"]
+    cells = [sum(v for k, v in threads.items() if belongs(k)) for _, belongs in THREAD_COLUMNS]
+    return [*cells, sum(threads.values()) - sum(cells)]
+
+
+def _threads_table(costs: list) -> list:
+    """Rank 0's CPU time by thread, per link and form: the median over the repeats (ms per step); empty for results
+    from before the threads' time was recorded."""
+    costs = [c for c in costs if c.get("threads_ms_per_step")]
+    if not costs:
+        return []
+    heads = [h for h, _ in THREAD_COLUMNS] + ["other threads"]
+    lines = [
+        "",
+        "Rank 0's CPU time in training by thread, ms per step (the median over the repeats; `acco_ds.cli.thread_cpu`, "
+        "user and kernel time): the training thread (the model's compute, the evaluations included), the round jobs' "
+        "thread, the copies' thread, gloo's transfer threads, and the rest (the heartbeat, torch's own, ended ones):",
+        "",
+        "| link | memory_state | " + " | ".join(heads) + " |",
+        "|---|---|" + "---|" * len(heads),
+    ]
+    for rate in dict.fromkeys(c["rate"] for c in costs):
+        at_rate = [c for c in costs if c["rate"] == rate]
+        for f in [None, *dict.fromkeys(_form(c) for c in at_rate if c["memory_state"])]:
+            rows = [_thread_figures(c) for c in at_rate if _form(c) == f]
+            if not rows:
+                continue
+            cells = [f"{statistics.median(col):.1f}" for col in zip(*rows)]
             lines.append(f"| {rate} | {'off' if f is None else f'on ({f})'} | " + " | ".join(cells) + " |")
     return lines
 
