@@ -783,6 +783,22 @@ MUTANTS = [
         ("tests/core/test_liveness.py",),
     ),
     Mutant(
+        "M87",
+        "a loop that records no step with memory_state on is not told so",
+        "acco_ds/deepspeed/optimizer.py",
+        "        memory_records.after_step(self)\n",
+        "",
+        ("tests/deepspeed/test_engine_boundary.py",),
+    ),
+    Mutant(
+        "M88",
+        "the step records are not counted: a loop that records every step is told it records none",
+        "acco_ds/core/commit_records.py",
+        "        self.steps_recorded += 1\n",
+        "",
+        ("tests/deepspeed/test_engine_boundary.py",),
+    ),
+    Mutant(
         "M73",
         "Triton fused round end: the folded sum not rounded to the buffer's dtype before it is quantized",
         "acco_ds/ops/triton_kernels/fold_quantize.py",

@@ -15,7 +15,7 @@ step the run starts at, a resumed run's checkpoint):
   whose step count jumps differently (adaptive accumulation) still make the same collective calls; a point at
   a step already recorded is not recorded twice.
 - ``curve()`` is ``{"step": [...], "time_s": [...], "val_loss": [...]}`` in order; ``seconds`` the evaluations'
-  total time left out of the clock. The evaluations' collectives are not counted as training traffic
+  total time left out of the clock, ``cpu_seconds`` the calling thread's CPU time in them. The evaluations' collectives are not counted as training traffic
   (``WireCounter.not_counted``).
 """
 
@@ -53,6 +53,9 @@ class ValCurve:
         self.wire = wire
         self.points: list = []
         self.seconds = 0.0
+        self.cpu_seconds = (
+            0.0  # the calling thread's CPU time in the evaluations of on_step (time.thread_time)
+        )
         self._last = int(start)  # the step of the last evaluation (a resumed run: the step it resumed at)
 
     def _loss(self) -> float:
@@ -83,11 +86,12 @@ class ValCurve:
             if explicit:
                 opt.eval()  # waits for the commit in flight (adaptive: the ranks agree first): in the clock
             t = clock() - spent
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             self._record(evaluated_step(self.engine), t, self._loss())
             if explicit:
                 opt.train()
             spent += time.perf_counter() - t0
+            self.cpu_seconds += time.thread_time() - c0
         self.seconds += spent
         return spent
 

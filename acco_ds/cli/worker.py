@@ -217,6 +217,7 @@ def run(spec) -> dict:
         "finish_s": finish_s,
         "train_cpu_s": train_cpu_s,
         "thread_cpu_s": threads_cpu_s,
+        "eval_cpu_s": curve.cpu_seconds,  # the training thread's, in the evaluations while training
         "steps": log.last_step,
         "micro_batches_local": log.mb,
         "val_loss": val_loss,

@@ -29,6 +29,7 @@ thread, before the next job starts (jobs run one at a time).
 
 from __future__ import annotations
 
+import io
 import pickle
 import re
 import time
@@ -49,9 +50,12 @@ _NAME = re.compile(r"rank(\d+)\.g(\d+)\.(commits|steps)$")
 
 
 def dumps(meta: Dict[str, Any]) -> bytes:
-    """A record's pickled meta, its tensors (any dtype, CPU or not) stored as their bytes: pickling a tensor itself
-    costs about ten times as much (torch serializes its storage)."""
-    return pickle.dumps(_encode(meta))
+    """A record's pickled meta, its tensors (any dtype, CPU or not, wherever they are in it) stored as their bytes:
+    pickling a tensor itself costs about ten times as much (torch serializes its storage). One pass of the C pickler,
+    which hands only the tensors to Python (:class:`_Pickler`): the training thread pickles a step record every step."""
+    buf = io.BytesIO()
+    _Pickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(meta)
+    return buf.getvalue()
 
 
 def decode(meta: Any) -> Any:
@@ -77,16 +81,13 @@ class _TensorBytes:
     data: bytes
 
 
-def _encode(x: Any) -> Any:
-    if isinstance(x, torch.Tensor):
-        t = x.detach().to("cpu").contiguous()
+class _Pickler(pickle.Pickler):
+    def reducer_override(self, obj):
+        if not isinstance(obj, torch.Tensor):
+            return NotImplemented
+        t = obj.detach().to("cpu").contiguous()
         data = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
-        return _TensorBytes(str(t.dtype).removeprefix("torch."), tuple(t.shape), data)
-    if isinstance(x, dict):
-        return {k: _encode(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return type(x)(_encode(v) for v in x)
-    return x
+        return _TensorBytes, (str(t.dtype).removeprefix("torch."), tuple(t.shape), data)
 
 
 def run_folder(root: str, run_id: str) -> Path:
@@ -113,6 +114,7 @@ class MemoryState:
         self.copies = None
         self.inputs = None  # core.commit_inputs.CommitInputs: the commits' step inputs (inputs-form copies)
         self._older_removed = False
+        self.steps_recorded = 0  # by this process (record_step)
         # seconds: the job's thread waiting for the copies and writing commit records, the training thread's step
         # records
         self.seconds = {"commit_wait_s": 0.0, "commit_record_s": 0.0, "step_record_s": 0.0}
@@ -194,6 +196,7 @@ class MemoryState:
         blob = dumps(meta)  # once: the record's and the copy's
         self.steps.begin(int(step))
         self.steps.finish(int(step), blob)
+        self.steps_recorded += 1
         if self.copies is not None and meta["last_commit"] >= 0:
             job = None if p.in_flight is None else p.in_flight[0]
             self.copies.step_recorded(int(step), meta["last_commit"], blob, after=job)

@@ -54,6 +54,7 @@ from acco_ds.config import ACCOConfig, ACCOConfigError
 from acco_ds.core.pipeline import ACCOPipeline
 from acco_ds.deepspeed import checkpoint, overlap_report
 from acco_ds.deepspeed.accessors import hide_step_gradients, link_accessors
+from acco_ds.deepspeed.checkpoint import memory as memory_records
 from acco_ds.deepspeed.evaluation import EvaluationView
 from acco_ds.deepspeed.loss_scaler_view import loss_scaler_view, read_only_error
 from acco_ds.deepspeed.monitor import ACCOMonitor
@@ -155,6 +156,7 @@ class ACCOZeroOptimizer(ZeROOptimizer):
     _coalesce_grad_reduction = False  # the engine's coalesce_grad_reduction() requires the attribute
     steps_taken = 0  # engine optimizer steps of this process (step() calls that were not refused)
     overlap_notice: str | None = None  # the notice said when the run overlaps little (``overlap_report``)
+    memory_notice: str | None = None  # the notice said when memory_state records no step (``memory_records``)
 
     def __init__(
         self,
@@ -337,6 +339,7 @@ class ACCOZeroOptimizer(ZeROOptimizer):
             self._acco_monitor.after_step(self)
         self.steps_taken += 1
         overlap_report.after_step(self)
+        memory_records.after_step(self)
 
     def _take_unreported_skip(self) -> bool:
         """``overflow`` for this engine step: True when a commit skipped for a non-finite gradient has

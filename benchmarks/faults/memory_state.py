@@ -204,7 +204,12 @@ def cost_figures(rec: dict, setup, steps: int) -> dict:
     if start.get("train_cpu_s") is not None:
         out["cpu_ms_per_step"] = 1000.0 * start["train_cpu_s"] / steps
     if start.get("thread_cpu_s"):
-        out["threads_ms_per_step"] = {k: 1000.0 * v / steps for k, v in start["thread_cpu_s"].items()}
+        threads = dict(start["thread_cpu_s"])
+        if TRAINING_THREAD in threads and start.get("eval_cpu_s") is not None:  # the evaluations left out
+            threads[TRAINING_THREAD] -= start["eval_cpu_s"]
+            if start.get("train_s"):
+                out["training_busy"] = threads[TRAINING_THREAD] / start["train_s"]
+        out["threads_ms_per_step"] = {k: 1000.0 * v / steps for k, v in threads.items()}
     phases = {k: v for k, v in (start.get("phases_s") or {}).items() if v is not None}
     if phases:
         out["phases_ms_per_step"] = {k: 1000.0 * v / steps for k, v in phases.items()}
@@ -399,9 +404,10 @@ def _phases_table(costs: list) -> list:
     return lines
 
 
-# the threads table's columns: (heading, whether a thread of that name belongs there); the last: every other thread
+TRAINING_THREAD = "MainThread"  # acco-train trains on the main thread
+# the threads table's columns: (heading, whether a thread of that name belongs there); then every other thread
 THREAD_COLUMNS = (
-    ("training thread", lambda name: name == "MainThread"),
+    ("training thread", lambda name: name == TRAINING_THREAD),
     ("round jobs' thread", lambda name: name == WORKER_THREAD),
     ("copies' thread", lambda name: name == COPIES_THREAD),
     ("gloo's threads", lambda name: name.startswith(("gloo", "pt_gloo"))),
@@ -417,28 +423,44 @@ def _thread_figures(rec: dict) -> list:
 
 
 def _threads_table(costs: list) -> list:
-    """Rank 0's CPU time by thread, per link and form: the median over the repeats (ms per step); empty for results
-    from before the threads' time was recorded."""
+    """Rank 0's CPU time by thread, per link and form: the median over the repeats (ms per step), and the training
+    thread's busy share of the training time with, per form, its change from each repeat's job without copies (the
+    median, in points); empty for results from before the threads' time was recorded."""
     costs = [c for c in costs if c.get("threads_ms_per_step")]
     if not costs:
         return []
-    heads = [h for h, _ in THREAD_COLUMNS] + ["other threads"]
+    heads = [h for h, _ in THREAD_COLUMNS] + ["other threads", "training thread busy", "busy, paired change"]
     lines = [
         "",
         "Rank 0's CPU time in training by thread, ms per step (the median over the repeats; `acco_ds.cli.thread_cpu`, "
-        "user and kernel time): the training thread (the model's compute, the evaluations included), the round jobs' "
-        "thread, the copies' thread, gloo's transfer threads, and the rest (the heartbeat, torch's own, ended ones):",
+        "user and kernel time): the training thread (the model's compute; the evaluations left out), the round jobs' "
+        "thread, the copies' thread, gloo's transfer threads and the rest (the heartbeat, torch's own, ended ones); "
+        "then the training thread's CPU time as a share of the training's wall time (below 100 %: it waited, or "
+        "another thread had its core) and that share's change from the same repeat's job without copies:",
         "",
         "| link | memory_state | " + " | ".join(heads) + " |",
         "|---|---|" + "---|" * len(heads),
     ]
     for rate in dict.fromkeys(c["rate"] for c in costs):
         at_rate = [c for c in costs if c["rate"] == rate]
+        off = {c["repeat"]: c.get("training_busy") for c in at_rate if _form(c) is None}
         for f in [None, *dict.fromkeys(_form(c) for c in at_rate if c["memory_state"])]:
-            rows = [_thread_figures(c) for c in at_rate if _form(c) == f]
+            rows = [c for c in at_rate if _form(c) == f]
             if not rows:
                 continue
-            cells = [f"{statistics.median(col):.1f}" for col in zip(*rows)]
+            cells = [f"{statistics.median(col):.1f}" for col in zip(*(_thread_figures(c) for c in rows))]
+            busy = [c["training_busy"] for c in rows if c.get("training_busy") is not None]
+            cells.append(f"{100 * statistics.median(busy):.1f} %" if busy else "-")
+            change = [
+                100 * (c["training_busy"] - off[c["repeat"]])
+                for c in rows
+                if f is not None and c.get("training_busy") is not None and off.get(c["repeat"]) is not None
+            ]
+            cells.append(
+                f"{statistics.median(change):+.1f} ({min(change):+.1f} to {max(change):+.1f})"
+                if change
+                else "-"
+            )
             lines.append(f"| {rate} | {'off' if f is None else f'on ({f})'} | " + " | ".join(cells) + " |")
     return lines
 

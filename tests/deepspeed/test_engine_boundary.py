@@ -12,6 +12,10 @@ sync equals DeepSpeed's ZeRO-1 + AdamW step by step (a short step's gradient is 
 
 from __future__ import annotations
 
+import shutil
+import uuid
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -90,7 +94,24 @@ def results(tmp_path_factory):
     scenarios.append(
         {"name": "acco_short", "config": config("acco"), "sizes": [GAS // 2] * 6, "style": "manual"}
     )
-    return launch(tmp, scenarios)
+    # memory_state on in a bare loop, with and without its step records (one node: no copies)
+    memory_root = Path("/dev/shm") / f"acco_boundary_{uuid.uuid4().hex}"
+    for recorded in (False, True):
+        name = f"acco_memory_{'recorded' if recorded else 'unrecorded'}"
+        memory = {"memory_state": {"enabled": True, "dir": str(memory_root), "run_id": name}}
+        scenarios.append(
+            {
+                "name": name,
+                "config": _variant(acco=memory),
+                "sizes": SIZES,
+                "style": "manual",
+                "record_steps": recorded,
+            }  # fmt: skip
+        )
+    try:
+        return launch(tmp, scenarios)
+    finally:
+        shutil.rmtree(memory_root, ignore_errors=True)
 
 
 def launch(tmp, scenarios: list) -> dict:
@@ -270,6 +291,18 @@ def test_no_overlap_is_said_once_with_its_cause(results):
         assert "one round per optimizer step" not in said and "at most" not in said, (name, said)
     assert results["acco_no_sync"]["stats"]["rounds_per_step"] > 1.5
     assert results["acco_no_sync"]["stats"]["micro_batches_held"] == sum(SIZES) - len(SIZES)
+
+
+def test_a_loop_that_records_no_step_is_told_so(results):
+    """memory_state on in a loop that never calls ``record_step``: the commits are recorded but a restart would find
+    no step to resume at; the optimizer says so at its fifth step, naming the call, and the run is the plain one's
+    bit for bit. The same loop calling ``record_step`` after each step is told nothing."""
+    said = results["acco_memory_unrecorded"]["memory_notice"]
+    assert said is not None and "record_step(engine, step, client_state)" in said, said
+    assert results["acco_memory_recorded"]["memory_notice"] is None
+    assert results["acco_manual"]["memory_notice"] is None
+    for name in ("acco_memory_unrecorded", "acco_memory_recorded"):
+        assert_runs_identical(results[name], results["acco_manual"], name)
 
 
 @pytest.mark.parametrize("mode", sorted(PROBED))

@@ -31,6 +31,7 @@ import deepspeed  # noqa: E402
 import torch
 
 import acco_ds  # noqa: E402,F401
+from acco_ds.deepspeed.checkpoint import memory as memory_records
 from acco_ds.deepspeed.cpu_fp16 import allow_fp16_on_cpu
 from tests.ranks import rank_start, readback, toy  # noqa: E402
 
@@ -124,6 +125,8 @@ def run_scenario(sc: dict, rank: int) -> dict:
         lrs.append(float(engine.get_lr()[0]))
         moved += one_step(engine, rank, first, size, sc["style"], watch, params)
         first += size
+        if sc.get("record_steps"):
+            memory_records.record_step(engine, len(lrs), {"step": len(lrs)})
         steps.append(committed(engine, params))
         norm = engine.get_global_grad_norm()
         norms.append(None if norm is None else float(norm))
@@ -139,6 +142,7 @@ def run_scenario(sc: dict, rank: int) -> dict:
         out["final_norm"] = float(engine.optimizer.pipeline.last_grad_norm)
         out["stats"] = engine.optimizer.stats()
         out["overlap_notice"] = engine.optimizer.overlap_notice
+        out["memory_notice"] = engine.optimizer.memory_notice
         engine.optimizer.pipeline.close()
     return out
 

@@ -9,7 +9,8 @@ without a disk checkpoint: the DeepSpeed side of ``acco_ds.core.commit_records``
   run id: they are never resumed.
 - :func:`record_step` (the training thread, once an optimizer step is done; acco-train calls it every step):
   records the step's counters with the engine's (global steps and samples, skipped steps, the LR scheduler's
-  state, the optimizer's param groups) and the caller's client state, and hands the step to the copies.
+  state, the optimizer's param groups) and the caller's client state, and hands the step to the copies. A loop that
+  never calls it is told so (:func:`after_step`): its commits are recorded, but a restart finds no step to resume.
 - :func:`newest_step` then :func:`resume` (collective, every rank of the restarted run): every rank lists what its
   node holds (its ranks' own records and the copies it keeps for other nodes' ranks), the ranks agree on the newest
   step every saving rank is held at somewhere, and each saving rank's records are sent by one rank holding them to
@@ -51,6 +52,8 @@ from acco_ds.deepspeed.checkpoint.files import ACCOCheckpointError
 logger = logging.getLogger("acco_ds")
 
 RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
+UNRECORDED_STEPS = 5
+"""The optimizer step at which a run with memory_state on and no step recorded yet is told so (once)."""
 
 
 def _generation() -> int:
@@ -126,6 +129,23 @@ def record_step(engine, step: int, client: Dict[str, Any] | None = None) -> None
         "client": dict(client or {}),
     }
     ms.record_step(step, extra)
+
+
+def after_step(opt) -> None:
+    """Called at every engine optimizer step, after it: at the ``UNRECORDED_STEPS``-th, when memory_state is on and
+    no step has been recorded (:func:`record_step` never called), keep a notice in ``opt.memory_notice`` and log it on
+    global rank 0. Nothing else changes: the commits are still recorded (and copied once steps are)."""
+    ms = getattr(opt.pipeline, "memory_state", None)
+    if ms is None or opt.steps_taken != UNRECORDED_STEPS or ms.steps_recorded:
+        return
+    opt.memory_notice = (
+        f"acco_ds: optimizer.params.memory_state is on, but none of the {UNRECORDED_STEPS} optimizer steps so far was "
+        "recorded: each commit's state is kept, yet a restart has no step to resume at and starts over. Call "
+        "acco_ds.deepspeed.checkpoint.memory.record_step(engine, step, client_state) after each engine.step() at a "
+        "step's end (acco-train does; docs/REFERENCE.md, memory_state.enabled), or set memory_state.enabled to false."
+    )
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        logger.warning(opt.memory_notice)
 
 
 @dataclass(frozen=True)
