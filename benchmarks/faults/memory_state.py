@@ -50,7 +50,7 @@ from acco_ds.core.peer_copies import THREAD as COPIES_THREAD
 from acco_ds.core.state_records import RecordFile, RecordFileError
 from benchmarks.faults import agents
 from benchmarks.faults.cli import MODEL_ARGS, run_job
-from benchmarks.harness import nodes
+from benchmarks.harness import machine_time, nodes
 from benchmarks.harness.cli import parser
 from benchmarks.harness.records import results_dir
 from benchmarks.harness.sweep import seeds_arg
@@ -210,6 +210,8 @@ def cost_figures(rec: dict, setup, steps: int) -> dict:
             if start.get("train_s"):
                 out["training_busy"] = threads[TRAINING_THREAD] / start["train_s"]
         out["threads_ms_per_step"] = {k: 1000.0 * v / steps for k, v in threads.items()}
+    if rec.get("machine_s"):  # the whole job, start-up included
+        out["machine_ms_per_step"] = {k: 1000.0 * v / steps for k, v in rec["machine_s"].items()}
     phases = {k: v for k, v in (start.get("phases_s") or {}).items() if v is not None}
     if phases:
         out["phases_ms_per_step"] = {k: 1000.0 * v / steps for k, v in phases.items()}
@@ -255,7 +257,9 @@ def _run_cases(a, base, work: Path, res: dict) -> None:
                     setup = dataclasses.replace(
                         base, memory_root=str(MEMORY_ROOT / name) if memory else None, memory_form=form
                     )
+                    ticks = machine_time.sample()
                     rec = run_job(net, setup, work / name, "acco", 0, a.timeout)
+                    rec["machine_s"] = machine_time.delta(ticks, machine_time.sample())
                     rec.update(case="cost", rate=rate, memory_state=memory, form=form, repeat=rep)
                     rec.update(cost_figures(rec, setup, a.steps))
                     res["cases"].append(rec)
@@ -430,13 +434,17 @@ def _threads_table(costs: list) -> list:
     if not costs:
         return []
     heads = [h for h, _ in THREAD_COLUMNS] + ["other threads", "training thread busy", "busy, paired change"]
+    machine = any(c.get("machine_ms_per_step") for c in costs)
+    heads += ["softirq (the machine's)"] if machine else []
     lines = [
         "",
         "Rank 0's CPU time in training by thread, ms per step (the median over the repeats; `acco_ds.cli.thread_cpu`, "
         "user and kernel time): the training thread (the model's compute; the evaluations left out), the round jobs' "
         "thread, the copies' thread, gloo's transfer threads and the rest (the heartbeat, torch's own, ended ones); "
         "then the training thread's CPU time as a share of the training's wall time (below 100 %: it waited, or "
-        "another thread had its core) and that share's change from the same repeat's job without copies:",
+        "another thread had its core) and that share's change from the same repeat's job without copies (points); "
+        "where measured, the whole machine's softirq time per step over the job (`benchmarks/harness/machine_time.py`: "
+        "the packets of the emulated link, charged to whichever thread they interrupt, the training thread's too):",
         "",
         "| link | memory_state | " + " | ".join(heads) + " |",
         "|---|---|" + "---|" * len(heads),
@@ -461,6 +469,13 @@ def _threads_table(costs: list) -> list:
                 if change
                 else "-"
             )
+            if machine:
+                soft = [
+                    c["machine_ms_per_step"]["softirq"]
+                    for c in rows
+                    if "softirq" in c.get("machine_ms_per_step", {})
+                ]
+                cells.append(f"{statistics.median(soft):.1f}" if soft else "-")
             lines.append(f"| {rate} | {'off' if f is None else f'on ({f})'} | " + " | ".join(cells) + " |")
     return lines
 
