@@ -408,6 +408,7 @@ def _phases_table(costs: list) -> list:
     return lines
 
 
+MACHINE_KINDS = ("user", "system", "softirq")  # the threads table's columns of the whole machine's time
 TRAINING_THREAD = "MainThread"  # acco-train trains on the main thread
 # the threads table's columns: (heading, whether a thread of that name belongs there); then every other thread
 THREAD_COLUMNS = (
@@ -435,7 +436,7 @@ def _threads_table(costs: list) -> list:
         return []
     heads = [h for h, _ in THREAD_COLUMNS] + ["other threads", "training thread busy", "busy, paired change"]
     machine = any(c.get("machine_ms_per_step") for c in costs)
-    heads += ["softirq (the machine's)"] if machine else []
+    heads += [f"the machine's {k}" for k in MACHINE_KINDS] if machine else []
     lines = [
         "",
         "Rank 0's CPU time in training by thread, ms per step (the median over the repeats; `acco_ds.cli.thread_cpu`, "
@@ -443,8 +444,9 @@ def _threads_table(costs: list) -> list:
         "thread, the copies' thread, gloo's transfer threads and the rest (the heartbeat, torch's own, ended ones); "
         "then the training thread's CPU time as a share of the training's wall time (below 100 %: it waited, or "
         "another thread had its core) and that share's change from the same repeat's job without copies (points); "
-        "where measured, the whole machine's softirq time per step over the job (`benchmarks/harness/machine_time.py`: "
-        "the packets of the emulated link, charged to whichever thread they interrupt, the training thread's too):",
+        "where measured, the whole machine's user, kernel and softirq time per step over the job, both nodes and "
+        "start-up included (`benchmarks/harness/machine_time.py`; this kernel charges softirq time, the emulated "
+        "link's packets among it, to whichever thread it interrupts as well):",
         "",
         "| link | memory_state | " + " | ".join(heads) + " |",
         "|---|---|" + "---|" * len(heads),
@@ -469,13 +471,11 @@ def _threads_table(costs: list) -> list:
                 if change
                 else "-"
             )
-            if machine:
-                soft = [
-                    c["machine_ms_per_step"]["softirq"]
-                    for c in rows
-                    if "softirq" in c.get("machine_ms_per_step", {})
+            for kind in MACHINE_KINDS if machine else ():
+                vals = [
+                    c["machine_ms_per_step"][kind] for c in rows if kind in c.get("machine_ms_per_step", {})
                 ]
-                cells.append(f"{statistics.median(soft):.1f}" if soft else "-")
+                cells.append(f"{statistics.median(vals):.1f}" if vals else "-")
             lines.append(f"| {rate} | {'off' if f is None else f'on ({f})'} | " + " | ".join(cells) + " |")
     return lines
 

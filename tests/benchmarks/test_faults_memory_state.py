@@ -32,9 +32,14 @@ def test_committed_run_rerenders_its_table(tmp_path):
 
 @pytest.mark.parametrize(
     "prefix",
-    ["memory_state_main", *(f"memory_state_main_run{i}" for i in range(1, 6))],
+    [
+        "memory_state_main",
+        "memory_state_main_softirq",
+        "memory_state_faults_cost",
+        *(f"memory_state_main_run{i}" for i in range(1, 7)),
+    ],
 )
-def test_committed_main_model_runs_rerender_their_tables(tmp_path, prefix):
+def test_committed_cost_runs_rerender_their_tables(tmp_path, prefix):
     res = json.loads((RESULTS / f"{prefix}.json").read_text())
     assert memory_state.write(res, tmp_path, "again") == 0  # cost pairs only: nothing to heal
     assert (tmp_path / "again.md").read_text() == (RESULTS / f"{prefix}.md").read_text()
