@@ -12,8 +12,8 @@ steps. When a node is lost, the ranks that are left fail their round (a lost pee
 restart them at the new world size: the restarted ranks resume from the last save. Rank 0 appends one line
 per completed start to the run folder's ``starts.jsonl`` (world size, resume step, first step's time, val
 loss, the engine's skipped steps and the loss scale (fp16; None otherwise), save times, checkpoint bytes, training
-seconds and CPU seconds (and the CPU seconds by thread name, ``cli.thread_cpu``, with the training thread's in the evaluations), rank 0's bytes sent by its rounds and by its memory_state copies, its seconds in each of
-``PHASE_KEYS``) and warns when torchrun shares its rendezvous store with the workers (``SHARED_STORE_WARNING``).
+seconds and CPU seconds (also by thread name, ``cli.thread_cpu``, and the training thread's in the evaluations),
+rank 0's bytes sent by its rounds and by its memory_state copies, its seconds in each of ``PHASE_KEYS``) and warns when torchrun shares its rendezvous store with the workers (``SHARED_STORE_WARNING``).
 Returns 0.
 """
 

@@ -15,8 +15,8 @@ step the run starts at, a resumed run's checkpoint):
   whose step count jumps differently (adaptive accumulation) still make the same collective calls; a point at
   a step already recorded is not recorded twice.
 - ``curve()`` is ``{"step": [...], "time_s": [...], "val_loss": [...]}`` in order; ``seconds`` the evaluations'
-  total time left out of the clock, ``cpu_seconds`` the calling thread's CPU time in them. The evaluations' collectives are not counted as training traffic
-  (``WireCounter.not_counted``).
+  total time left out of the clock, ``cpu_seconds`` the calling thread's CPU time in them. The evaluations'
+  collectives are not counted as training traffic (``WireCounter.not_counted``).
 """
 
 from __future__ import annotations
@@ -53,9 +53,8 @@ class ValCurve:
         self.wire = wire
         self.points: list = []
         self.seconds = 0.0
-        self.cpu_seconds = (
-            0.0  # the calling thread's CPU time in the evaluations of on_step (time.thread_time)
-        )
+        # the calling thread's CPU time in the evaluations of on_step (time.thread_time)
+        self.cpu_seconds = 0.0
         self._last = int(start)  # the step of the last evaluation (a resumed run: the step it resumed at)
 
     def _loss(self) -> float:
