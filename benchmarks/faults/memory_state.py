@@ -331,22 +331,20 @@ def render(res: dict) -> str:
         "|---|---|---|---|---|---|---|---|---|",
     ]
     costs = [c for c in res["cases"] if c["case"] == "cost"]
-    for rate in dict.fromkeys(c["rate"] for c in costs):
-        at_rate = [c for c in costs if c["rate"] == rate]
-        forms = [None, *dict.fromkeys(_form(c) for c in at_rate if c["memory_state"])]
-        med = {f: _median_row([c for c in at_rate if _form(c) == f]) for f in forms}
-        for f in forms:
-            r, cost = med[f], None
-            if f is not None and med[None]["samples_per_s"] and r["samples_per_s"]:
-                cost = 100.0 * (1.0 - r["samples_per_s"] / med[None]["samples_per_s"])
-            mem = r.get("memory_bytes_per_rank")
-            lines.append(
-                f"| {rate} | {'off' if f is None else f'on ({f})'} | {_f(r['samples_per_s'])} ({r['spread']}) | "
-                f"{'-' if cost is None else f'{cost:.1f} %'} | {_paired_cost(at_rate, f)} | "
-                f"{r['rounds_bytes_per_step']:.0f} | "
-                f"{r['copies_bytes_per_step']:.0f} | {_f(r.get('copies_cpu_ms_per_step'), 2)} | "
-                f"{'-' if mem is None else f'{mem / 2**20:.2f}'} |"
-            )
+    for rate, at_rate, f, rows in _by_link_and_form(costs):
+        r, cost = _median_row(rows), None
+        if f is None:
+            off = r
+        elif off["samples_per_s"] and r["samples_per_s"]:
+            cost = 100.0 * (1.0 - r["samples_per_s"] / off["samples_per_s"])
+        mem = r.get("memory_bytes_per_rank")
+        lines.append(
+            f"| {rate} | {_label(f)} | {_f(r['samples_per_s'])} ({r['spread']}) | "
+            f"{'-' if cost is None else f'{cost:.1f} %'} | {_paired_cost(at_rate, f)} | "
+            f"{r['rounds_bytes_per_step']:.0f} | "
+            f"{r['copies_bytes_per_step']:.0f} | {_f(r.get('copies_cpu_ms_per_step'), 2)} | "
+            f"{'-' if mem is None else f'{mem / 2**20:.2f}'} |"
+        )
     lines += _phases_table(costs)
     lines += _threads_table(costs)
     lines += [
@@ -396,15 +394,12 @@ def _phases_table(costs: list) -> list:
         "| link | memory_state | " + " | ".join(h for h, _ in PHASE_COLUMNS) + " |",
         "|---|---|" + "---|" * len(PHASE_COLUMNS),
     ]
-    for rate in dict.fromkeys(c["rate"] for c in costs):
-        at_rate = [c for c in costs if c["rate"] == rate]
-        for f in [None, *dict.fromkeys(_form(c) for c in at_rate if c["memory_state"])]:
-            rows = [c for c in at_rate if _form(c) == f]
-            cells = []
-            for _, figure in PHASE_COLUMNS:
-                vals = [v for v in (figure(c) for c in rows) if v is not None]
-                cells.append(f"{statistics.median(vals):.1f}" if vals else "-")
-            lines.append(f"| {rate} | {'off' if f is None else f'on ({f})'} | " + " | ".join(cells) + " |")
+    for rate, _, f, rows in _by_link_and_form(costs):
+        cells = []
+        for _, figure in PHASE_COLUMNS:
+            vals = [v for v in (figure(c) for c in rows) if v is not None]
+            cells.append(f"{statistics.median(vals):.1f}" if vals else "-")
+        lines.append(f"| {rate} | {_label(f)} | " + " | ".join(cells) + " |")
     return lines
 
 
@@ -451,33 +446,34 @@ def _threads_table(costs: list) -> list:
         "| link | memory_state | " + " | ".join(heads) + " |",
         "|---|---|" + "---|" * len(heads),
     ]
+    for rate, at_rate, f, rows in _by_link_and_form(costs):
+        if not rows:
+            continue
+        cells = [f"{statistics.median(col):.1f}" for col in zip(*(_thread_figures(c) for c in rows))]
+        busy = [c["training_busy"] for c in rows if c.get("training_busy") is not None]
+        cells.append(f"{100 * statistics.median(busy):.1f} %" if busy else "-")
+        change = _paired(at_rate, f, "training_busy", lambda on, off: 100 * (on - off))
+        cells.append(
+            f"{statistics.median(change):+.1f} ({change[0]:+.1f} to {change[-1]:+.1f})" if change else "-"
+        )
+        for kind in MACHINE_KINDS if machine else ():
+            vals = [c["machine_ms_per_step"][kind] for c in rows if kind in c.get("machine_ms_per_step", {})]
+            cells.append(f"{statistics.median(vals):.1f}" if vals else "-")
+        lines.append(f"| {rate} | {_label(f)} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _by_link_and_form(costs: list):
+    """``(rate, the rate's jobs, form, the form's jobs)`` per link rate (in the order run) and form: without copies
+    (None) first, then the forms in the order run."""
     for rate in dict.fromkeys(c["rate"] for c in costs):
         at_rate = [c for c in costs if c["rate"] == rate]
-        off = {c["repeat"]: c.get("training_busy") for c in at_rate if _form(c) is None}
         for f in [None, *dict.fromkeys(_form(c) for c in at_rate if c["memory_state"])]:
-            rows = [c for c in at_rate if _form(c) == f]
-            if not rows:
-                continue
-            cells = [f"{statistics.median(col):.1f}" for col in zip(*(_thread_figures(c) for c in rows))]
-            busy = [c["training_busy"] for c in rows if c.get("training_busy") is not None]
-            cells.append(f"{100 * statistics.median(busy):.1f} %" if busy else "-")
-            change = [
-                100 * (c["training_busy"] - off[c["repeat"]])
-                for c in rows
-                if f is not None and c.get("training_busy") is not None and off.get(c["repeat"]) is not None
-            ]
-            cells.append(
-                f"{statistics.median(change):+.1f} ({min(change):+.1f} to {max(change):+.1f})"
-                if change
-                else "-"
-            )
-            for kind in MACHINE_KINDS if machine else ():
-                vals = [
-                    c["machine_ms_per_step"][kind] for c in rows if kind in c.get("machine_ms_per_step", {})
-                ]
-                cells.append(f"{statistics.median(vals):.1f}" if vals else "-")
-            lines.append(f"| {rate} | {'off' if f is None else f'on ({f})'} | " + " | ".join(cells) + " |")
-    return lines
+            yield rate, at_rate, f, [c for c in at_rate if _form(c) == f]
+
+
+def _label(form: str | None) -> str:
+    return "off" if form is None else f"on ({form})"
 
 
 def _form(rec: dict) -> str | None:
@@ -491,17 +487,23 @@ def _form(rec: dict) -> str | None:
 def _paired_cost(at_rate: list, form: str | None) -> str:
     """The cost of ``form``'s copies from each repeat's pair (its job and the same repeat's job without copies, run
     one after the other, so that the machine's drift between repeats cancels): the median in percent, min to max."""
-    if form is None:
-        return "-"
-    off = {c["repeat"]: c.get("samples_per_s") for c in at_rate if _form(c) is None}
-    costs = sorted(
-        100.0 * (1.0 - c["samples_per_s"] / off[c["repeat"]])
-        for c in at_rate
-        if _form(c) == form and c.get("samples_per_s") and off.get(c["repeat"])
-    )
+    costs = _paired(at_rate, form, "samples_per_s", lambda on, off: 100.0 * (1.0 - on / off))
     if not costs:
         return "-"
     return f"{statistics.median(costs):.1f} % ({costs[0]:.1f} to {costs[-1]:.1f})"
+
+
+def _paired(at_rate: list, form: str | None, key: str, compare) -> list:
+    """``compare(on, off)`` of figure ``key`` for each repeat that has it in both ``form``'s job and the same repeat's
+    job without copies, sorted (empty for ``form`` None)."""
+    if form is None:
+        return []
+    off = {c["repeat"]: c.get(key) for c in at_rate if _form(c) is None}
+    return sorted(
+        compare(c[key], off[c["repeat"]])
+        for c in at_rate
+        if _form(c) == form and c.get(key) is not None and off.get(c["repeat"]) is not None
+    )
 
 
 def _median_row(rows: list) -> dict:
