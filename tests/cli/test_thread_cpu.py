@@ -24,6 +24,13 @@ def _burn(seconds: float) -> None:
         pass
 
 
+def _gone_from_the_kernel(tid: int) -> None:
+    deadline = time.monotonic() + 30
+    while (Path("/proc/self/task") / str(tid)).exists():
+        assert time.monotonic() < deadline, f"thread {tid} still in /proc/self/task 30 s after its join"
+        time.sleep(0.01)
+
+
 def test_each_threads_cpu_time_is_found_under_its_name():
     go, done, release = threading.Event(), threading.Event(), threading.Event()
 
@@ -51,6 +58,7 @@ def test_each_threads_cpu_time_is_found_under_its_name():
     ended = threading.Thread(target=_burn, args=(BURN_S,), name="short-lived")
     ended.start()
     ended.join(30)
+    _gone_from_the_kernel(ended.native_id)  # join() returns before the kernel has reaped the thread
     out = thread_cpu.by_name(before, thread_cpu.sample(), time.process_time() - p0)
     release.set()
     assert 0.9 * BURN_S <= out["burner"] < 2 * BURN_S
